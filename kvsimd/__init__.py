@@ -1,0 +1,14 @@
+"""kvsimd: SIMD kernels, KV caches and decoders for incremental transformer decoding on the CPU.
+
+The ISA path (``scalar``, ``avx2``, ``avx512fp16``) is chosen once at import from CPUID;
+``KVSIMD_FORCE_ISA`` forces one.  See :func:`isa_info` and :func:`show_runtime`."""
+from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
+from kvsimd import errors, ops
+from kvsimd.errors import (KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdPositionError,
+                           KVSimdTypeError, KVSimdValueError)
+
+__all__ = [
+    "__version__", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
+    "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
+    "KVSimdPositionError",
+]

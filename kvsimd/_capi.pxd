@@ -1,0 +1,99 @@
+# The C contract (src_c/kvsimd.h), and nothing else.
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+
+
+cdef extern from "kvsimd.h" nogil:
+    ctypedef enum kv_status:
+        KV_OK
+        KV_ERR_NOMEM
+        KV_ERR_ARG
+        KV_ERR_ISA
+        KV_ERR_CAPACITY
+        KV_ERR_POSITION
+
+    ctypedef enum kv_dtype:
+        KV_F32
+        KV_F16
+
+    ctypedef enum kv_rope_style:
+        KV_ROPE_GPTJ
+        KV_ROPE_NEOX
+
+    int KV_MAX_HEAD_DIM
+    long long KV_MAX_TOKENS
+    const char *KV_VERSION
+    uint32_t KV_FEAT_AVX2, KV_FEAT_AVX512FP16, KV_FEAT_OSXSAVE, KV_FEAT_OS_YMM, KV_FEAT_OS_ZMM
+    uint32_t KV_FEAT_AVX, KV_FEAT_AVX2_ONLY, KV_FEAT_FMA, KV_FEAT_F16C, KV_FEAT_AVX512F
+    uint32_t KV_FEAT_AVX512BW, KV_FEAT_AVX512VL, KV_FEAT_AVX512_FP16_ONLY
+
+    ctypedef struct kv_attn_params:
+        const float *q
+        const void *k
+        const void *v
+        float *out
+        float *m
+        float *l
+        const float *alibi
+        const int64_t *key_pos
+        int64_t query_pos
+        int64_t H, Hkv, D
+        int64_t n_total
+        int64_t t0, t1
+        int64_t g0, g1
+        float scale
+        int32_t dtype
+        int32_t init
+        int32_t finalize
+
+    ctypedef struct kv_rot_params:
+        void *x
+        const float *cs
+        int64_t H, D, R
+        int64_t n_total
+        int64_t t0, t1
+        int64_t cs_stride
+        int32_t dtype
+        int32_t style
+
+    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace) noexcept nogil
+    ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
+    ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil
+    ctypedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n) noexcept nogil
+
+    ctypedef struct kv_kernels:
+        const char *name
+        uint32_t required
+        const char *cflags
+        kv_attn_fn attn
+        kv_rot_fn rotate
+        kv_f32_to_f16_fn f32_to_f16
+        kv_f16_to_f32_fn f16_to_f32
+
+    uint32_t kv_cpu_features() noexcept
+    kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept
+    kv_status kv_set_isa(const char *name, char *msg, size_t msg_len) noexcept
+    const kv_kernels *kv_active() noexcept
+    int kv_active_isa() noexcept
+    int kv_isa_count() noexcept
+    const kv_kernels *kv_isa_row(int i) noexcept
+    const char *kv_isa_name(int i) noexcept
+    int kv_isa_compiled(int i) noexcept
+    int kv_isa_supported(int i) noexcept
+    int kv_select_isa(uint32_t features) noexcept
+    int kv_forced() noexcept
+    uint32_t kv_features() noexcept
+    const char *kv_compiler() noexcept
+
+    size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
+    void kv_attend(const kv_attn_params *p, void *workspace) noexcept
+    kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
+                            const int64_t *positions, double theta, kv_rope_style style,
+                            int64_t rotary_dim) noexcept
+    kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
+                            double theta, kv_rope_style style, int64_t rotary_dim, int64_t start,
+                            int64_t stop) noexcept
+    void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) noexcept
+    void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) noexcept
+    void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim) noexcept
+    uint64_t kv_bench_read(const void *buf, size_t bytes) noexcept
+    void kv_bench_copy(void *dst, const void *src, size_t bytes) noexcept

@@ -1,0 +1,15 @@
+# cython: language_level=3
+"""kvsimd's compiled core: runtime ISA dispatch and the kernels over NumPy arrays.
+
+One extension module holds all C code, so there is exactly one dispatch table per process."""
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+
+from kvsimd._capi cimport *
+
+cnp.import_array()
+
+__version__ = KV_VERSION.decode()
+
+include "_runtime.pxi"
+include "_ops.pxi"

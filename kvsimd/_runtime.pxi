@@ -1,0 +1,147 @@
+# Runtime ISA dispatch: chosen once at import, reported, and switchable for tests.
+import os as _os
+import platform as _platform
+
+from kvsimd.errors import KVSimdISAError
+
+_FEATURE_BITS = (
+    ("osxsave", KV_FEAT_OSXSAVE), ("os_ymm_state", KV_FEAT_OS_YMM), ("os_zmm_state", KV_FEAT_OS_ZMM),
+    ("avx", KV_FEAT_AVX), ("avx2", KV_FEAT_AVX2_ONLY), ("fma", KV_FEAT_FMA), ("f16c", KV_FEAT_F16C),
+    ("avx512f", KV_FEAT_AVX512F), ("avx512bw", KV_FEAT_AVX512BW), ("avx512vl", KV_FEAT_AVX512VL),
+    ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
+)
+
+
+cdef _init_dispatch():
+    cdef char msg[512]
+    force = _os.environ.get("KVSIMD_FORCE_ISA", "")
+    fb = force.encode()
+    if kv_init(fb, msg, sizeof(msg)) != KV_OK:
+        raise ImportError("kvsimd: KVSIMD_FORCE_ISA=%s: %s" % (force, msg.decode()))
+
+
+_init_dispatch()
+_forced_name = _os.environ.get("KVSIMD_FORCE_ISA") or None
+
+
+def _isa_names(which):
+    out = []
+    for i in range(kv_isa_count()):
+        if (which == "compiled" and kv_isa_compiled(i)) or (which == "supported" and kv_isa_supported(i)):
+            out.append(kv_isa_name(i).decode())
+    return out
+
+
+def active_isa():
+    """Name of the ISA path in use: ``"scalar"``, ``"avx2"`` or ``"avx512fp16"``."""
+    return kv_isa_name(kv_active_isa()).decode()
+
+
+def cpu_features():
+    """CPU features detected with CPUID + XGETBV, as a list of names."""
+    cdef uint32_t f = kv_features()
+    return [name for name, bit in _FEATURE_BITS if f & bit]
+
+
+def isa_info():
+    """Which paths are compiled into this build, which this CPU can run, which is active.
+
+    Returns a dict with keys ``compiled``, ``supported`` (lists, best last), ``active`` (str),
+    ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None)
+    and ``features`` (detected CPU features)."""
+    return {
+        "compiled": _isa_names("compiled"),
+        "supported": _isa_names("supported"),
+        "active": active_isa(),
+        "forced": _forced_name,
+        "features": cpu_features(),
+    }
+
+
+def _set_isa(name):
+    """Switch the active path in-process (tests only; see kvsimd.testing.use_isa)."""
+    global _forced_name
+    cdef char msg[512]
+    if not isinstance(name, str):
+        raise KVSimdISAError("ISA name must be a str, got %r" % (name,))
+    if kv_set_isa(name.encode(), msg, sizeof(msg)) != KV_OK:
+        raise KVSimdISAError(msg.decode())
+    _forced_name = name
+
+
+def _restore_isa(name, forced):
+    global _forced_name
+    _set_isa(name)
+    _forced_name = forced
+
+
+def show_runtime(file=None):
+    """Print the version, compiler, per-path flags, detected CPU features and the active path."""
+    import sys
+    import numpy
+    out = file or sys.stdout
+    info = isa_info()
+    lines = [
+        "kvsimd %s (C core %s)" % (__version__, KV_VERSION.decode()),
+        "python %s, numpy %s, %s" % (_platform.python_version(), numpy.__version__, _platform.machine()),
+        "compiler: %s" % kv_compiler().decode(),
+        "cpu features: %s" % (", ".join(info["features"]) or "(none)"),
+        "paths (best last):",
+    ]
+    for i in range(kv_isa_count()):
+        name = kv_isa_name(i).decode()
+        row = kv_isa_row(i)
+        state = "not compiled" if row == NULL else ("supported" if kv_isa_supported(i) else "cpu lacks it")
+        flags = row.cflags.decode() if row != NULL else ""
+        mark = "*" if name == info["active"] else " "
+        lines.append("  %s %-11s %-13s %s" % (mark, name, state, flags))
+    lines.append("active: %s%s" % (info["active"], " (forced)" if info["forced"] else ""))
+    print("\n".join(lines), file=out)
+
+
+def _kernel_addresses():
+    """Addresses, in this process, of every compiled row's kernels and of the detection code,
+    plus the C layout of the parameter structs.  Used by the emulator test harness to run the
+    very machine code of this extension module inside an emulated CPU."""
+    cdef const kv_kernels *row
+    cdef kv_attn_params ap
+    cdef kv_rot_params rp
+    rows = {}
+    for i in range(kv_isa_count()):
+        row = kv_isa_row(i)
+        if row == NULL:
+            continue
+        rows[kv_isa_name(i).decode()] = {
+            "attn": <size_t>row.attn, "rotate": <size_t>row.rotate,
+            "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
+            "required": row.required,
+        }
+    base = <size_t>&ap
+    attn_layout = {
+        "size": sizeof(kv_attn_params),
+        "q": <size_t>&ap.q - base, "k": <size_t>&ap.k - base, "v": <size_t>&ap.v - base,
+        "out": <size_t>&ap.out - base, "m": <size_t>&ap.m - base, "l": <size_t>&ap.l - base,
+        "alibi": <size_t>&ap.alibi - base, "key_pos": <size_t>&ap.key_pos - base,
+        "query_pos": <size_t>&ap.query_pos - base, "H": <size_t>&ap.H - base, "Hkv": <size_t>&ap.Hkv - base,
+        "D": <size_t>&ap.D - base, "n_total": <size_t>&ap.n_total - base, "t0": <size_t>&ap.t0 - base,
+        "t1": <size_t>&ap.t1 - base, "g0": <size_t>&ap.g0 - base, "g1": <size_t>&ap.g1 - base,
+        "scale": <size_t>&ap.scale - base, "dtype": <size_t>&ap.dtype - base, "init": <size_t>&ap.init - base,
+        "finalize": <size_t>&ap.finalize - base,
+    }
+    base = <size_t>&rp
+    rot_layout = {
+        "size": sizeof(kv_rot_params),
+        "x": <size_t>&rp.x - base, "cs": <size_t>&rp.cs - base, "H": <size_t>&rp.H - base,
+        "D": <size_t>&rp.D - base, "R": <size_t>&rp.R - base, "n_total": <size_t>&rp.n_total - base,
+        "t0": <size_t>&rp.t0 - base, "t1": <size_t>&rp.t1 - base, "cs_stride": <size_t>&rp.cs_stride - base,
+        "dtype": <size_t>&rp.dtype - base, "style": <size_t>&rp.style - base,
+    }
+    return {
+        "rows": rows,
+        "kv_cpu_features": <size_t>kv_cpu_features,
+        "kv_select_isa": <size_t>kv_select_isa,
+        "attn_params": attn_layout,
+        "rot_params": rot_layout,
+        "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
+        "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
+    }

@@ -1,0 +1,94 @@
+"""Plain NumPy float64 references for kvsimd's kernels.
+
+Slow and simple on purpose: the tests compare every ISA path against these, and users can
+use them to check kvsimd on their own data.  Inputs of any float dtype are widened to float64
+(so fp16 caches are compared against exact math on their fp16-rounded values)."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["attend", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
+
+
+def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None):
+    """float64 single-query attention with GQA/MQA and optional ALiBi; returns ``[H, D]``."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    H, D = q.shape
+    Hkv, N, _ = k.shape
+    G = H // Hkv
+    if scale is None:
+        scale = 1.0 / np.sqrt(D)
+    kh = np.repeat(k, G, axis=0)                        # [H, N, D]
+    vh = np.repeat(v, G, axis=0)
+    s = np.einsum("hd,hnd->hn", q, kh) * float(scale)    # [H, N]
+    if alibi_slopes is not None:
+        kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
+        qp = float(N - 1 if query_position is None else query_position)
+        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (qp - kp)[None, :]
+    s = s - s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vh)
+
+
+def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None):
+    """The softmax weights ``[H, N]`` of :func:`attend` (used to scale error bounds)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    H, D = q.shape
+    Hkv, N, _ = k.shape
+    kh = np.repeat(k, H // Hkv, axis=0)
+    s = np.einsum("hd,hnd->hn", q, kh) * float(1.0 / np.sqrt(D) if scale is None else scale)
+    if alibi_slopes is not None:
+        kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
+        qp = float(N - 1 if query_position is None else query_position)
+        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (qp - kp)[None, :]
+    s = s - s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def rope_angles(positions, *, theta=10000.0, rotary_dim):
+    """Angles ``[N, rotary_dim/2]``: ``position * theta ** (-2i / rotary_dim)`` in float64."""
+    pos = np.asarray(positions, dtype=np.float64)
+    i = np.arange(rotary_dim // 2, dtype=np.float64)
+    inv = float(theta) ** (-2.0 * i / rotary_dim)
+    return pos[:, None] * inv[None, :]
+
+
+def rotate_pairs(x, angles, *, style="gptj", rotary_dim=None):
+    """Rotate the pairs of ``x [H, N, D]`` by ``angles [N, R]``; returns a new float64 array."""
+    x = np.array(x, dtype=np.float64)
+    D = x.shape[-1]
+    rd = D if rotary_dim is None else rotary_dim
+    R = rd // 2
+    c, s = np.cos(angles)[None], np.sin(angles)[None]
+    if style == "gptj":
+        a, b = x[..., 0:rd:2].copy(), x[..., 1:rd:2].copy()
+        x[..., 0:rd:2] = a * c - b * s
+        x[..., 1:rd:2] = b * c + a * s
+    elif style == "neox":
+        a, b = x[..., :R].copy(), x[..., R:rd].copy()
+        x[..., :R] = a * c - b * s
+        x[..., R:rd] = b * c + a * s
+    else:
+        raise ValueError("style must be 'gptj' or 'neox'")
+    return x
+
+
+def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
+    """float64 RoPE of ``x [H, N, D]`` at ``positions [N]``; returns a new array."""
+    rd = np.shape(x)[-1] if rotary_dim is None else rotary_dim
+    return rotate_pairs(x, rope_angles(positions, theta=theta, rotary_dim=rd), style=style, rotary_dim=rd)
+
+
+def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
+    """float64 rotation of tokens ``start..stop-1`` of ``k [Hkv, N, D]`` by ``delta`` positions."""
+    k = np.array(k, dtype=np.float64)
+    stop = k.shape[1] if stop is None else stop
+    rd = k.shape[-1] if rotary_dim is None else rotary_dim
+    ang = rope_angles(np.full(stop - start, delta), theta=theta, rotary_dim=rd)
+    k[:, start:stop] = rotate_pairs(k[:, start:stop], ang, style=style, rotary_dim=rd)
+    return k

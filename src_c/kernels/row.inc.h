@@ -1,0 +1,20 @@
+/* row.inc.h - one ISA's kernels and its row of the dispatch table.
+ * A tu_<isa>.c includes its vec_<isa>.h and then this file; every symbol gets the ISA as a
+ * suffix through KV_FN, so the algorithm sources never spell an ISA. */
+#ifndef KV_ISA
+#error "include a vec_<isa>.h first"
+#endif
+#define KV_CAT_(a, b) a##_##b
+#define KV_CAT(a, b) KV_CAT_(a, b)
+#define KV_FN(name) KV_CAT(kv_##name, KV_ISA)
+#define KV_STR_(x) #x
+#define KV_STR(x) KV_STR_(x)
+
+#include "attn.inc.h"
+#include "rope.inc.h"
+#include "convert.inc.h"
+
+const kv_kernels KV_FN(kernels) = {
+    KV_STR(KV_ISA), KV_ROW_REQUIRED, KV_ROW_CFLAGS,
+    KV_FN(attn), KV_FN(rotate), KV_FN(f32_to_f16), KV_FN(f16_to_f32),
+};

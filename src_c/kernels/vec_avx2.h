@@ -1,0 +1,132 @@
+/* vec_avx2.h - the vector layer on AVX2 + FMA + F16C: 8 floats per vector. */
+#ifndef KV_VEC_H
+#define KV_VEC_H
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "vec_avx2.h needs -mavx2 -mfma -mf16c"
+#endif
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp16_soft.h"
+
+#define KV_ISA avx2
+#define KV_W 8
+#define KV_B 8
+
+typedef __m256 vf;
+
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+
+static inline __m256i kv_avx2_mask(int64_t n)
+{
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
+}
+static inline vf vf_load_part(const float *p, int64_t n) { return _mm256_maskload_ps(p, kv_avx2_mask(n)); }
+static inline void vf_store_part(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, kv_avx2_mask(n), v); }
+
+static inline vf vf_load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void vf_store_h(uint16_t *p, vf v)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+/* AVX2 has no 16-bit masked moves: tails go through a small buffer, element by element. */
+static inline vf vf_load_h_part(const uint16_t *p, int64_t n)
+{
+    uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++)
+        buf[i] = p[i];
+    return vf_load_h(buf);
+}
+static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n)
+{
+    uint16_t buf[8];
+    vf_store_h(buf, v);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = buf[i];
+}
+/* NumPy-identical conversions: F16C quiets NaNs, NumPy does not; patch NaN lanes (rare). */
+static inline void vf_store_h_exact(uint16_t *p, vf v)
+{
+    vf_store_h(p, v);
+    int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (nan) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        for (int i = 0; i < 8; i++)
+            if (nan >> i & 1)
+                p[i] = kv_f2h_soft(tmp[i]);
+    }
+}
+static inline vf vf_load_h_exact(const uint16_t *p)
+{
+    vf v = vf_load_h(p);
+    int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (nan) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        for (int i = 0; i < 8; i++)
+            if (nan >> i & 1)
+                tmp[i] = kv_h2f_soft(p[i]);
+        v = _mm256_loadu_ps(tmp);
+    }
+    return v;
+}
+
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline float vf_hmax(vf a)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline float vf_hsum(vf a)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline float vf_first(vf a) { return _mm256_cvtss_f32(a); }
+static inline vf vf_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_pow2i(vf n)
+{
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+
+/* out[j] = sum of the 8 lanes of a[j], for 8 vectors at once (a transposing add tree). */
+static inline void vf_reduce_block(const vf *a, float *out)
+{
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) {   /* [x.lo + x.hi | y.lo + y.hi]: items 2i | 2i+1 */
+        __m256 x = a[2 * i], y = a[2 * i + 1];
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    for (int i = 0; i < 2; i++) {   /* 128-bit lane k: [X_a, Y_a, X_b, Y_b], X = item 4i+k, Y = 4i+2+k */
+        __m256 x = b[2 * i], y = b[2 * i + 1];
+        c[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+    }
+    /* lane k: [item k, item 2+k, item 4+k, item 6+k] */
+    __m256d x = _mm256_castps_pd(c[0]), y = _mm256_castps_pd(c[1]);
+    __m256 e = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    /* position 4k+s holds item 2s+k */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(e, order));
+}
+
+/* gptj pairing: (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) */
+static inline vf vf_swap_pairs(vf x) { return _mm256_permute_ps(x, 0xB1); }
+
+#endif

@@ -1,0 +1,183 @@
+/* vec_avx512fp16.h - the vector layer on AVX-512 F/BW/VL + AVX512-FP16: 16 floats per vector,
+ * plus complex fp16 multiplication (VFMULCPH) for rotating fp16 rows.
+ *
+ * Everything here must stay freestanding (no libc): the tests run this row's machine code
+ * in an instruction-level emulator, where a libc call would fault.
+ */
+#ifndef KV_VEC_H
+#define KV_VEC_H
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512FP16__)
+#error "vec_avx512fp16.h needs -mavx512f -mavx512bw -mavx512vl -mavx512fp16"
+#endif
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp16_soft.h"
+
+#define KV_ISA avx512fp16
+#define KV_W 16
+#define KV_B 16
+
+typedef __m512 vf;
+
+static inline __mmask16 kv_m16(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFFu : ((1u << n) - 1u)); }
+static inline __mmask32 kv_m32(int64_t n) { return (__mmask32)(n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u)); }
+
+/* upper 256 bits of a (AVX512F only: extractf32x8 would need AVX512DQ) */
+static inline __m256 kv_hi256(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_load_part(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(kv_m16(n), p); }
+static inline void vf_store_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, kv_m16(n), v); }
+
+/* VCVTPH2PSX (AVX512-FP16) widens 16 halves to 16 floats. */
+static inline vf vf_load_h(const uint16_t *p) { return _mm512_cvtxph_ps(_mm256_loadu_ph(p)); }
+static inline vf vf_load_h_part(const uint16_t *p, int64_t n)
+{
+    return _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm256_maskz_loadu_epi16(kv_m16(n), p)));
+}
+static inline void vf_store_h(uint16_t *p, vf v)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n)
+{
+    _mm256_mask_storeu_epi16(p, kv_m16(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* NumPy-identical conversions: hardware quiets NaNs, NumPy does not; patch NaN lanes. */
+static inline void vf_store_h_exact(uint16_t *p, vf v)
+{
+    vf_store_h(p, v);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, v);
+        for (int i = 0; i < 16; i++)
+            if (nan >> i & 1)
+                p[i] = kv_f2h_soft(tmp[i]);
+    }
+}
+static inline vf vf_load_h_exact(const uint16_t *p)
+{
+    vf v = vf_load_h(p);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, v);
+        for (int i = 0; i < 16; i++)
+            if (nan >> i & 1)
+                tmp[i] = kv_h2f_soft(p[i]);
+        v = _mm512_loadu_ps(tmp);
+    }
+    return v;
+}
+
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline float vf_hmax(vf a)
+{
+    __m256 x = _mm256_max_ps(_mm512_castps512_ps256(a), kv_hi256(a));
+    __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+    y = _mm_max_ss(y, _mm_movehdup_ps(y));
+    return _mm_cvtss_f32(y);
+}
+static inline float vf_hsum(vf a)
+{
+    __m256 x = _mm256_add_ps(_mm512_castps512_ps256(a), kv_hi256(a));
+    __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_add_ps(y, _mm_movehl_ps(y, y));
+    y = _mm_add_ss(y, _mm_movehdup_ps(y));
+    return _mm_cvtss_f32(y);
+}
+static inline float vf_first(vf a) { return _mm512_cvtss_f32(a); }
+static inline vf vf_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_pow2i(vf n)
+{
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+
+/* out[j] = sum of the 16 lanes of a[j], for 16 vectors at once (a transposing add tree). */
+static inline void vf_reduce_block(const vf *a, float *out)
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) {   /* 256-bit half 0: item 2i, half 1: item 2i+1 */
+        __m512 x = a[2 * i], y = a[2 * i + 1];
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; i++) {   /* 128-bit lane k: item 4i+k */
+        __m512 x = b[2 * i], y = b[2 * i + 1];
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int i = 0; i < 2; i++) {   /* lane k: [X_a, Y_a, X_b, Y_b], X = item 8i+k, Y = item 8i+4+k */
+        __m512 x = c[2 * i], y = c[2 * i + 1];
+        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    /* lane k: [item k, item 4+k, item 8+k, item 12+k] */
+    __m512d x = _mm512_castps_pd(d[0]), y = _mm512_castps_pd(d[1]);
+    __m512 e = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    /* position 4k+s holds item 4s+k */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, e));
+}
+
+static inline vf vf_swap_pairs(vf x) { return _mm512_permute_ps(x, 0xB1); }
+
+/* ---- complex fp16: 16 (re, im) pairs per 512-bit vector ---- */
+#define KV_HAVE_CMUL_F16 1
+typedef __m512h vc16;
+static inline vc16 vc16_load(const uint16_t *p) { return _mm512_loadu_ph(p); }
+static inline vc16 vc16_load_part(const uint16_t *p, int64_t pairs)
+{
+    return _mm512_castsi512_ph(_mm512_maskz_loadu_epi32(kv_m16(pairs), p));
+}
+static inline void vc16_store(uint16_t *p, vc16 v) { _mm512_storeu_ph(p, v); }
+static inline void vc16_store_part(uint16_t *p, vc16 v, int64_t pairs)
+{
+    _mm512_mask_storeu_epi32(p, kv_m16(pairs), _mm512_castph_si512(v));
+}
+/* x * m per complex pair: one VFMULCPH (each component rounded to fp16 per the SDM). */
+static inline vc16 vc16_mul(vc16 x, vc16 m) { return _mm512_fmul_pch(x, m); }
+/* One (cos, sin) pair broadcast to all 16 lanes: VPBROADCASTD. */
+static inline vc16 vc16_bcast(uint32_t pair) { return _mm512_castsi512_ph(_mm512_set1_epi32((int)pair)); }
+/* 16 (cos, sin) float pairs -> 16 complex fp16 (two VCVTPS2PHX). */
+static inline vc16 vc16_from_f32_pairs(const float *cs, int64_t pairs)
+{
+    __m512 lo = _mm512_maskz_loadu_ps(kv_m16(2 * pairs), cs);
+    __m512 hi = _mm512_maskz_loadu_ps(kv_m16(2 * pairs - 16 > 0 ? 2 * pairs - 16 : 0), cs + 16);
+    __m256h a = _mm512_cvtxps_ph(lo), b = _mm512_cvtxps_ph(hi);
+    return _mm512_castsi512_ph(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castph_si256(a)),
+                                                  _mm256_castph_si256(b), 1));
+}
+/* neox pairing: 16 halves x[r] and 16 halves x[r+R] <-> 16 complex pairs, in registers */
+static inline vc16 vc16_interleave(__m256i lo, __m256i hi)
+{
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_castsi512_ph(_mm512_permutexvar_epi16(idx, both));
+}
+static inline void vc16_deinterleave(vc16 z, __m256i *lo, __m256i *hi)
+{
+    const __m512i idx = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i s = _mm512_permutexvar_epi16(idx, _mm512_castph_si512(z));
+    *lo = _mm512_castsi512_si256(s);
+    *hi = _mm512_extracti64x4_epi64(s, 1);
+}
+static inline __m256i vh16_load_part(const uint16_t *p, int64_t n) { return _mm256_maskz_loadu_epi16(kv_m16(n), p); }
+static inline void vh16_store_part(uint16_t *p, __m256i v, int64_t n) { _mm256_mask_storeu_epi16(p, kv_m16(n), v); }
+
+#endif

@@ -1,0 +1,67 @@
+/* vec_scalar.h - the vector layer with one float per "vector" (baseline x86-64, any CPU). */
+#ifndef KV_VEC_H
+#define KV_VEC_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp16_soft.h"
+
+#define KV_ISA scalar
+#define KV_W 1   /* floats per vector */
+#define KV_B 8   /* tokens per attention block */
+
+typedef float vf;
+
+static inline vf vf_zero(void) { return 0.0f; }
+static inline vf vf_set1(float x) { return x; }
+static inline vf vf_load(const float *p) { return *p; }
+static inline void vf_store(float *p, vf v) { *p = v; }
+static inline vf vf_load_part(const float *p, int64_t n) { return n > 0 ? *p : 0.0f; }
+static inline void vf_store_part(float *p, vf v, int64_t n) { if (n > 0) *p = v; }
+static inline vf vf_load_h(const uint16_t *p) { return kv_h2f_soft(*p); }
+static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return n > 0 ? kv_h2f_soft(*p) : 0.0f; }
+static inline void vf_store_h(uint16_t *p, vf v) { *p = kv_f2h_soft(v); }
+static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n) { if (n > 0) *p = kv_f2h_soft(v); }
+/* exact (NumPy-identical) conversions for the public conversion op */
+static inline void vf_store_h_exact(uint16_t *p, vf v) { *p = kv_f2h_soft(v); }
+static inline vf vf_load_h_exact(const uint16_t *p) { return kv_h2f_soft(*p); }
+
+static inline vf vf_add(vf a, vf b) { return a + b; }
+static inline vf vf_sub(vf a, vf b) { return a - b; }
+static inline vf vf_mul(vf a, vf b) { return a * b; }
+/* a*b + c and c - a*b.  Not fused here: the scalar row is the portable reference. */
+static inline vf vf_fmadd(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return c - a * b; }
+/* x86 maxps/minps semantics: the second operand is returned when either is NaN. */
+static inline vf vf_max(vf a, vf b) { return a > b ? a : b; }
+static inline vf vf_min(vf a, vf b) { return a < b ? a : b; }
+static inline float vf_hmax(vf a) { return a; }
+static inline float vf_hsum(vf a) { return a; }
+static inline float vf_first(vf a) { return a; }
+
+/* round to nearest integer (ties to even) for |x| < 2^22, the range exp needs */
+static inline vf vf_round(vf x)
+{
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    return (x + magic) - magic;
+}
+/* 2^n for integer-valued n in [-126, 127] */
+static inline vf vf_pow2i(vf n)
+{
+    kv_f32bits b;
+    b.u = (uint32_t)((int32_t)n + 127) << 23;
+    return b.f;
+}
+
+/* out[j] = sum of the lanes of a[j], j < KV_B */
+static inline void vf_reduce_block(const vf *a, float *out)
+{
+    for (int j = 0; j < KV_B; j++)
+        out[j] = a[j];
+}
+
+/* gptj pairing: (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...); needs KV_W even, so the
+   scalar row rotates pairs directly (KV_ROT_PAIRWISE). */
+#define KV_ROT_PAIRWISE 1
+
+#endif

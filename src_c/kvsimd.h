@@ -1,0 +1,165 @@
+/* kvsimd.h - the C contract of kvsimd.
+ *
+ * Shape letters used in names and comments:
+ *   h = query head (H of them), g = KV head (Hkv), t = token (N), d = head_dim (D),
+ *   r = rotary pair (R = rotary_dim / 2).
+ * A K or V cache is [Hkv, N, D], token-major: row (g, t) holds D contiguous values.
+ *
+ * Layering:
+ *   - kernels (kernels/tu_<isa>.c): never allocate, print, validate or call libc;
+ *     they receive everything through a params struct and a caller-provided workspace.
+ *   - dispatch.c: the table of ISA rows, selection, KVSIMD_FORCE_ISA.
+ *   - ops.c: C entry points that compute cos/sin tables (libm) and call the active row.
+ *   - the Python boundary (kvsimd/_kvsimd.pyx) validates shapes, dtypes and alignment.
+ */
+#ifndef KVSIMD_H
+#define KVSIMD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KV_VERSION "0.1.0"
+
+typedef enum kv_status {
+    KV_OK = 0,
+    KV_ERR_NOMEM = 1,
+    KV_ERR_ARG = 2,          /* an argument C can judge (e.g. D out of range) */
+    KV_ERR_ISA = 3,          /* unknown ISA name, or a path this CPU cannot run */
+    KV_ERR_CAPACITY = 4,
+    KV_ERR_POSITION = 5
+} kv_status;
+
+typedef enum kv_isa { KV_ISA_SCALAR = 0, KV_ISA_AVX2 = 1, KV_ISA_AVX512FP16 = 2, KV_ISA_COUNT = 3 } kv_isa;
+
+typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1 } kv_dtype;
+
+typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
+
+/* CPU features, as a bitmask (cpu.c). */
+#define KV_FEAT_AVX2 (1u << 0)        /* AVX + AVX2 + FMA + F16C, OS saves YMM state */
+#define KV_FEAT_AVX512FP16 (1u << 1)  /* AVX512 F/BW/VL + AVX512_FP16, OS saves ZMM/opmask */
+#define KV_FEAT_OSXSAVE (1u << 8)
+#define KV_FEAT_OS_YMM (1u << 9)
+#define KV_FEAT_OS_ZMM (1u << 10)
+#define KV_FEAT_AVX (1u << 11)
+#define KV_FEAT_AVX2_ONLY (1u << 12)
+#define KV_FEAT_FMA (1u << 13)
+#define KV_FEAT_F16C (1u << 14)
+#define KV_FEAT_AVX512F (1u << 15)
+#define KV_FEAT_AVX512BW (1u << 16)
+#define KV_FEAT_AVX512VL (1u << 17)
+#define KV_FEAT_AVX512_FP16_ONLY (1u << 18)
+
+#define KV_MAX_HEAD_DIM 512
+#define KV_MAX_TOKENS (1LL << 24)
+/* Tokens per attention block and floats per vector, upper bounds over all ISAs
+   (used to size workspaces). */
+#define KV_MAX_BLOCK 16
+#define KV_MAX_WIDTH 16
+
+/* Single-query attention over one contiguous key range, continuing an online softmax.
+ *   q   [H, D] float32; k, v [Hkv, n_total, D] (dtype), tokens t0..t1-1 are read.
+ *   State per query head h: m[h] (running max), l[h] (running sum of exp), and
+ *   acc[h, :] = out[h, :] (un-normalised sum of p * v, or the final output).
+ *   init=1 starts a fresh state (m=-inf, l=0, acc=0); init=0 continues it.
+ *   finalize=1 divides acc by l at the end (out = softmax(scores) @ v).
+ *   ALiBi: score(h, t) -= alibi[h] * (query_pos - key_pos[t]) when alibi != NULL;
+ *   key_pos == NULL means key_pos[t] = t.
+ *   Query heads h in [g*G, (g+1)*G) use KV head g, G = H / Hkv; each K/V row is read once
+ *   per group.  Only KV heads g0..g1-1 are processed (lets callers split work across threads).
+ */
+typedef struct kv_attn_params {
+    const float *q;
+    const void *k;
+    const void *v;
+    float *out;
+    float *m;
+    float *l;
+    const float *alibi;
+    const int64_t *key_pos;
+    int64_t query_pos;
+    int64_t H, Hkv, D;
+    int64_t n_total;        /* row stride of a head in k/v, in tokens */
+    int64_t t0, t1;
+    int64_t g0, g1;
+    float scale;
+    int32_t dtype;          /* kv_dtype of k and v */
+    int32_t init;
+    int32_t finalize;
+} kv_attn_params;
+
+/* Rotation of row pairs by per-token (or shared) angles.
+ *   x [H, n_total, D] (dtype); rows (h, t) for t in t0..t1-1 are rotated in place.
+ *   cs: for token t, the R (cos, sin) float pairs at cs + (t - t0) * cs_stride;
+ *   cs_stride == 0 means every token uses the same R pairs (a K-cache shift).
+ *   Pair r is (x[2r], x[2r+1]) for KV_ROPE_GPTJ and (x[r], x[r+R]) for KV_ROPE_NEOX;
+ *   dims 2R..D-1 are not touched. */
+typedef struct kv_rot_params {
+    void *x;
+    const float *cs;
+    int64_t H, D, R;
+    int64_t n_total;
+    int64_t t0, t1;
+    int64_t cs_stride;      /* in floats */
+    int32_t dtype;
+    int32_t style;
+} kv_rot_params;
+
+typedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace);
+typedef void (*kv_rot_fn)(const kv_rot_params *p);
+typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
+typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);
+
+/* One row of the dispatch table: the kernels of one ISA. */
+typedef struct kv_kernels {
+    const char *name;
+    uint32_t required;      /* KV_FEAT_* bits the CPU must have */
+    const char *cflags;     /* how this row was compiled (for show_runtime) */
+    kv_attn_fn attn;
+    kv_rot_fn rotate;
+    kv_f32_to_f16_fn f32_to_f16;
+    kv_f16_to_f32_fn f16_to_f32;
+} kv_kernels;
+
+/* cpu.c: CPUID + XGETBV.  Freestanding (no libc), so it also runs in the emulator. */
+uint32_t kv_cpu_features(void);
+
+/* dispatch.c */
+kv_status kv_init(const char *force, char *msg, size_t msg_len);  /* once, at import */
+kv_status kv_set_isa(const char *name, char *msg, size_t msg_len);
+const kv_kernels *kv_active(void);
+int kv_active_isa(void);
+int kv_isa_count(void);                            /* rows in the table */
+const kv_kernels *kv_isa_row(int i);               /* NULL if not compiled */
+const char *kv_isa_name(int i);
+int kv_isa_compiled(int i);
+int kv_isa_supported(int i);                       /* compiled and runnable here */
+int kv_select_isa(uint32_t features);              /* best compiled row for a feature mask */
+int kv_forced(void);
+uint32_t kv_features(void);                        /* cached kv_cpu_features() */
+const char *kv_compiler(void);                     /* compiler that built dispatch.c */
+
+/* ops.c: entry points over the active row.  Arguments are validated by the caller. */
+size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D);
+void kv_attend(const kv_attn_params *p, void *workspace);
+kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
+                        const int64_t *positions, double theta, kv_rope_style style, int64_t rotary_dim);
+kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
+                        double theta, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
+void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n);
+void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
+/* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */
+void kv_rope_table(float *cs, double angle_units, double theta, int64_t R, int64_t rotary_dim);
+
+/* membench.c: what the benchmark compares kernels against (baseline ISA, no tricks). */
+uint64_t kv_bench_read(const void *buf, size_t bytes);
+void kv_bench_copy(void *dst, const void *src, size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVSIMD_H */
