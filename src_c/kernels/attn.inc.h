@@ -44,36 +44,130 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
     return mode == KV_ROWS_F16 ? vf_load_h((const uint16_t *)base + off) : vf_load((const float *)base + off);
 }
 
-/* s[j] = q . k_j for the KV_B rows at kb (row stride ks elements), over Dp columns */
-KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, float *s)
+/* Query heads are handled KV_GS at a time, and the inner loops keep about KV_ACC
+ * accumulators in registers: enough independent FMA chains to cover FMA latency, while
+ * every vector loaded (a query chunk, a K or V chunk) feeds several FMAs -- x86 cores load
+ * at most two vectors per cycle, so one load per FMA would halve the FMA rate. */
+#ifndef KV_GS
+#define KV_GS 4
+#endif
+#ifndef KV_ACC
+#define KV_ACC 8
+#endif
+#define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
+
+/* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
+ * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  RP rows at a time: per column
+ * chunk, NH query loads and RP key loads feed RP * NH FMAs. */
+KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, const int NH)
 {
-    vf a[KV_B];
+    const int RP0 = KV_POW2_FLOOR(KV_ACC / NH);
+    const int RP = RP0 > KV_B ? KV_B : RP0;
+    for (int j0 = 0; j0 < KV_B; j0 += RP) {
+        vf a[KV_ACC];
 #pragma GCC unroll 16
-    for (int j = 0; j < KV_B; j++)
-        a[j] = vf_zero();
-    for (int64_t c = 0; c < Dp; c += KV_W) {
-        const vf qc = vf_load(q + c);
+        for (int x = 0; x < RP * NH; x++)
+            a[x] = vf_zero();
+        for (int64_t c = 0; c < Dp; c += KV_W) {
+            vf qc[KV_GS];
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                qc[i] = vf_load(q + i * Dp + c);
 #pragma GCC unroll 16
-        for (int j = 0; j < KV_B; j++)
-            a[j] = vf_fmadd(qc, kv_load_row(kb, mode, j * ks + c), a[j]);
+            for (int r = 0; r < RP; r++) {
+                const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c);
+#pragma GCC unroll 8
+                for (int i = 0; i < NH; i++)
+                    a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                red[i * KV_B + j0 + r] = a[r * NH + i];
     }
-    vf_reduce_block(a, s);
 }
 
-/* acc = acc * corr + sum_j p[j] * v_j */
-KV_AINLINE void kv_accumulate(float *acc, float corr, const float *p, const void *vb, int mode, int64_t vs, int64_t Dp)
+/* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); pb[i * KV_B + j]
+ * holds p_ij broadcast to a vector.  CG column chunks at a time: per row, CG V loads and NH
+ * weight loads feed CG * NH FMAs. */
+KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
+                              int64_t Dp, const int NH)
 {
-    vf bp[KV_B];
+    const int CG = KV_POW2_FLOOR(KV_ACC / NH);
+    int64_t c = 0;
+    for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
+        vf x[KV_ACC];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++) {
+            const vf cr = vf_set1(corr[i]);
 #pragma GCC unroll 16
-    for (int j = 0; j < KV_B; j++)
-        bp[j] = vf_set1(p[j]);
-    const vf vc = vf_set1(corr);
-    for (int64_t c = 0; c < Dp; c += KV_W) {
-        vf x = vf_mul(vf_load(acc + c), vc);
+            for (int u = 0; u < CG; u++)
+                x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
+        }
+        for (int j = 0; j < KV_B; j++) {
+            vf w[KV_GS];
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                w[i] = pb[i * KV_B + j];
 #pragma GCC unroll 16
-        for (int j = 0; j < KV_B; j++)
-            x = vf_fmadd(bp[j], kv_load_row(vb, mode, j * vs + c), x);
-        vf_store(acc + c, x);
+            for (int u = 0; u < CG; u++) {
+                const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W);
+#pragma GCC unroll 8
+                for (int i = 0; i < NH; i++)
+                    x[i * CG + u] = vf_fmadd(w[i], vc, x[i * CG + u]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+#pragma GCC unroll 16
+            for (int u = 0; u < CG; u++)
+                vf_store(acc + i * Dp + c + u * KV_W, x[i * CG + u]);
+    }
+    for (; c < Dp; c += KV_W) {
+        vf x0[KV_GS];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            x0[i] = vf_mul(vf_load(acc + i * Dp + c), vf_set1(corr[i]));
+        for (int j = 0; j < KV_B; j++) {
+            const vf v0 = kv_load_row(vb, mode, j * vs + c);
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                x0[i] = vf_fmadd(pb[i * KV_B + j], v0, x0[i]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            vf_store(acc + i * Dp + c, x0[i]);
+    }
+}
+
+/* Instantiate the two helpers for a compile-time head count and row mode. */
+#define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, Dp, red, n); } \
+                              else { kv_scores(q, kb, KV_ROWS_F32, ks, Dp, red, n); } break;
+#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F16, vs, Dp, n); } \
+                              else { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F32, vs, Dp, n); } break;
+
+static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, int nh)
+{
+    switch (nh) {
+    KV_CASE_SC(1) KV_CASE_SC(2) KV_CASE_SC(3) KV_CASE_SC(4)
+#if KV_GS > 4
+    KV_CASE_SC(5) KV_CASE_SC(6) KV_CASE_SC(7) KV_CASE_SC(8)
+#endif
+    default: break;
+    }
+}
+
+static void KV_FN(accumulate_n)(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
+                                int64_t Dp, int nh)
+{
+    switch (nh) {
+    KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
+#if KV_GS > 4
+    KV_CASE_AC(5) KV_CASE_AC(6) KV_CASE_AC(7) KV_CASE_AC(8)
+#endif
+    default: break;
     }
 }
 
@@ -109,15 +203,19 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
     const int64_t D = p->D, G = p->H / p->Hkv, N = p->n_total;
     const int64_t Dp = (D + KV_W - 1) / KV_W * KV_W;
     const size_t esize = p->dtype == KV_F16 ? 2 : 4;
-    float *qbuf = (float *)workspace;       /* [G, Dp] scaled queries */
-    float *acc = qbuf + G * Dp;             /* [G, Dp] running outputs */
-    float *kblk = acc + G * Dp;             /* [KV_B, Dp] */
-    float *vblk = kblk + KV_B * Dp;         /* [KV_B, Dp] */
-    float *sb = vblk + KV_B * Dp;           /* [G, KV_B] scores, then weights */
-    /* Read cache rows in place when no padding is needed; fp16 rows are widened in
-       registers for small groups, and once into the block buffer for larger ones. */
+    /* workspace: every array starts on a 64-byte boundary (offsets are multiples of 16 floats) */
+    float *qbuf = (float *)workspace;                 /* [G, Dp] scaled queries */
+    float *acc = qbuf + G * Dp;                       /* [G, Dp] running outputs */
+    float *kblk = acc + G * Dp;                       /* [KV_B, Dp] padded block (tails only) */
+    float *vblk = kblk + KV_B * Dp;                   /* [KV_B, Dp] */
+    vf *red = (vf *)(vblk + KV_B * Dp);               /* [KV_GS, KV_B] partial dot products */
+    vf *pb = red + KV_GS * KV_B;                      /* [KV_GS, KV_B] broadcast weights */
+    float *sb = (float *)(pb + KV_GS * KV_B);         /* [G, KV_B] scores, then weights */
+    float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];
+    /* Full blocks are read straight from the cache (fp16 widened in registers); a partial
+       last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
+       fp32 copy so that the inner loops never have tails. */
     const int aligned = (D % KV_W) == 0;
-    const int in_place = aligned && (p->dtype == KV_F32 || G <= 2);
     const int mode = p->dtype == KV_F16 ? KV_ROWS_F16 : KV_ROWS_F32;
 
     for (int64_t g = p->g0; g < p->g1; g++) {
@@ -146,7 +244,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
             const int64_t nb = p->t1 - t < KV_B ? p->t1 - t : KV_B;
             const void *kb, *vb;
             int64_t ks, rmode;
-            if (in_place && nb == KV_B) {
+            if (aligned && nb == KV_B) {
                 kb = kbase + (size_t)(t * D) * esize;
                 vb = vbase + (size_t)(t * D) * esize;
                 ks = D;
@@ -159,43 +257,63 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 ks = Dp;
                 rmode = KV_ROWS_F32;
             }
-            for (int64_t i = 0; i < G; i++) {
-                float *s = sb + i * KV_B;
-                if (rmode == KV_ROWS_F16)
-                    kv_scores(qbuf + i * Dp, kb, KV_ROWS_F16, ks, Dp, s);
-                else
-                    kv_scores(qbuf + i * Dp, kb, KV_ROWS_F32, ks, Dp, s);
-                for (int64_t j = nb; j < KV_B; j++)
-                    s[j] = KV_NEG_INF;
-                if (p->alibi) {
-                    const float slope = p->alibi[h0 + i];
-                    for (int64_t j = 0; j < nb; j++) {
-                        const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
-                        s[j] -= slope * (float)(p->query_pos - kp);
+            for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
+                const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+                float *s0 = sb + i0 * KV_B;
+                float *m = p->m + h0 + i0, *l = p->l + h0 + i0;
+                KV_FN(scores_n)(qbuf + i0 * Dp, kb, rmode, ks, Dp, red, nh);
+                /* Online softmax, one stage at a time across the nh heads, so that their
+                   (latency-bound) chains overlap instead of running one after another. */
+                for (int i = 0; i < nh; i++)
+                    for (int jj = 0; jj < KV_B; jj += KV_W)
+                        vf_reduce_block(red + i * KV_B + jj, s0 + i * KV_B + jj);
+                if (nb < KV_B || p->alibi) {
+                    for (int i = 0; i < nh; i++) {
+                        float *s = s0 + i * KV_B;
+                        for (int64_t j = nb; j < KV_B; j++)
+                            s[j] = KV_NEG_INF;
+                        if (p->alibi) {
+                            const float slope = p->alibi[h0 + i0 + i];
+                            for (int64_t j = 0; j < nb; j++) {
+                                const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
+                                s[j] -= slope * (float)(p->query_pos - kp);
+                            }
+                        }
                     }
                 }
-                /* online softmax */
-                vf mx = vf_load(s);
-                for (int j = KV_W; j < KV_B; j += KV_W)
-                    mx = vf_max(mx, vf_load(s + j));
-                const float m_old = p->m[h0 + i];
-                const float bmax = vf_hmax(mx);
-                const float m_new = bmax > m_old ? bmax : m_old;
-                const float corr = KV_FN(expf1)(m_old - m_new);
-                const vf mv = vf_set1(m_new);
-                for (int j = 0; j < KV_B; j += KV_W)
-                    vf_store(s + j, vf_exp(vf_sub(vf_load(s + j), mv)));
-                for (int64_t j = nb; j < KV_B; j++)
-                    s[j] = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
-                vf sum = vf_zero();
-                for (int j = 0; j < KV_B; j += KV_W)
-                    sum = vf_add(sum, vf_load(s + j));
-                p->l[h0 + i] = p->l[h0 + i] * corr + vf_hsum(sum);
-                p->m[h0 + i] = m_new;
-                if (rmode == KV_ROWS_F16)
-                    kv_accumulate(acc + i * Dp, corr, s, vb, KV_ROWS_F16, ks, Dp);
-                else
-                    kv_accumulate(acc + i * Dp, corr, s, vb, KV_ROWS_F32, ks, Dp);
+                float m_new[KV_GS], dm[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];
+                for (int i = 0; i < nh; i++) {
+                    const float *s = s0 + i * KV_B;
+                    vf mx = vf_load(s);
+                    for (int j = KV_W; j < KV_B; j += KV_W)
+                        mx = vf_max(mx, vf_load(s + j));
+                    const float bmax = vf_hmax(mx);
+                    m_new[i] = bmax > m[i] ? bmax : m[i];
+                    dm[i] = m[i] - m_new[i];
+                }
+                for (int i = 0; i < nh; i += KV_W)  /* corrections exp(m_old - m_new), as vectors */
+                    vf_store_part(corr + i, vf_exp(vf_load_part(dm + i, nh - i)), nh - i);
+                for (int i = 0; i < nh; i++) {
+                    float *s = s0 + i * KV_B;
+                    const vf mv = vf_set1(m_new[i]);
+                    vf sum = vf_zero();
+                    for (int j = 0; j < KV_B; j += KV_W) {
+                        const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
+                        vf_store(s + j, e);
+                        sum = vf_add(sum, e);
+                    }
+                    float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
+                    for (int64_t j = nb; j < KV_B; j++) {
+                        tail += s[j];
+                        s[j] = 0.0f;
+                    }
+                    l[i] = l[i] * corr[i] + (vf_hsum(sum) - tail);
+                    m[i] = m_new[i];
+                }
+                for (int i = 0; i < nh; i++)
+                    for (int j = 0; j < KV_B; j++)
+                        pb[i * KV_B + j] = vf_set1(s0[i * KV_B + j]);
+                KV_FN(accumulate_n)(acc + i0 * Dp, corr, pb, vb, rmode, ks, Dp, nh);
             }
         }
         for (int64_t i = 0; i < G; i++) {

@@ -18,6 +18,8 @@
 #define KV_ISA avx512fp16
 #define KV_W 16
 #define KV_B 16
+#define KV_GS 8
+#define KV_ACC 16
 
 typedef __m512 vf;
 

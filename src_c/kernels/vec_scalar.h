@@ -53,12 +53,8 @@ static inline vf vf_pow2i(vf n)
     return b.f;
 }
 
-/* out[j] = sum of the lanes of a[j], j < KV_B */
-static inline void vf_reduce_block(const vf *a, float *out)
-{
-    for (int j = 0; j < KV_B; j++)
-        out[j] = a[j];
-}
+/* out[j] = sum of the lanes of a[j], for KV_W (here: one) vectors */
+static inline void vf_reduce_block(const vf *a, float *out) { out[0] = a[0]; }
 
 /* gptj pairing: (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...); needs KV_W even, so the
    scalar row rotates pairs directly (KV_ROT_PAIRWISE). */

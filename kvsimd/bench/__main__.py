@@ -1,0 +1,53 @@
+"""python -m kvsimd.bench [roofline|attention|rope] [--isa NAME] [--repeat N] [--quick] [--json PATH]"""
+import argparse
+import sys
+
+import kvsimd
+from kvsimd.bench import cases, common, kernels
+
+
+def _fmt_attn(r):
+    extra = "%5.1f%% of read" % r["pct_read_roofline"] if "pct_read_roofline" in r else \
+        "%5.1f%% of copy" % r["pct_copy_roofline"]
+    return ("%-10s %-12s %-7s N=%-6d %-10s %9.3f ms %7.2f GB/s  %s%s"
+            % (r["op"], r["shape"], r["dtype"], r["N"], r["isa"], r["median_s"] * 1e3, r["GBps"], extra,
+               "" if r["beyond_llc"] else "  (fits in LLC)"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__)
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope"])
+    ap.add_argument("--isa", action="append", help="ISA path(s) to run (default: every supported one)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
+    ap.add_argument("--quick", action="store_true", help="small contexts only, few repeats")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+
+    supported = kvsimd.isa_info()["supported"]
+    isas = args.isa or supported
+    for isa in isas:
+        if isa not in supported:
+            ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
+    repeat = args.repeat or (3 if args.quick else 7)
+    contexts = cases.QUICK_CONTEXTS if args.quick else cases.CONTEXTS
+
+    machine = common.header()
+    roof = common.roofline(size=(256 << 20) if args.quick else (1 << 30), repeat=3 if args.quick else 5)
+    print("roofline (1 thread, beyond LLC): read %.2f GB/s, copy %.2f GB/s (read+write bytes)"
+          % (roof["read_GBps"], roof["copy_GBps"]))
+    results = {"machine": machine, "roofline": roof, "rows": []}
+
+    def show(r):
+        print(_fmt_attn(r), flush=True)
+
+    if args.what in ("all", "attention"):
+        results["rows"] += kernels.bench_attention(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
+    if args.what in ("all", "rope"):
+        results["rows"] += kernels.bench_shift(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
+    if args.json:
+        common.write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

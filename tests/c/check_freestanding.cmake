@@ -1,0 +1,10 @@
+# Fails when an object file has undefined symbols (calls into libc or libgcc).
+execute_process(COMMAND nm -u ${OBJECTS} OUTPUT_VARIABLE undefined RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "nm failed on ${OBJECTS}")
+endif()
+string(STRIP "${undefined}" undefined)
+if(NOT undefined STREQUAL "")
+  message(FATAL_ERROR "avx512fp16 kernels reference outside symbols:\n${undefined}")
+endif()
+message(STATUS "no undefined symbols in ${OBJECTS}")

@@ -1,0 +1,122 @@
+"""kvsimd.ops.attend on every native ISA path, against the float64 reference and the scalar path.
+
+Error bound (stated here, used throughout): for output element (h, d),
+    |out - ref| <= TOL * sum_j p_hj |v_jd|
+where p are the reference softmax weights: the natural scale of a weighted sum, which stays
+meaningful when outputs cancel to ~0.  TOL = 1e-5 for float32 K/V; for float16 K/V the
+reference does float64 math on the fp16-rounded values and TOL = 1e-4.
+"""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsimd import ops, reference
+from kvsimd.testing import use_isa
+
+from conftest import SIMD_ISAS
+from strategies import gqa_ratios, head_dims, kv_dtypes, kv_heads, seeds, token_counts
+
+TOL = {"float32": 1e-5, "float16": 1e-4}
+
+
+def make(rng, H, Hkv, N, D, dtype, q_scale=1.0):
+    q = (rng.standard_normal((H, D)) * q_scale).astype(np.float32)
+    k = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    v = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    return q, k, v
+
+
+def weighted_scale(q, k, v, **kw):
+    """sum_j p_hj |v_jd|  ->  [H, D]"""
+    p = reference.attention_weights(q, k, **kw)
+    G = q.shape[0] // k.shape[0]
+    va = np.repeat(np.abs(v.astype(np.float64)), G, axis=0)
+    return np.einsum("hn,hnd->hd", p, va)
+
+
+def assert_close(out, ref, scale, tol, what=""):
+    err = np.abs(out.astype(np.float64) - ref) / np.maximum(scale, 1e-30)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= tol, f"{what}: error {err.max():.3g} x scale > {tol} at {worst}"
+
+
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       q_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]))
+def test_attend_matches_float64_reference(isa, hkv, ratio, N, D, dtype, seed, q_scale):
+    rng = np.random.default_rng(seed)
+    q, k, v = make(rng, hkv * ratio, hkv, N, D, dtype, q_scale)
+    out = ops.attend(q, k, v)
+    assert out.shape == q.shape and out.dtype == np.float32
+    assert_close(out, reference.attend(q, k, v), weighted_scale(q, k, v), TOL[dtype], isa)
+
+
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       explicit=st.booleans())
+def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
+    rng = np.random.default_rng(seed)
+    H = hkv * ratio
+    q, k, v = make(rng, H, hkv, N, D, dtype)
+    slopes = (2.0 ** -np.arange(1, H + 1, dtype=np.float32) * 8 / H).astype(np.float32)
+    kw = {"alibi_slopes": slopes}
+    if explicit:  # a ring buffer's positions: not in slot order, query far ahead
+        kw["key_positions"] = rng.permutation(np.arange(1000, 1000 + N, dtype=np.int64))
+        kw["query_position"] = 1000 + N + int(rng.integers(0, 50))
+    out = ops.attend(q, k, v, **kw)
+    assert_close(out, reference.attend(q, k, v, **kw), weighted_scale(q, k, v, **kw), TOL[dtype], isa)
+
+
+@pytest.mark.parametrize("simd", SIMD_ISAS)
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds)
+def test_simd_agrees_with_scalar(simd, hkv, ratio, N, D, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = make(rng, hkv * ratio, hkv, N, D, dtype)
+    slopes = rng.uniform(0, 0.5, hkv * ratio).astype(np.float32)
+    with use_isa("scalar"):
+        a = ops.attend(q, k, v, alibi_slopes=slopes)
+    with use_isa(simd):
+        b = ops.attend(q, k, v, alibi_slopes=slopes)
+    assert_close(b, a.astype(np.float64), weighted_scale(q, k, v, alibi_slopes=slopes), TOL[dtype], simd)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (32, 32, 128), (8, 1, 256), (4, 2, 80)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fast_shapes_long_cache(isa, rng, shape, dtype):
+    H, Hkv, D = shape
+    N = 4099  # not a multiple of any block size
+    q, k, v = make(rng, H, Hkv, N, D, dtype)
+    assert_close(ops.attend(q, k, v), reference.attend(q, k, v), weighted_scale(q, k, v), TOL[dtype], isa)
+
+
+def test_scale_and_out_argument(isa, rng):
+    q, k, v = make(rng, 6, 2, 50, 24, "float32")
+    out = np.full((6, 24), np.nan, dtype=np.float32)
+    k0, v0, q0 = k.copy(), v.copy(), q.copy()
+    res = ops.attend(q, k, v, scale=0.37, out=out)
+    assert res is out
+    assert_close(out, reference.attend(q, k, v, scale=0.37), weighted_scale(q, k, v, scale=0.37), 1e-5)
+    # inputs are read only
+    assert np.array_equal(k, k0) and np.array_equal(v, v0) and np.array_equal(q, q0)
+
+
+def test_single_key_returns_its_value(isa, rng):
+    q, k, v = make(rng, 4, 1, 1, 33, "float16")
+    out = ops.attend(q, k, v)
+    np.testing.assert_array_equal(out, np.repeat(v[:, 0].astype(np.float32), 4, axis=0))
+
+
+def test_large_scores_do_not_overflow(isa, rng):
+    """Online softmax subtracts the running max: scores of +-1e4 must not give inf/nan."""
+    q, k, v = make(rng, 2, 1, 300, 16, "float32", q_scale=2000.0)
+    out = ops.attend(q, k, v)
+    assert np.isfinite(out).all()
+    assert_close(out, reference.attend(q, k, v), weighted_scale(q, k, v), 1e-4)
+
+
+def test_gqa_uses_the_right_kv_head(isa, rng):
+    """query head h reads KV head h // G: give each KV head a constant V and check."""
+    H, Hkv, N, D = 8, 4, 20, 16
+    q, k, _ = make(rng, H, Hkv, N, D, "float32")
+    v = np.broadcast_to(np.arange(Hkv, dtype=np.float32)[:, None, None], (Hkv, N, D)).copy()
+    out = ops.attend(q, k, v)
+    np.testing.assert_allclose(out[:, 0], np.arange(H) // (H // Hkv), atol=1e-6)

@@ -1,0 +1,125 @@
+"""Runtime dispatch: detection, KVSIMD_FORCE_ISA, and the in-process test hook."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvsimd
+from kvsimd.errors import KVSimdISAError
+from kvsimd.testing import use_isa
+
+from conftest import NATIVE_ISAS
+
+ALL = ["scalar", "avx2", "avx512fp16"]
+
+
+def run_python(code, force=None):
+    env = dict(os.environ)
+    env.pop("KVSIMD_FORCE_ISA", None)
+    if force is not None:
+        env["KVSIMD_FORCE_ISA"] = force
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_isa_info_shape():
+    info = kvsimd.isa_info()
+    assert set(info) >= {"compiled", "supported", "active", "forced"}
+    assert "scalar" in info["compiled"] and "scalar" in info["supported"]
+    assert set(info["supported"]) <= set(info["compiled"]) <= set(ALL)
+    assert info["active"] in info["supported"]
+    assert kvsimd.active_isa() == info["active"]
+
+
+def test_avx512fp16_is_compiled():
+    """gcc >= 12 builds the avx512fp16 row; it must be in every build made here."""
+    assert "avx512fp16" in kvsimd.isa_info()["compiled"]
+
+
+def test_detection_agrees_with_the_kernel():
+    """CPUID+XGETBV against what Linux reports in /proc/cpuinfo."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo on this system")
+    feats = set(kvsimd.cpu_features())
+    for name in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"):
+        assert (name in feats) == (name in flags), name
+    assert ("avx512fp16" in feats) == ("avx512_fp16" in flags)
+    supported = kvsimd.isa_info()["supported"]
+    assert ("avx2" in supported) == ({"avx2", "fma", "f16c"} <= flags)
+    assert ("avx512fp16" in supported) == ({"avx512f", "avx512bw", "avx512vl", "avx512_fp16"} <= flags)
+
+
+def test_default_choice_is_the_best_supported():
+    r = run_python("import kvsimd; print(kvsimd.active_isa())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == kvsimd.isa_info()["supported"][-1]
+
+
+@pytest.mark.parametrize("name", NATIVE_ISAS)
+def test_force_each_supported_path(name):
+    r = run_python("import kvsimd; i = kvsimd.isa_info(); print(kvsimd.active_isa(), i['forced'])", force=name)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [name, name]
+
+
+def test_empty_force_means_not_forced():
+    r = run_python("import kvsimd; print(kvsimd.isa_info()['forced'])", force="")
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr
+
+
+@pytest.mark.parametrize("name", ["sse9", "AVX2", "avx2 ", "scalar,avx2"])
+def test_force_unknown_name_fails_the_import(name):
+    r = run_python("import kvsimd", force=name)
+    assert r.returncode != 0
+    assert "unknown ISA" in r.stderr and "compiled:" in r.stderr and "supported on this CPU:" in r.stderr
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n not in NATIVE_ISAS])
+def test_force_unsupported_path_fails_cleanly(name):
+    """No SIGILL and no silent fallback: the import fails and says why."""
+    r = run_python("import kvsimd", force=name)
+    assert r.returncode == 1, (r.returncode, r.stderr)  # not a signal
+    assert "this CPU cannot run ISA '%s'" % name in r.stderr
+    assert "supported on this CPU: " + ", ".join(NATIVE_ISAS) in r.stderr
+
+
+def test_use_isa_switches_and_restores():
+    before = kvsimd.active_isa()
+    for name in NATIVE_ISAS:
+        with use_isa(name):
+            assert kvsimd.active_isa() == name
+            assert kvsimd.isa_info()["forced"] == name
+        assert kvsimd.active_isa() == before
+
+
+@pytest.mark.parametrize("name", ["nope", "avx512fp16"])
+def test_use_isa_rejects_bad_names(name):
+    if name in NATIVE_ISAS:
+        pytest.skip("this CPU runs avx512fp16 natively")
+    before = kvsimd.active_isa()
+    with pytest.raises(KVSimdISAError, match="compiled: .*supported on this CPU"):
+        with use_isa(name):
+            pass
+    assert kvsimd.active_isa() == before
+
+
+def test_show_runtime(capsys):
+    kvsimd.show_runtime()
+    text = capsys.readouterr().out
+    assert kvsimd.__version__ in text and "compiler: gcc" in text
+    for name in kvsimd.isa_info()["compiled"]:
+        assert name in text
+    assert "active: " + kvsimd.active_isa() in text
+    assert "-mavx2 -mfma -mf16c" in text
