@@ -10,7 +10,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-BASE_CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function",
+BASE_CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function", "-fvisibility=hidden",
                # kernels never call libc (no memcpy/memset from loop idioms), so that the same
                # object code also runs in the emulator used by the tests
                "-fno-tree-loop-distribute-patterns", "-fno-stack-protector"]
@@ -70,7 +70,7 @@ ext = Extension(
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     + ([("KV_HAVE_AVX512FP16", "1")] if "avx512fp16" in rows else []),
-    extra_compile_args=["-O2"],
+    extra_compile_args=["-O2", "-fvisibility=hidden"],
     libraries=["m"],
 )
 

@@ -253,3 +253,17 @@ def _bench_copy(cnp.ndarray dst, cnp.ndarray src):
     cdef size_t n = min(dst.nbytes, src.nbytes)
     with nogil:
         kv_bench_copy(d, s, n)
+
+
+def _attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D):
+    """Bytes of scratch the attention kernel needs (for tests driving kernels directly)."""
+    return kv_attn_workspace_bytes(H, Hkv, D)
+
+
+def _rope_table(double units, double theta, int64_t R, int64_t rotary_dim):
+    """The (cos, sin) float32 pairs ops.c hands the rotation kernel for ``units`` positions."""
+    if R < 0 or 2 * R > rotary_dim or rotary_dim > KV_MAX_HEAD_DIM:
+        raise KVSimdValueError("bad rotary sizes")
+    cs = _np.empty(2 * R, dtype=_np.float32)
+    kv_rope_table(<float *>_ptr(cs), units, theta, R, rotary_dim)
+    return cs
