@@ -54,16 +54,30 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #ifndef KV_ACC
 #define KV_ACC 8
 #endif
+#ifndef KV_PF
+#define KV_PF 1   /* prefetch distance, in blocks */
+#endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
 /* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
  * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  RP rows at a time: per column
  * chunk, NH query loads and RP key loads feed RP * NH FMAs. */
-KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, const int NH)
+KV_AINLINE void kv_prefetch_row(const char *row, size_t bytes)
+{
+    if (row)
+        for (size_t off = 0; off < bytes; off += 64)
+            __builtin_prefetch(row + off, 0, 3);
+}
+
+KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, const int NH,
+                          const char *pf, size_t pf_row)
 {
     const int RP0 = KV_POW2_FLOOR(KV_ACC / NH);
     const int RP = RP0 > KV_B ? KV_B : RP0;
     for (int j0 = 0; j0 < KV_B; j0 += RP) {
+        /* spread over the block: prefetch the rows KV_PF blocks ahead that this pass mirrors */
+        for (int r = 0; r < RP && pf; r++)
+            kv_prefetch_row(pf + (size_t)(j0 + r) * pf_row, pf_row);
         vf a[KV_ACC];
 #pragma GCC unroll 16
         for (int x = 0; x < RP * NH; x++)
@@ -93,8 +107,10 @@ KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, 
  * holds p_ij broadcast to a vector.  CG column chunks at a time: per row, CG V loads and NH
  * weight loads feed CG * NH FMAs. */
 KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
-                              int64_t Dp, const int NH)
+                              int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
+    for (int j = 0; pf && j < KV_B; j++)
+        kv_prefetch_row(pf + (size_t)j * pf_row, pf_row);
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
     int64_t c = 0;
     for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
@@ -143,12 +159,13 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const
 }
 
 /* Instantiate the two helpers for a compile-time head count and row mode. */
-#define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, Dp, red, n); } \
-                              else { kv_scores(q, kb, KV_ROWS_F32, ks, Dp, red, n); } break;
-#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F16, vs, Dp, n); } \
-                              else { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F32, vs, Dp, n); } break;
+#define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, Dp, red, n, pf, pf_row); } \
+                              else { kv_scores(q, kb, KV_ROWS_F32, ks, Dp, red, n, pf, pf_row); } break;
+#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F16, vs, Dp, n, pf, pf_row); } \
+                              else { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F32, vs, Dp, n, pf, pf_row); } break;
 
-static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, int nh)
+static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, int nh,
+                            const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_SC(1) KV_CASE_SC(2) KV_CASE_SC(3) KV_CASE_SC(4)
@@ -160,7 +177,7 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
 }
 
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
-                                int64_t Dp, int nh)
+                                int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
@@ -217,6 +234,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
        fp32 copy so that the inner loops never have tails. */
     const int aligned = (D % KV_W) == 0;
     const int mode = p->dtype == KV_F16 ? KV_ROWS_F16 : KV_ROWS_F32;
+    const size_t row_bytes = (size_t)D * esize;
 
     for (int64_t g = p->g0; g < p->g1; g++) {
         const int64_t h0 = g * G;
@@ -242,6 +260,12 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
         }
         for (int64_t t = p->t0; t < p->t1; t += KV_B) {
             const int64_t nb = p->t1 - t < KV_B ? p->t1 - t : KV_B;
+            /* K and V rows KV_PF blocks ahead, prefetched a row at a time while this block is
+               processed: without it the hardware prefetchers do not run ahead of the compute
+               and memory time adds to compute time instead of hiding behind it. */
+            const int ahead = t + (KV_PF + 1) * KV_B <= p->t1;
+            const char *kpf = ahead ? kbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
+            const char *vpf = ahead ? vbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
             const void *kb, *vb;
             int64_t ks, rmode;
             if (aligned && nb == KV_B) {
@@ -261,7 +285,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
                 float *s0 = sb + i0 * KV_B;
                 float *m = p->m + h0 + i0, *l = p->l + h0 + i0;
-                KV_FN(scores_n)(qbuf + i0 * Dp, kb, rmode, ks, Dp, red, nh);
+                KV_FN(scores_n)(qbuf + i0 * Dp, kb, rmode, ks, Dp, red, nh, i0 ? NULL : kpf, row_bytes);
                 /* Online softmax, one stage at a time across the nh heads, so that their
                    (latency-bound) chains overlap instead of running one after another. */
                 for (int i = 0; i < nh; i++)
@@ -313,7 +337,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 for (int i = 0; i < nh; i++)
                     for (int j = 0; j < KV_B; j++)
                         pb[i * KV_B + j] = vf_set1(s0[i * KV_B + j]);
-                KV_FN(accumulate_n)(acc + i0 * Dp, corr, pb, vb, rmode, ks, Dp, nh);
+                KV_FN(accumulate_n)(acc + i0 * Dp, corr, pb, vb, rmode, ks, Dp, nh, i0 ? NULL : vpf, row_bytes);
             }
         }
         for (int64_t i = 0; i < G; i++) {
