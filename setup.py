@@ -66,7 +66,7 @@ directives = {
 
 ext = Extension(
     "kvsimd._kvsimd",
-    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c"],
+    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c", "src_c/cache.c"],
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     + ([("KV_HAVE_AVX512FP16", "1")] if "avx512fp16" in rows else []),

@@ -4,11 +4,14 @@ The ISA path (``scalar``, ``avx2``, ``avx512fp16``) is chosen once at import fro
 ``KVSIMD_FORCE_ISA`` forces one.  See :func:`isa_info` and :func:`show_runtime`."""
 from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
 from kvsimd import errors, ops
+from kvsimd._kvsimd import KVCache
+from kvsimd.decoder import CrossAttentionCache, Decoder, EncoderDecoder
+from kvsimd.layers import ModelConfig
 from kvsimd.errors import (KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdPositionError,
                            KVSimdTypeError, KVSimdValueError)
 
 __all__ = [
-    "__version__", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
+    "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
     "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
     "KVSimdPositionError",
 ]

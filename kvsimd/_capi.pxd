@@ -97,3 +97,14 @@ cdef extern from "kvsimd.h" nogil:
     void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim) noexcept
     uint64_t kv_bench_read(const void *buf, size_t bytes) noexcept
     void kv_bench_copy(void *dst, const void *src, size_t bytes) noexcept
+
+    ctypedef struct kv_cache:
+        void *data
+        size_t nbytes
+        int64_t n_layers, batch, n_kv_heads, capacity, head_dim
+        kv_dtype dtype
+
+    kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t n_kv_heads,
+                              int64_t capacity, int64_t head_dim, kv_dtype dtype) noexcept
+    void kv_cache_destroy(kv_cache *c) noexcept
+    void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq) noexcept

@@ -156,6 +156,18 @@ void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */
 void kv_rope_table(float *cs, double angle_units, double theta, int64_t R, int64_t rotary_dim);
 
+/* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][d], 64-byte aligned. */
+typedef struct kv_cache {
+    void *data;
+    size_t nbytes;
+    int64_t n_layers, batch, n_kv_heads, capacity, head_dim;
+    kv_dtype dtype;
+} kv_cache;
+kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t n_kv_heads, int64_t capacity,
+                          int64_t head_dim, kv_dtype dtype);
+void kv_cache_destroy(kv_cache *c);                 /* accepts a destroyed or zeroed cache */
+void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq);
+
 /* membench.c: what the benchmark compares kernels against (baseline ISA, no tricks). */
 uint64_t kv_bench_read(const void *buf, size_t bytes);
 void kv_bench_copy(void *dst, const void *src, size_t bytes);

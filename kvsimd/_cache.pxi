@@ -1,0 +1,189 @@
+# KVCache: the self-attention cache of a whole model, owning its C memory.
+from kvsimd.errors import KVSimdCapacityError
+
+_DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32)}
+
+
+cdef class KVCache:
+    """Self-attention K/V cache for every layer of a model and every sequence of a batch.
+
+    Storage is one 64-byte-aligned C block, ``[layer][K|V][sequence][kv head][slot][head_dim]``,
+    so attention reads each (layer, sequence, head) as one contiguous run.  A forward pass
+    writes the new tokens' K/V of each layer with :meth:`write` at slots beyond the committed
+    length, then :meth:`commit` makes them part of the cache: a pass that fails half-way
+    leaves the cache as it was.  Writing past ``capacity`` raises
+    :class:`kvsimd.KVSimdCapacityError` and changes nothing.
+    """
+    cdef kv_cache c
+    cdef readonly int64_t n_layers, n_kv_heads, head_dim, capacity, batch
+    cdef object _np_dtype
+    cdef kv_dtype _kv_dtype
+    cdef object _lengths
+
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16"):
+        for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                          ("capacity", capacity), ("batch", batch)):
+            if _need_int(val, name) < 1:
+                raise KVSimdValueError("%s must be >= 1, got %d" % (name, val))
+        if head_dim > KV_MAX_HEAD_DIM:
+            raise KVSimdValueError("head_dim must be <= %d, got %d" % (KV_MAX_HEAD_DIM, head_dim))
+        key = _np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        if key not in _DTYPES:
+            raise KVSimdTypeError("dtype must be float16 or float32, got %r" % (dtype,))
+        self._kv_dtype, self._np_dtype = _DTYPES[key]
+        cdef kv_status s = kv_cache_create(&self.c, n_layers, batch, n_kv_heads, capacity, head_dim, self._kv_dtype)
+        if s == KV_ERR_NOMEM:
+            raise MemoryError("KVCache: cannot allocate %d layers x %d sequences x %d heads x %d slots"
+                              % (n_layers, batch, n_kv_heads, capacity))
+        if s != KV_OK:
+            raise KVSimdValueError("KVCache: bad dimensions")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.capacity, self.batch = capacity, batch
+        self._lengths = _np.zeros(batch, dtype=_np.int64)
+
+    def __dealloc__(self):
+        kv_cache_destroy(&self.c)
+
+    def __repr__(self):
+        return ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
+                % (self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._np_dtype,
+                   self._lengths.tolist()))
+
+    @property
+    def dtype(self):
+        return self._np_dtype
+
+    @property
+    def nbytes(self):
+        return self.c.nbytes
+
+    @property
+    def lengths(self):
+        """Committed tokens per sequence (a copy)."""
+        return self._lengths.copy()
+
+    def length(self, seq=0):
+        return int(self._lengths[self._seq(seq)])
+
+    cdef int64_t _seq(self, seq) except -1:
+        s = _need_int(seq, "seq")
+        if not 0 <= s < self.batch:
+            raise KVSimdValueError("seq must be in 0..%d, got %d" % (self.batch - 1, s))
+        return s
+
+    cdef int64_t _layer(self, layer) except -1:
+        l = _need_int(layer, "layer")
+        if not 0 <= l < self.n_layers:
+            raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
+        return l
+
+    cdef object _block(self, int64_t layer, int which, int64_t seq, bint writeable):
+        """[Hkv, capacity, D] NumPy view of one block; its base keeps this cache alive."""
+        cdef cnp.npy_intp dims[3]
+        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self.head_dim
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_FLOAT32,
+                                            kv_cache_block(&self.c, layer, which, seq))
+        cnp.set_array_base(arr, self)
+        if not writeable:
+            arr.flags.writeable = False
+        return arr
+
+    cdef int64_t _len_arg(self, int64_t s, length) except -1:
+        n = int(self._lengths[s]) if length is None else _need_int(length, "length")
+        if not 0 <= n <= self.capacity:
+            raise KVSimdValueError("length must be in 0..%d, got %d" % (self.capacity, n))
+        return n
+
+    def keys(self, layer, seq=0, length=None):
+        """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the keys (default: the
+        committed ones; a larger ``length`` also shows slots written but not yet committed)."""
+        l, s = self._layer(layer), self._seq(seq)
+        return self._block(l, 0, s, False)[:, :self._len_arg(s, length)]
+
+    def values(self, layer, seq=0, length=None):
+        """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the values."""
+        l, s = self._layer(layer), self._seq(seq)
+        return self._block(l, 1, s, False)[:, :self._len_arg(s, length)]
+
+    def write(self, layer, k, v, *, seq=0, start=None):
+        """Store float32 ``k``, ``v`` ``[n_kv_heads, T, head_dim]`` at slots ``start..start+T-1``
+        (default: right after the committed tokens) of ``layer``; not visible until committed."""
+        l, s = self._layer(layer), self._seq(seq)
+        _need_array(k, "k", (_F32,), 3, "[n_kv_heads, T, head_dim]")
+        _need_array(v, "v", (_F32,), 3, "[n_kv_heads, T, head_dim]")
+        if k.shape != v.shape or k.shape[0] != self.n_kv_heads or k.shape[2] != self.head_dim:
+            raise KVSimdValueError("k and v must be [%d, T, %d], got %s and %s"
+                                   % (self.n_kv_heads, self.head_dim, k.shape, v.shape))
+        t0 = int(self._lengths[s]) if start is None else _need_int(start, "start")
+        T = k.shape[1]
+        if t0 < 0 or t0 + T > self.capacity:
+            raise KVSimdCapacityError("cache full: %d tokens at slot %d exceed capacity %d (sequence %d)"
+                                      % (T, t0, self.capacity, s))
+        for which, src in ((0, k), (1, v)):
+            blk = self._block(l, which, s, True)
+            if self._kv_dtype == KV_F16:
+                for h in range(self.n_kv_heads):
+                    to_float16(src[h], out=blk[h, t0:t0 + T])
+            else:
+                blk[:, t0:t0 + T] = src
+
+    def commit(self, n, seq=0):
+        """Make ``n`` written tokens of sequence ``seq`` part of the cache."""
+        s = self._seq(seq)
+        n = _need_int(n, "n")
+        if n < 0 or self._lengths[s] + n > self.capacity:
+            raise KVSimdCapacityError("cannot commit %d tokens: sequence %d holds %d of %d"
+                                      % (n, s, self._lengths[s], self.capacity))
+        self._lengths[s] += n
+
+    def reset(self, seq=None):
+        """Forget the tokens of one sequence (or of all)."""
+        if seq is None:
+            self._lengths[:] = 0
+        else:
+            self._lengths[self._seq(seq)] = 0
+
+    def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None):
+        """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
+        ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place."""
+        cdef kv_attn_params p
+        l, s = self._layer(layer), self._seq(seq)
+        _need_array(q, "q", (_F32,), 2, "[H, head_dim]")
+        cdef int64_t H = q.shape[0], D = self.head_dim
+        if q.shape[1] != D or H % self.n_kv_heads:
+            raise KVSimdValueError("q must be [a multiple of %d, %d], got %s" % (self.n_kv_heads, D, q.shape))
+        n = int(self._lengths[s]) if length is None else _need_int(length, "length")
+        if not 1 <= n <= self.capacity:
+            raise KVSimdValueError("attention needs 1..%d cached tokens, got %d" % (self.capacity, n))
+        if out is None:
+            out = _np.empty((H, D), dtype=_np.float32)
+        else:
+            _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True)
+        ml = _np.empty(2 * H, dtype=_np.float32)
+        ws = _np.empty(kv_attn_workspace_bytes(H, self.n_kv_heads, D), dtype=_np.uint8)
+        p.q = <const float *>_ptr(q)
+        p.k = kv_cache_block(&self.c, l, 0, s)
+        p.v = kv_cache_block(&self.c, l, 1, s)
+        p.out = <float *>_ptr(out)
+        p.m = <float *>_ptr(ml)
+        p.l = p.m + H
+        p.alibi = NULL
+        p.key_pos = NULL
+        p.query_pos = n - 1
+        if alibi_slopes is not None:
+            _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
+            if alibi_slopes.shape[0] != H:
+                raise KVSimdValueError("alibi_slopes must have %d entries" % H)
+            p.alibi = <const float *>_ptr(alibi_slopes)
+            if query_position is not None:
+                p.query_pos = _need_int(query_position, "query_position")
+        p.H, p.Hkv, p.D = H, self.n_kv_heads, D
+        p.n_total, p.t0, p.t1 = self.capacity, 0, n
+        p.g0, p.g1 = 0, self.n_kv_heads
+        p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
+        p.dtype = self._kv_dtype
+        p.init, p.finalize = 1, 1
+        cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
+        with nogil:
+            kv_attend(&p, <void *>wsp)
+        return out

@@ -1,0 +1,445 @@
+"""Decoders with KV caches: decoder-only (:class:`Decoder`) and encoder-decoder (:class:`EncoderDecoder`).
+
+Each decode step feeds one token per sequence and reads the cached K/V of every earlier
+token (O(n) per step instead of recomputing O(n^2) attention): the new token's K/V are written
+into the :class:`kvsimd.KVCache`, attention runs in kvsimd's kernel directly over the cache,
+and the rest of the layer works on that one row.  Prefill processes a whole prompt in one
+causal pass.  For encoder-decoders the encoder runs once per request and its output is
+projected to K/V once per layer (:class:`CrossAttentionCache`), then reused by every step.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from kvsimd._kvsimd import KVCache
+from kvsimd.errors import KVSimdCapacityError, KVSimdValueError
+from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, alibi_slopes, causal_attention, ffn, linear,
+                           merge_heads, norm, rope, sinusoidal_table, split_heads)
+from kvsimd import _kvsimd
+
+__all__ = ["Decoder", "EncoderDecoder", "CrossAttentionCache", "sample"]
+
+
+class CrossAttentionCache(KVCache):
+    """Per-layer K/V of the encoder output, projected once per request and sequence.
+
+    ``projections`` counts (layer, sequence) projections, so a test can check that decoding a
+    whole answer projects each layer exactly once per request."""
+
+    def __init__(self, *args, **kwargs):
+        self.projections = 0
+
+    def fill(self, seq, enc_out, layers: Sequence[LayerWeights], n_kv_heads, head_dim):
+        """Project ``enc_out [S, d_model]`` with every layer's cross-attention K/V weights."""
+        S = enc_out.shape[0]
+        if S > self.capacity:
+            raise KVSimdCapacityError("source of %d tokens exceeds the cross cache capacity %d" % (S, self.capacity))
+        self.reset(seq)
+        for l, lw in enumerate(layers):
+            a = lw.cross
+            k = split_heads(linear(enc_out, a.wk, a.bk), n_kv_heads, head_dim)
+            v = split_heads(linear(enc_out, a.wv, a.bv), n_kv_heads, head_dim)
+            self.write(l, k, v, seq=seq, start=0)
+            self.projections += 1
+        self.commit(S, seq=seq)
+
+
+def _tokens_1d(tokens, vocab, what="tokens"):
+    t = np.asarray(tokens)
+    if t.ndim != 1 or t.size == 0:
+        raise KVSimdValueError("%s must be a non-empty 1-D sequence of token ids, got shape %s" % (what, t.shape))
+    if not np.issubdtype(t.dtype, np.integer):
+        raise KVSimdValueError("%s must be integers, got %s" % (what, t.dtype))
+    if t.min() < 0 or t.max() >= vocab:
+        raise KVSimdValueError("%s contain ids outside the vocabulary 0..%d: %s"
+                               % (what, vocab - 1, t[(t < 0) | (t >= vocab)][:5].tolist()))
+    return t.astype(np.int64)
+
+
+def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
+    """Pick a token from ``logits [vocab]``: greedy when temperature is 0, else seeded sampling
+    with optional top-k and nucleus (top-p) truncation."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    if top_k and top_k > 0:
+        order = order[:top_k]
+    z = z[order] - z[order[0]]
+    p = np.exp(z)
+    p /= p.sum()
+    if top_p < 1.0:
+        keep = np.searchsorted(np.cumsum(p), top_p) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    rng = rng if rng is not None else np.random.default_rng()
+    return int(order[rng.choice(len(order), p=p)])
+
+
+class _Stack:
+    """What decoder-only models and the decoder half of encoder-decoders share."""
+
+    def __init__(self, cfg: ModelConfig, embed, layers: List[LayerWeights], final_norm: Optional[NormWeights],
+                 lm_head, lm_bias=None, pos_embed=None, embed_norm: Optional[NormWeights] = None):
+        self.cfg = cfg
+        self.embed = np.ascontiguousarray(embed, dtype=F32)
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = np.ascontiguousarray(lm_head, dtype=F32)   # [d_model, vocab]
+        self.lm_bias = None if lm_bias is None else np.ascontiguousarray(lm_bias, dtype=F32)
+        self.pos_embed = None if pos_embed is None else np.ascontiguousarray(pos_embed, dtype=F32)
+        if cfg.position == "sinusoidal" and self.pos_embed is None:
+            self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
+        self.embed_norm = embed_norm
+        self.slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None
+        self.decoder_positions = 0   # token positions run through the decoder layers
+
+    # ------------------------------------------------------------------ pieces
+    def _embed(self, tokens, positions):
+        cfg = self.cfg
+        x = self.embed[tokens] * np.float32(cfg.embed_scale)
+        if cfg.position in ("learned", "sinusoidal"):
+            idx = positions + cfg.position_offset
+            if idx.max() >= self.pos_embed.shape[0]:
+                raise KVSimdValueError("position %d is beyond the %d positions this model has"
+                                       % (positions.max(), self.pos_embed.shape[0] - cfg.position_offset))
+            x = x + self.pos_embed[idx]
+        if self.embed_norm is not None:
+            x = norm(cfg, x, self.embed_norm.w, self.embed_norm.b)
+        return x.astype(F32)
+
+    def _qkv(self, a, h):
+        cfg = self.cfg
+        qkv = linear(h, a.wqkv, a.bqkv)
+        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+
+    def _logits(self, x):
+        if self.final_norm is not None:
+            x = norm(self.cfg, x, self.final_norm.w, self.final_norm.b)
+        return linear(x, self.lm_head, self.lm_bias).astype(F32)
+
+    def _block(self, lw: LayerWeights, x, attend_self, attend_cross=None):
+        """One decoder layer given the two attention functions (h -> [T, H*D] before wo)."""
+        cfg = self.cfg
+        if cfg.pre_norm:
+            h = norm(cfg, x, lw.norm1.w, lw.norm1.b)
+            a = linear(attend_self(h), lw.attn.wo, lw.attn.bo)
+            if cfg.parallel_residual:
+                return x + a + ffn(cfg, lw.ffn, norm(cfg, x, lw.norm2.w, lw.norm2.b))
+            x = x + a
+            if attend_cross is not None:
+                h = norm(cfg, x, lw.norm_cross.w, lw.norm_cross.b)
+                x = x + linear(attend_cross(h), lw.cross.wo, lw.cross.bo)
+            return x + ffn(cfg, lw.ffn, norm(cfg, x, lw.norm2.w, lw.norm2.b))
+        x = norm(cfg, x + linear(attend_self(x), lw.attn.wo, lw.attn.bo), lw.norm1.w, lw.norm1.b)
+        if attend_cross is not None:
+            x = norm(cfg, x + linear(attend_cross(x), lw.cross.wo, lw.cross.bo), lw.norm_cross.w, lw.norm_cross.b)
+        return norm(cfg, x + ffn(cfg, lw.ffn, x), lw.norm2.w, lw.norm2.b)
+
+    # ------------------------------------------------------------------ cached forward
+    def _prefill(self, tokens, cache: KVCache, seq, cross=None):
+        """Run ``tokens`` of one sequence after its cached prefix; returns logits [T, vocab]."""
+        cfg = self.cfg
+        t = _tokens_1d(tokens, cfg.vocab_size)
+        start, T = cache.length(seq), t.size
+        if start + T > cache.capacity:
+            raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
+                                      % (T, start, cache.capacity, seq))
+        pos = np.arange(start, start + T, dtype=np.int64)
+        x = self._embed(t, pos)
+        for l, lw in enumerate(self.layers):
+            def attend_self(h, l=l, lw=lw):
+                q, k, v = self._qkv(lw.attn, h)
+                q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), pos)
+                k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), pos)
+                v = split_heads(v, cfg.n_kv_heads, cfg.head_dim)
+                cache.write(l, k, v, seq=seq)
+                kk = cache.keys(l, seq, length=start + T).astype(F32)
+                vv = cache.values(l, seq, length=start + T).astype(F32)
+                return merge_heads(causal_attention(q, kk, vv, start, self.slopes))
+            attend_cross = None
+            if cross is not None:
+                def attend_cross(h, l=l, lw=lw):
+                    q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
+                    kk = cross.keys(l, seq).astype(F32)
+                    vv = cross.values(l, seq).astype(F32)
+                    return merge_heads(causal_attention(q, kk, vv, 0, None, causal=False))
+            x = self._block(lw, x, attend_self, attend_cross)
+        cache.commit(T, seq=seq)
+        self.decoder_positions += T
+        return x
+
+    def _step(self, tokens, cache: KVCache, cross=None):
+        """One token per sequence of the batch: returns the hidden rows [B, d_model]."""
+        cfg = self.cfg
+        t = _tokens_1d(tokens, cfg.vocab_size)
+        B = t.size
+        if B != cache.batch:
+            raise KVSimdValueError("step needs one token per sequence: cache batch is %d, got %d tokens"
+                                   % (cache.batch, B))
+        lengths = cache.lengths
+        if (lengths == 0).any():
+            raise KVSimdValueError("sequences %s have no prompt yet: prefill them first"
+                                   % np.nonzero(lengths == 0)[0].tolist())
+        if (lengths + 1 > cache.capacity).any():
+            raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
+                                      % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
+        pos = lengths.astype(np.int64)
+        x = self._embed(t, pos)
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        for l, lw in enumerate(self.layers):
+            def attend_self(h, l=l, lw=lw):
+                q, k, v = self._qkv(lw.attn, h)
+                q = rope(cfg, split_heads(q, H, D), pos)        # [H, B, D]: token b at pos[b]
+                k = rope(cfg, split_heads(k, Hkv, D), pos)
+                v = split_heads(v, Hkv, D)
+                out = np.empty((B, H * D), F32)
+                for b in range(B):
+                    cache.write(l, np.ascontiguousarray(k[:, b:b + 1]), np.ascontiguousarray(v[:, b:b + 1]), seq=b)
+                    cache.attend(l, np.ascontiguousarray(q[:, b]), seq=b, length=int(pos[b]) + 1,
+                                 alibi_slopes=self.slopes, out=out[b].reshape(H, D))
+                return out
+            attend_cross = None
+            if cross is not None:
+                def attend_cross(h, l=l, lw=lw):
+                    q = linear(h, lw.cross.wq, lw.cross.bq).reshape(B, H, D)
+                    out = np.empty((B, H * D), F32)
+                    for b in range(B):
+                        cross.attend(l, np.ascontiguousarray(q[b]), seq=b, out=out[b].reshape(H, D))
+                    return out
+            x = self._block(lw, x, attend_self, attend_cross)
+        for b in range(B):
+            cache.commit(1, seq=b)
+        self.decoder_positions += B
+        return x
+
+    # ------------------------------------------------------------------ uncached reference
+    def _full(self, tokens, enc_out=None):
+        """Forward over all ``tokens`` from scratch (no cache): the recomputation reference."""
+        cfg = self.cfg
+        t = _tokens_1d(tokens, cfg.vocab_size)
+        T = t.size
+        pos = np.arange(T, dtype=np.int64)
+        x = self._embed(t, pos)
+        for lw in self.layers:
+            def attend_self(h, lw=lw):
+                q, k, v = self._qkv(lw.attn, h)
+                q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), pos)
+                k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), pos)
+                return merge_heads(causal_attention(q, k, split_heads(v, cfg.n_kv_heads, cfg.head_dim), 0, self.slopes))
+            attend_cross = None
+            if enc_out is not None:
+                def attend_cross(h, lw=lw):
+                    q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
+                    k = split_heads(linear(enc_out, lw.cross.wk, lw.cross.bk), cfg.n_kv_heads, cfg.head_dim)
+                    v = split_heads(linear(enc_out, lw.cross.wv, lw.cross.bv), cfg.n_kv_heads, cfg.head_dim)
+                    return merge_heads(causal_attention(q, k, v, 0, None, causal=False))
+            x = self._block(lw, x, attend_self, attend_cross)
+        self.decoder_positions += T
+        return self._logits(x)
+
+    def new_cache(self, batch=1, capacity=2048, dtype="float16"):
+        """A self-attention cache sized for this model."""
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype)
+
+
+class Decoder(_Stack):
+    """A decoder-only transformer with a KV cache: prefill, step and streaming generation."""
+
+    def __repr__(self):
+        c = self.cfg
+        return ("Decoder(%s: %d layers, d_model %d, %d heads / %d KV heads, head_dim %d, %s positions; isa=%s)"
+                % (c.family or "custom", c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.position,
+                   _kvsimd.active_isa()))
+
+    def prefill(self, tokens, *, cache: KVCache, seq=0, all_logits=False):
+        """Process a prompt (or the next chunk of one) for sequence ``seq`` in one causal pass.
+        Returns the logits of the last token (``[vocab]``), or of every token when ``all_logits``."""
+        x = self._prefill(tokens, cache, seq)
+        return self._logits(x) if all_logits else self._logits(x[-1:])[0]
+
+    def step(self, tokens, *, cache: KVCache):
+        """Feed one token per sequence (``len(tokens) == cache.batch``); returns logits ``[batch, vocab]``."""
+        return self._logits(self._step(tokens, cache))
+
+    def forward(self, tokens):
+        """Logits ``[T, vocab]`` of a full forward pass without any cache (the uncached reference)."""
+        return self._full(tokens)
+
+    @classmethod
+    def from_transformers(cls, model):
+        """Import a loaded Hugging Face causal LM (Llama/Mistral/Qwen2, GPT-NeoX, GPT-2, BLOOM)."""
+        from kvsimd.hf import decoder_from_transformers
+        return decoder_from_transformers(cls, model)
+
+    def generate(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                 stop_tokens=(), cache_dtype="float16", capacity=None) -> Iterator:
+        """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
+        (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped)."""
+        batched = len(prompt) > 0 and isinstance(prompt[0], (list, tuple, np.ndarray))
+        prompts = [list(p) for p in prompt] if batched else [list(prompt)]
+        return _generate(self, prompts, batched, None, max_new_tokens, temperature, top_k, top_p, seed,
+                         stop_tokens, cache_dtype, capacity)
+
+
+def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
+              cache_dtype, capacity):
+    B = len(prompts)
+    if B == 0 or any(len(p) == 0 for p in prompts):
+        raise KVSimdValueError("every prompt needs at least one token")
+    capacity = capacity or max(len(p) for p in prompts) + max_new_tokens
+    cache = model.new_cache(batch=B, capacity=capacity, dtype=cache_dtype)
+    cross = model.cross_for(sources, cache_dtype) if sources is not None else None
+    rng = np.random.default_rng(seed)
+    stop = set(int(s) for s in stop_tokens)
+    logits = np.stack([model._prefill_logits(p, cache, b, cross) for b, p in enumerate(prompts)])
+    done = [False] * B
+    for _ in range(max_new_tokens):
+        toks = [sample(logits[b], rng, temperature=temperature, top_k=top_k, top_p=top_p) for b in range(B)]
+        out = [None if done[b] else toks[b] for b in range(B)]
+        for b in range(B):
+            if not done[b] and toks[b] in stop:
+                done[b] = True
+        yield out if batched else out[0]
+        if all(done):
+            return
+        if (cache.lengths + 1 > cache.capacity).any():
+            return
+        logits = model._step_logits(toks, cache, cross)
+
+
+def _prefill_logits(self, p, cache, b, cross):
+    return self._logits(self._prefill(p, cache, b, cross)[-1:])[0]
+
+
+def _step_logits(self, toks, cache, cross):
+    return self._logits(self._step(toks, cache, cross))
+
+
+_Stack._prefill_logits = _prefill_logits
+_Stack._step_logits = _step_logits
+
+
+class EncoderDecoder(_Stack):
+    """An encoder-decoder transformer (BART, Marian): the encoder runs once per request, its
+    output is projected to cross-attention K/V once per layer, and the decoder steps with a
+    self-attention KV cache.  ``encoder_positions`` / ``decoder_positions`` count the token
+    positions each half processed (seed 003's complexity accounting)."""
+
+    def __init__(self, cfg: ModelConfig, enc_cfg: ModelConfig, enc_embed_pos, enc_layers: List[LayerWeights],
+                 enc_final_norm: Optional[NormWeights], enc_embed_norm: Optional[NormWeights], **dec):
+        super().__init__(cfg, **dec)
+        self.enc_cfg = enc_cfg
+        self.enc_pos = None if enc_embed_pos is None else np.ascontiguousarray(enc_embed_pos, dtype=F32)
+        if enc_cfg.position == "sinusoidal" and self.enc_pos is None:
+            self.enc_pos = self.pos_embed
+        self.enc_layers = enc_layers
+        self.enc_final_norm = enc_final_norm
+        self.enc_embed_norm = enc_embed_norm
+        self.encoder_positions = 0
+
+    def __repr__(self):
+        c = self.cfg
+        return ("EncoderDecoder(%s: %d+%d layers, d_model %d, %d heads; isa=%s)"
+                % (c.family or "custom", len(self.enc_layers), c.n_layers, c.d_model, c.n_heads, _kvsimd.active_isa()))
+
+    def encode(self, src):
+        """Encoder output ``[S, d_model]`` (bidirectional attention, no cache)."""
+        ec = self.enc_cfg
+        t = _tokens_1d(src, ec.vocab_size, "source tokens")
+        S = t.size
+        pos = np.arange(S, dtype=np.int64)
+        emb = getattr(self, "enc_embed", None)
+        x = (self.embed if emb is None else emb)[t] * np.float32(ec.embed_scale)
+        if self.enc_pos is not None:
+            if S + ec.position_offset > self.enc_pos.shape[0]:
+                raise KVSimdValueError("source of %d tokens exceeds the encoder's %d positions" % (S, self.enc_pos.shape[0]))
+            x = x + self.enc_pos[pos + ec.position_offset]
+        if self.enc_embed_norm is not None:
+            x = norm(ec, x, self.enc_embed_norm.w, self.enc_embed_norm.b)
+        x = x.astype(F32)
+        for lw in self.enc_layers:
+            def attend(h, lw=lw):
+                q, k, v = self._qkv(lw.attn, h)
+                return merge_heads(causal_attention(split_heads(q, ec.n_heads, ec.head_dim),
+                                                    split_heads(k, ec.n_kv_heads, ec.head_dim),
+                                                    split_heads(v, ec.n_kv_heads, ec.head_dim), 0, None, causal=False))
+            if ec.pre_norm:
+                x = x + linear(attend(norm(ec, x, lw.norm1.w, lw.norm1.b)), lw.attn.wo, lw.attn.bo)
+                x = x + ffn(ec, lw.ffn, norm(ec, x, lw.norm2.w, lw.norm2.b))
+            else:
+                x = norm(ec, x + linear(attend(x), lw.attn.wo, lw.attn.bo), lw.norm1.w, lw.norm1.b)
+                x = norm(ec, x + ffn(ec, lw.ffn, x), lw.norm2.w, lw.norm2.b)
+        if self.enc_final_norm is not None:
+            x = norm(ec, x, self.enc_final_norm.w, self.enc_final_norm.b)
+        self.encoder_positions += S
+        return x.astype(F32)
+
+    def new_cross_cache(self, batch=1, capacity=1024, dtype="float16"):
+        return CrossAttentionCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity,
+                                   batch=batch, dtype=dtype)
+
+    def cross_for(self, sources, dtype="float16"):
+        """Run the encoder on each source and fill a cross-attention cache (once per request)."""
+        srcs = [list(s) for s in sources]
+        cross = self.new_cross_cache(batch=len(srcs), capacity=max(len(s) for s in srcs), dtype=dtype)
+        for b, s in enumerate(srcs):
+            cross.fill(b, self.encode(s), self.layers, self.cfg.n_kv_heads, self.cfg.head_dim)
+        return cross
+
+    def prefill(self, tokens, *, cache: KVCache, cross: CrossAttentionCache, seq=0, all_logits=False):
+        x = self._prefill(tokens, cache, seq, cross)
+        return self._logits(x) if all_logits else self._logits(x[-1:])[0]
+
+    def step(self, tokens, *, cache: KVCache, cross: CrossAttentionCache):
+        return self._logits(self._step(tokens, cache, cross))
+
+    def forward(self, src, tgt, enc_out=None):
+        """Decoder logits ``[T, vocab]`` for target prefix ``tgt`` without any cache."""
+        return self._full(tgt, self.encode(src) if enc_out is None else enc_out)
+
+    def generate(self, src, *, decoder_start=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=None, stop_tokens=None, cache_dtype="float16", capacity=None):
+        """Stream the translation/summary of ``src`` (a list of ids, or a list of lists for a batch)."""
+        batched = len(src) > 0 and isinstance(src[0], (list, tuple, np.ndarray))
+        sources = [list(s) for s in src] if batched else [list(src)]
+        start = self.cfg.decoder_start_token_id if decoder_start is None else decoder_start
+        if start is None:
+            raise KVSimdValueError("decoder_start is needed: the model config has no decoder_start_token_id")
+        stop = (self.cfg.eos_token_id,) if stop_tokens is None and self.cfg.eos_token_id is not None else (stop_tokens or ())
+        return _generate(self, [[start]] * len(sources), batched, sources, max_new_tokens, temperature, top_k, top_p,
+                         seed, stop, cache_dtype, capacity)
+
+    @classmethod
+    def from_transformers(cls, model):
+        """Import a loaded Hugging Face encoder-decoder (BART, Marian)."""
+        from kvsimd.hf import encoder_decoder_from_transformers
+        return encoder_decoder_from_transformers(cls, model)
+
+    def greedy_counting(self, src, max_new_tokens, *, regime="cached", decoder_start=None):
+        """Greedy decoding of exactly ``max_new_tokens`` tokens in one of seed 003's regimes:
+        ``"none"`` (encoder re-run and decoder recomputed every step), ``"encoder"`` (encoder
+        hoisted, decoder recomputed), ``"cached"`` (encoder once, cross and self caches).
+        Returns (tokens, encoder_positions, decoder_positions) counted from the real calls."""
+        start = self.cfg.decoder_start_token_id if decoder_start is None else decoder_start
+        e0, d0 = self.encoder_positions, self.decoder_positions
+        out = [start]
+        if regime == "cached":
+            cross = self.cross_for([src])
+            cache = self.new_cache(batch=1, capacity=max_new_tokens + 1)
+            logits = self.prefill([start], cache=cache, cross=cross)
+            for i in range(max_new_tokens):
+                out.append(int(np.argmax(logits)))
+                if i + 1 < max_new_tokens:
+                    logits = self.step([out[-1]], cache=cache, cross=cross)[0]
+        elif regime in ("none", "encoder"):
+            enc = self.encode(src) if regime == "encoder" else None
+            for _ in range(max_new_tokens):
+                e = self.encode(src) if regime == "none" else enc
+                out.append(int(np.argmax(self._full(out, e)[-1])))
+        else:
+            raise KVSimdValueError("regime must be 'none', 'encoder' or 'cached', got %r" % regime)
+        return out[1:], self.encoder_positions - e0, self.decoder_positions - d0

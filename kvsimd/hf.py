@@ -1,0 +1,243 @@
+"""Import weights and configuration from loaded Hugging Face ``transformers`` models.
+
+Supported: Llama (and Mistral/Qwen2-style: GQA, SiLU-gated FFN, RMSNorm, NeoX RoPE, optional
+q/k/v bias), GPT-NeoX (partial rotary, parallel residual), GPT-2 (learned positions), BLOOM
+(ALiBi), BART and Marian (encoder-decoder; learned / sinusoidal positions).  torch is only
+touched to read tensors; it is never a runtime dependency of kvsimd.
+
+RoPE pairing: transformers stores Q/K rows for NeoX-style ``rotate_half``, and kvsimd keeps
+that layout and rotates with ``style="neox"`` (GGUF files permute the rows for GPT-J-style
+interleaved pairs and are rotated with ``style="gptj"``): q.k is the same either way.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvsimd.errors import KVSimdValueError
+from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+
+_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+         "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _act(name):
+    if name not in _ACTS:
+        raise KVSimdValueError("activation %r is not supported (supported: %s)" % (name, ", ".join(sorted(_ACTS))))
+    return _ACTS[name]
+
+
+class _SD:
+    """state_dict access as float32 NumPy arrays."""
+
+    def __init__(self, model):
+        self.sd = model.state_dict()
+
+    def __call__(self, key, t=False):
+        x = self.sd[key].detach().float().cpu().numpy()
+        return np.ascontiguousarray(x.T if t else x, dtype=F32)
+
+    def opt(self, key, t=False):
+        return self(key, t) if key in self.sd else None
+
+    def has(self, key):
+        return key in self.sd
+
+
+def _rope_params(cfg):
+    p = getattr(cfg, "rope_parameters", None) or {}
+    theta = p.get("rope_theta", getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None) or 10000.0)
+    rtype = p.get("rope_type", (getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default"))
+    if rtype not in (None, "default"):
+        raise KVSimdValueError("RoPE scaling %r is not supported" % rtype)
+    frac = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or getattr(cfg, "rotary_pct", 1.0))
+    return float(theta), float(frac)
+
+
+def _split_fused_heads(w, b, H, Dh):
+    """GPT-NeoX/BLOOM fused qkv: output rows ordered [head][q|k|v][Dh] -> q, k, v (transposed)."""
+    d_in = w.shape[1]
+    w = w.reshape(H, 3, Dh, d_in)
+    parts = [np.ascontiguousarray(w[:, i].reshape(H * Dh, d_in).T) for i in range(3)]
+    bparts = [None] * 3 if b is None else [np.ascontiguousarray(b.reshape(H, 3, Dh)[:, i].reshape(-1)) for i in range(3)]
+    return parts, bparts
+
+
+def decoder_from_transformers(cls, model):
+    family = getattr(model.config, "model_type", type(model).__name__)
+    builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
+    if family not in builders:
+        raise KVSimdValueError("Decoder.from_transformers: model family %r is not supported (supported: %s)"
+                               % (family, ", ".join(sorted(builders))))
+    return cls(**builders[family](model))
+
+
+def _llama(model):
+    c, sd = model.config, _SD(model)
+    H, Hkv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    Dh = getattr(c, "head_dim", None) or c.hidden_size // H
+    theta, frac = _rope_params(c)
+    cfg = ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
+                      n_kv_heads=Hkv, head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act),
+                      ffn_gated=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, position="rope", rope_theta=theta,
+                      rope_style="neox", rotary_dim=int(Dh * frac) // 2 * 2,
+                      max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
+                      eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None, family=c.model_type)
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = "model.layers.%d." % i
+        a = AttentionWeights(sd(p + "self_attn.q_proj.weight", True), sd(p + "self_attn.k_proj.weight", True),
+                             sd(p + "self_attn.v_proj.weight", True), sd(p + "self_attn.o_proj.weight", True),
+                             sd.opt(p + "self_attn.q_proj.bias"), sd.opt(p + "self_attn.k_proj.bias"),
+                             sd.opt(p + "self_attn.v_proj.bias"), sd.opt(p + "self_attn.o_proj.bias"))
+        f = FFNWeights(sd(p + "mlp.gate_proj.weight", True), sd(p + "mlp.down_proj.weight", True),
+                       sd(p + "mlp.up_proj.weight", True))
+        layers.append(LayerWeights(a, f, NormWeights(sd(p + "input_layernorm.weight")),
+                                   NormWeights(sd(p + "post_attention_layernorm.weight"))))
+    return dict(cfg=cfg, embed=sd("model.embed_tokens.weight"), layers=layers,
+                final_norm=NormWeights(sd("model.norm.weight")), lm_head=sd("lm_head.weight", True))
+
+
+def _neox(model):
+    c, sd = model.config, _SD(model)
+    H, d = c.num_attention_heads, c.hidden_size
+    Dh = d // H
+    theta, frac = _rope_params(c)
+    cfg = ModelConfig(vocab_size=c.vocab_size, d_model=d, n_layers=c.num_hidden_layers, n_heads=H, n_kv_heads=H,
+                      head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act), norm="layernorm",
+                      norm_eps=c.layer_norm_eps, parallel_residual=c.use_parallel_residual, position="rope",
+                      rope_theta=theta, rope_style="neox", rotary_dim=int(Dh * frac) // 2 * 2,
+                      max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
+                      eos_token_id=c.eos_token_id, family="gpt_neox")
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = "gpt_neox.layers.%d." % i
+        (wq, wk, wv), (bq, bk, bv) = _split_fused_heads(sd(p + "attention.query_key_value.weight"),
+                                                        sd.opt(p + "attention.query_key_value.bias"), H, Dh)
+        a = AttentionWeights(wq, wk, wv, sd(p + "attention.dense.weight", True), bq, bk, bv,
+                             sd.opt(p + "attention.dense.bias"))
+        f = FFNWeights(sd(p + "mlp.dense_h_to_4h.weight", True), sd(p + "mlp.dense_4h_to_h.weight", True), None,
+                       sd.opt(p + "mlp.dense_h_to_4h.bias"), sd.opt(p + "mlp.dense_4h_to_h.bias"))
+        layers.append(LayerWeights(a, f, NormWeights(sd(p + "input_layernorm.weight"), sd(p + "input_layernorm.bias")),
+                                   NormWeights(sd(p + "post_attention_layernorm.weight"),
+                                               sd(p + "post_attention_layernorm.bias"))))
+    head = "embed_out.weight" if sd.has("embed_out.weight") else "lm_head.weight"
+    return dict(cfg=cfg, embed=sd("gpt_neox.embed_in.weight"), layers=layers,
+                final_norm=NormWeights(sd("gpt_neox.final_layer_norm.weight"), sd("gpt_neox.final_layer_norm.bias")),
+                lm_head=sd(head, True))
+
+
+def _gpt2(model):
+    c, sd = model.config, _SD(model)
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False) or \
+            not getattr(c, "scale_attn_weights", True):
+        raise KVSimdValueError("GPT-2 attention-scaling variants are not supported")
+    H, d = c.n_head, c.n_embd
+    Dh = d // H
+    cfg = ModelConfig(vocab_size=c.vocab_size, d_model=d, n_layers=c.n_layer, n_heads=H, n_kv_heads=H, head_dim=Dh,
+                      ffn_dim=c.n_inner or 4 * d, activation=_act(c.activation_function), norm="layernorm",
+                      norm_eps=c.layer_norm_epsilon, position="learned", max_positions=c.n_positions,
+                      bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, family="gpt2")
+    layers = []
+    for i in range(c.n_layer):
+        p = "transformer.h.%d." % i
+        w, b = sd(p + "attn.c_attn.weight"), sd(p + "attn.c_attn.bias")   # Conv1D: already [in, out]
+        a = AttentionWeights(w[:, :d], w[:, d:2 * d], w[:, 2 * d:], sd(p + "attn.c_proj.weight"),
+                             b[:d], b[d:2 * d], b[2 * d:], sd(p + "attn.c_proj.bias"))
+        f = FFNWeights(sd(p + "mlp.c_fc.weight"), sd(p + "mlp.c_proj.weight"), None, sd(p + "mlp.c_fc.bias"),
+                       sd(p + "mlp.c_proj.bias"))
+        layers.append(LayerWeights(a, f, NormWeights(sd(p + "ln_1.weight"), sd(p + "ln_1.bias")),
+                                   NormWeights(sd(p + "ln_2.weight"), sd(p + "ln_2.bias"))))
+    return dict(cfg=cfg, embed=sd("transformer.wte.weight"), layers=layers, pos_embed=sd("transformer.wpe.weight"),
+                final_norm=NormWeights(sd("transformer.ln_f.weight"), sd("transformer.ln_f.bias")),
+                lm_head=sd("lm_head.weight", True))
+
+
+def _bloom(model):
+    c, sd = model.config, _SD(model)
+    if getattr(c, "apply_residual_connection_post_layernorm", False):
+        raise KVSimdValueError("BLOOM with apply_residual_connection_post_layernorm is not supported")
+    H, d = c.n_head, c.hidden_size
+    Dh = d // H
+    cfg = ModelConfig(vocab_size=c.vocab_size, d_model=d, n_layers=c.n_layer, n_heads=H, n_kv_heads=H, head_dim=Dh,
+                      ffn_dim=4 * d, activation="gelu_tanh", norm="layernorm", norm_eps=c.layer_norm_epsilon,
+                      position="alibi", embed_norm=True, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                      family="bloom")
+    layers = []
+    for i in range(c.n_layer):
+        p = "transformer.h.%d." % i
+        (wq, wk, wv), (bq, bk, bv) = _split_fused_heads(sd(p + "self_attention.query_key_value.weight"),
+                                                        sd(p + "self_attention.query_key_value.bias"), H, Dh)
+        a = AttentionWeights(wq, wk, wv, sd(p + "self_attention.dense.weight", True), bq, bk, bv,
+                             sd(p + "self_attention.dense.bias"))
+        f = FFNWeights(sd(p + "mlp.dense_h_to_4h.weight", True), sd(p + "mlp.dense_4h_to_h.weight", True), None,
+                       sd(p + "mlp.dense_h_to_4h.bias"), sd(p + "mlp.dense_4h_to_h.bias"))
+        layers.append(LayerWeights(a, f, NormWeights(sd(p + "input_layernorm.weight"), sd(p + "input_layernorm.bias")),
+                                   NormWeights(sd(p + "post_attention_layernorm.weight"),
+                                               sd(p + "post_attention_layernorm.bias"))))
+    return dict(cfg=cfg, embed=sd("transformer.word_embeddings.weight"), layers=layers,
+                embed_norm=NormWeights(sd("transformer.word_embeddings_layernorm.weight"),
+                                       sd("transformer.word_embeddings_layernorm.bias")),
+                final_norm=NormWeights(sd("transformer.ln_f.weight"), sd("transformer.ln_f.bias")),
+                lm_head=sd("lm_head.weight", True))
+
+
+def encoder_decoder_from_transformers(cls, model):
+    c = model.config
+    family = getattr(c, "model_type", type(model).__name__)
+    if family not in ("bart", "marian"):
+        raise KVSimdValueError("EncoderDecoder.from_transformers: model family %r is not supported (supported: bart, "
+                               "marian)" % family)
+    if getattr(c, "normalize_before", False):
+        raise KVSimdValueError("%s with normalize_before (pre-norm) is not supported" % family)
+    sd = _SD(model)
+    d, H = c.d_model, c.decoder_attention_heads
+    Dh = d // H
+    act = _act(c.activation_function)
+    bart = family == "bart"
+    position = "learned" if bart else "sinusoidal"
+    common = dict(vocab_size=c.vocab_size, d_model=d, head_dim=Dh, activation=act, norm="layernorm", norm_eps=1e-5,
+                  pre_norm=False, position=position, max_positions=c.max_position_embeddings,
+                  position_offset=2 if bart else 0, embed_scale=math.sqrt(d) if c.scale_embedding else 1.0,
+                  embed_norm=bart, final_norm=False, eos_token_id=c.eos_token_id,
+                  decoder_start_token_id=c.decoder_start_token_id, bos_token_id=c.bos_token_id, family=family)
+    dec_cfg = ModelConfig(n_layers=c.decoder_layers, n_heads=H, n_kv_heads=H, ffn_dim=c.decoder_ffn_dim,
+                          cross_attention=True, **common)
+    enc_cfg = ModelConfig(n_layers=c.encoder_layers, n_heads=c.encoder_attention_heads,
+                          n_kv_heads=c.encoder_attention_heads, ffn_dim=c.encoder_ffn_dim, **common)
+
+    def attn(p):
+        return AttentionWeights(sd(p + "q_proj.weight", True), sd(p + "k_proj.weight", True),
+                                sd(p + "v_proj.weight", True), sd(p + "out_proj.weight", True),
+                                sd(p + "q_proj.bias"), sd(p + "k_proj.bias"), sd(p + "v_proj.bias"),
+                                sd(p + "out_proj.bias"))
+
+    def ln(p):
+        return NormWeights(sd(p + ".weight"), sd(p + ".bias"))
+
+    def layers(which, n, cross):
+        out = []
+        for i in range(n):
+            p = "model.%s.layers.%d." % (which, i)
+            f = FFNWeights(sd(p + "fc1.weight", True), sd(p + "fc2.weight", True), None, sd(p + "fc1.bias"),
+                           sd(p + "fc2.bias"))
+            out.append(LayerWeights(attn(p + "self_attn."), f, ln(p + "self_attn_layer_norm"), ln(p + "final_layer_norm"),
+                                    attn(p + "encoder_attn.") if cross else None,
+                                    ln(p + "encoder_attn_layer_norm") if cross else None))
+        return out
+
+    dec_embed = sd("model.decoder.embed_tokens.weight") if sd.has("model.decoder.embed_tokens.weight") else sd("model.shared.weight")
+    enc_embed = sd("model.encoder.embed_tokens.weight") if sd.has("model.encoder.embed_tokens.weight") else sd("model.shared.weight")
+    lm_head = sd("lm_head.weight", True) if sd.has("lm_head.weight") else np.ascontiguousarray(dec_embed.T)
+    bias = sd.opt("final_logits_bias")
+    m = cls(dec_cfg, enc_cfg,
+            enc_embed_pos=sd("model.encoder.embed_positions.weight") if bart else None,
+            enc_layers=layers("encoder", c.encoder_layers, False), enc_final_norm=None,
+            enc_embed_norm=ln("model.encoder.layernorm_embedding") if bart else None,
+            embed=dec_embed, layers=layers("decoder", c.decoder_layers, True), final_norm=None,
+            lm_head=lm_head, lm_bias=None if bias is None else bias.reshape(-1),
+            pos_embed=sd("model.decoder.embed_positions.weight") if bart else None,
+            embed_norm=ln("model.decoder.layernorm_embedding") if bart else None)
+    m.enc_embed = enc_embed
+    return m

@@ -1,0 +1,50 @@
+/* cache.c - KV-cache storage: one 64-byte-aligned block per cache, laid out so that
+ * attention reads each (layer, sequence, KV head) as one contiguous [capacity, D] run:
+ *     [layer][K | V][sequence][kv head][slot][d]
+ * Lengths and positions live with the Python object; C owns only the memory. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvsimd.h"
+
+kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t n_kv_heads, int64_t capacity,
+                          int64_t head_dim, kv_dtype dtype)
+{
+    memset(c, 0, sizeof *c);
+    if (n_layers < 1 || batch < 1 || n_kv_heads < 1 || capacity < 1 || head_dim < 1 || head_dim > KV_MAX_HEAD_DIM)
+        return KV_ERR_ARG;
+    const size_t esize = dtype == KV_F16 ? 2 : 4;
+    const size_t head = (size_t)capacity * (size_t)head_dim * esize;
+    const size_t total = (size_t)n_layers * 2 * (size_t)batch * (size_t)n_kv_heads * head;
+    if (total / head != (size_t)n_layers * 2 * (size_t)batch * (size_t)n_kv_heads)
+        return KV_ERR_NOMEM;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, total ? total : 64) != 0)
+        return KV_ERR_NOMEM;
+    memset(p, 0, total);
+    c->data = p;
+    c->nbytes = total;
+    c->n_layers = n_layers;
+    c->batch = batch;
+    c->n_kv_heads = n_kv_heads;
+    c->capacity = capacity;
+    c->head_dim = head_dim;
+    c->dtype = dtype;
+    return KV_OK;
+}
+
+void kv_cache_destroy(kv_cache *c)
+{
+    if (c && c->data) {
+        free(c->data);
+        c->data = NULL;
+    }
+}
+
+/* Start of the [Hkv, capacity, D] block of K (which = 0) or V (which = 1). */
+void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq)
+{
+    const size_t esize = c->dtype == KV_F16 ? 2 : 4;
+    const size_t block = (size_t)c->n_kv_heads * (size_t)c->capacity * (size_t)c->head_dim * esize;
+    return (char *)c->data + (((size_t)layer * 2 + (size_t)which) * (size_t)c->batch + (size_t)seq) * block;
+}
