@@ -55,6 +55,13 @@ def _rope_params(cfg):
     return float(theta), float(frac)
 
 
+def _rotary_dim(Dh, frac):
+    rd = int(Dh * frac)
+    if rd % 2 or rd <= 0:
+        raise KVSimdValueError("rotary dims = int(head_dim %d * %g) = %d: must be even and positive" % (Dh, frac, rd))
+    return rd
+
+
 def _split_fused_heads(w, b, H, Dh):
     """GPT-NeoX/BLOOM fused qkv: output rows ordered [head][q|k|v][Dh] -> q, k, v (transposed)."""
     d_in = w.shape[1]
@@ -81,7 +88,7 @@ def _llama(model):
     cfg = ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
                       n_kv_heads=Hkv, head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act),
                       ffn_gated=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, position="rope", rope_theta=theta,
-                      rope_style="neox", rotary_dim=int(Dh * frac) // 2 * 2,
+                      rope_style="neox", rotary_dim=_rotary_dim(Dh, frac),
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
                       eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None, family=c.model_type)
     layers = []
@@ -107,7 +114,7 @@ def _neox(model):
     cfg = ModelConfig(vocab_size=c.vocab_size, d_model=d, n_layers=c.num_hidden_layers, n_heads=H, n_kv_heads=H,
                       head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act), norm="layernorm",
                       norm_eps=c.layer_norm_eps, parallel_residual=c.use_parallel_residual, position="rope",
-                      rope_theta=theta, rope_style="neox", rotary_dim=int(Dh * frac) // 2 * 2,
+                      rope_theta=theta, rope_style="neox", rotary_dim=_rotary_dim(Dh, frac),
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
                       eos_token_id=c.eos_token_id, family="gpt_neox")
     layers = []
