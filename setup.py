@@ -70,7 +70,8 @@ ext = Extension(
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     + ([("KV_HAVE_AVX512FP16", "1")] if "avx512fp16" in rows else []),
-    extra_compile_args=["-O2", "-fvisibility=hidden"],
+    extra_compile_args=["-O2", "-fvisibility=hidden", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
     libraries=["m"],
 )
 

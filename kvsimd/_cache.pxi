@@ -160,7 +160,7 @@ cdef class KVCache:
         else:
             _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True)
         ml = _np.empty(2 * H, dtype=_np.float32)
-        ws = _np.empty(kv_attn_workspace_bytes(H, self.n_kv_heads, D), dtype=_np.uint8)
+        ws = _np.empty(kv_attend_workspace_bytes(H, self.n_kv_heads, D), dtype=_np.uint8)
         p.q = <const float *>_ptr(q)
         p.k = kv_cache_block(&self.c, l, 0, s)
         p.v = kv_cache_block(&self.c, l, 1, s)

@@ -85,6 +85,9 @@ cdef extern from "kvsimd.h" nogil:
     const char *kv_compiler() noexcept
 
     size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
+    size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
+    void kv_set_num_threads(int n) noexcept
+    int kv_get_num_threads() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, double theta, kv_rope_style style,

@@ -119,7 +119,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             if _np.may_share_memory(out, a):
                 raise KVSimdValueError("out overlaps %s" % name)
     ml = _np.empty(2 * H, dtype=_np.float32)
-    ws = _np.empty(kv_attn_workspace_bytes(H, Hkv, D), dtype=_np.uint8)
+    ws = _np.empty(kv_attend_workspace_bytes(H, Hkv, D), dtype=_np.uint8)
     cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
     p.q = <const float *>_ptr(q)
     p.k = _ptr(k)

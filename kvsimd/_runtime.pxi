@@ -145,3 +145,11 @@ def _kernel_addresses():
         "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
         "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
     }
+
+
+def _set_kernel_threads(int n):
+    kv_set_num_threads(n)
+
+
+def _get_kernel_threads():
+    return kv_get_num_threads()

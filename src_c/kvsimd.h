@@ -145,7 +145,10 @@ uint32_t kv_features(void);                        /* cached kv_cpu_features() *
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
 
 /* ops.c: entry points over the active row.  Arguments are validated by the caller. */
-size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D);
+size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D);   /* one kernel call */
+void kv_set_num_threads(int n);                                      /* OpenMP threads for kv_attend */
+int kv_get_num_threads(void);
+size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D); /* what kv_attend needs */
 void kv_attend(const kv_attn_params *p, void *workspace);
 kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                         const int64_t *positions, double theta, kv_rope_style style, int64_t rotary_dim);

@@ -5,6 +5,9 @@
  * (cos, sin) float pairs.  Callers validate their arguments (the Python boundary does).
  */
 #include <math.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "kvsimd.h"
 
@@ -16,7 +19,44 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
                                     G * KV_MAX_BLOCK) + 64;
 }
 
-void kv_attend(const kv_attn_params *p, void *workspace) { kv_active()->attn(p, workspace); }
+static int kv_threads = 1;
+
+void kv_set_num_threads(int n) { kv_threads = n < 1 ? 1 : n; }
+int kv_get_num_threads(void) { return kv_threads; }
+
+size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
+{
+    const size_t one = (kv_attn_workspace_bytes(H, Hkv, D) + 63) / 64 * 64;
+    return one * (size_t)kv_threads + 64;
+}
+
+/* Work is split across threads by KV head only: a head's tokens are never split, so each
+   head's result is computed the same way whatever the thread count (bit-identical). */
+void kv_attend(const kv_attn_params *p, void *workspace)
+{
+    const kv_kernels *row = kv_active();
+    const int64_t heads = p->g1 - p->g0;
+    const int nt = (int)(heads < kv_threads ? heads : kv_threads);
+    if (nt <= 1) {
+        row->attn(p, workspace);
+        return;
+    }
+    const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+#endif
+    for (int64_t g = p->g0; g < p->g1; g++) {
+#if defined(_OPENMP)
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        kv_attn_params q = *p;
+        q.g0 = g;
+        q.g1 = g + 1;
+        row->attn(&q, (char *)workspace + (size_t)tid * one);
+    }
+}
 
 void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) { kv_active()->f32_to_f16(dst, src, n); }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
