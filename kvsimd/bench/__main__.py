@@ -16,7 +16,8 @@ def _fmt_attn(r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__)
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope", "decode"])
+    ap.add_argument("--threads", type=int, action="append", help="thread counts for decode (default: 1 and 2)")
     ap.add_argument("--isa", action="append", help="ISA path(s) to run (default: every supported one)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="small contexts only, few repeats")
@@ -44,6 +45,20 @@ def main(argv=None):
         results["rows"] += kernels.bench_attention(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
     if args.what in ("all", "rope"):
         results["rows"] += kernels.bench_shift(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
+    if args.what in ("all", "decode"):
+        from kvsimd.bench import decode
+        ctx = [128, 2048] if args.quick else [128, 2048, 8192]
+        rows = decode.run(ctx, args.threads or [1, 2], 4 if args.quick else 16,
+                          lambda r: print("decode     %-15s context=%-5d threads=%d %-12s %8.1f tok/s"
+                                          % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"]),
+                                          flush=True))
+        results["rows"] += rows
+        ratios = {}
+        for r in rows:
+            ratios.setdefault((r["model"], r["context"], r["threads"]), {})[r["impl"]] = r["tok_per_s"]
+        for key, v in ratios.items():
+            if "transformers" in v:
+                print("decode     %-15s context=%-5d threads=%d kvsimd / transformers = %.2fx" % (key + (v["kvsimd"] / v["transformers"],)))
     if args.json:
         common.write_json(args.json, results)
     return 0

@@ -1,0 +1,148 @@
+"""End-to-end decode speed: kvsimd against transformers (when installed) on the same weights.
+
+Decode speed depends on the context length, not on what the context says, so both caches are
+filled with the same random K/V up to the context and then timed over single-token steps.
+"""
+import statistics
+import time
+
+import numpy as np
+
+import kvsimd
+
+SHAPES = {
+    # SmolLM2-135M: 30 layers, hidden 576, 9 heads / 3 KV heads, head_dim 64, FFN 1536, vocab 49152
+    "smollm2-shaped": dict(kind="llama", vocab=49152, d=576, layers=30, heads=9, kv_heads=3, ffn=1536),
+    # BART-base-like: d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 32000; 256 source tokens
+    "bart-shaped": dict(kind="bart", vocab=32000, d=512, layers=6, heads=8, kv_heads=8, ffn=2048, src=256),
+}
+
+
+def _hf_model(spec, seed=0):
+    import torch
+    import transformers as T
+    T.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if spec["kind"] == "llama":
+        cfg = T.LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["d"], intermediate_size=spec["ffn"],
+                            num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                            num_key_value_heads=spec["kv_heads"], max_position_embeddings=1 << 15,
+                            rope_theta=1e5, tie_word_embeddings=True)
+        return T.LlamaForCausalLM(cfg).eval()
+    cfg = T.BartConfig(vocab_size=spec["vocab"], d_model=spec["d"], encoder_layers=spec["layers"],
+                       decoder_layers=spec["layers"], encoder_attention_heads=spec["heads"],
+                       decoder_attention_heads=spec["heads"], encoder_ffn_dim=spec["ffn"], decoder_ffn_dim=spec["ffn"],
+                       max_position_embeddings=1024)
+    return T.BartForConditionalGeneration(cfg).eval()
+
+
+def _median_step(fn, steps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_decoder_only(spec, contexts, threads, steps, with_hf=True, progress=None):
+    import torch
+    hf = _hf_model(spec)
+    dec = kvsimd.Decoder.from_transformers(hf)
+    cfg = dec.cfg
+    rows = []
+    rng = np.random.default_rng(0)
+    for n_ctx in contexts:
+        kv = [(rng.standard_normal((cfg.n_kv_heads, n_ctx, cfg.head_dim)).astype(np.float32) * 0.5,
+               rng.standard_normal((cfg.n_kv_heads, n_ctx, cfg.head_dim)).astype(np.float32) * 0.5)
+              for _ in range(cfg.n_layers)]
+        for nt in threads:
+            kvsimd.set_num_threads(nt)
+            torch.set_num_threads(nt)
+            cache = dec.new_cache(capacity=n_ctx + steps + 8, dtype="float16")
+            for layer, (k, v) in enumerate(kv):
+                cache.write(layer, k, v)
+            cache.commit(n_ctx)
+            tok = [1]
+            t = _median_step(lambda: dec.step(tok, cache=cache), steps)
+            rows.append({"model": spec["name"], "impl": "kvsimd", "context": n_ctx, "threads": nt,
+                         "tok_per_s": 1.0 / t, "isa": kvsimd.active_isa(), "cache": "float16"})
+            if progress:
+                progress(rows[-1])
+            if with_hf:
+                from transformers import DynamicCache
+                with torch.no_grad():
+                    pkv = DynamicCache()
+                    for layer, (k, v) in enumerate(kv):
+                        pkv.update(torch.from_numpy(k[None]), torch.from_numpy(v[None]), layer)
+                    ids = torch.tensor([[1]])
+
+                    def hf_step():
+                        hf(input_ids=ids, past_key_values=pkv, use_cache=True)
+                    t = _median_step(hf_step, steps)
+                rows.append({"model": spec["name"], "impl": "transformers", "context": n_ctx, "threads": nt,
+                             "tok_per_s": 1.0 / t, "cache": "DynamicCache fp32"})
+                if progress:
+                    progress(rows[-1])
+    return rows
+
+
+def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
+    import torch
+    hf = _hf_model(spec)
+    ed = kvsimd.EncoderDecoder.from_transformers(hf)
+    rng = np.random.default_rng(0)
+    src = list(rng.integers(3, spec["vocab"], spec["src"]))
+    start = hf.config.decoder_start_token_id
+    rows = []
+    for nt in threads:
+        kvsimd.set_num_threads(nt)
+        torch.set_num_threads(nt)
+        cross = ed.cross_for([src])
+        cache = ed.new_cache(capacity=steps + 16)
+        ed.prefill([start], cache=cache, cross=cross)
+        t = _median_step(lambda: ed.step([5], cache=cache, cross=cross), steps)
+        rows.append({"model": spec["name"], "impl": "kvsimd", "context": spec["src"], "threads": nt,
+                     "tok_per_s": 1.0 / t, "isa": kvsimd.active_isa(), "cache": "float16"})
+        if progress:
+            progress(rows[-1])
+        if with_hf:
+            from transformers import DynamicCache, EncoderDecoderCache
+            with torch.no_grad():
+                enc = hf.get_encoder()(input_ids=torch.tensor([src]))
+                pkv = EncoderDecoderCache(DynamicCache(), DynamicCache())
+                out = hf(encoder_outputs=enc, decoder_input_ids=torch.tensor([[start]]), past_key_values=pkv,
+                         use_cache=True)
+                pkv = out.past_key_values
+                ids = torch.tensor([[5]])
+
+                def hf_step():
+                    hf(encoder_outputs=enc, decoder_input_ids=ids, past_key_values=pkv, use_cache=True)
+                t = _median_step(hf_step, steps)
+            rows.append({"model": spec["name"], "impl": "transformers", "context": spec["src"], "threads": nt,
+                         "tok_per_s": 1.0 / t, "cache": "EncoderDecoderCache fp32"})
+            if progress:
+                progress(rows[-1])
+    return rows
+
+
+def run(contexts, threads, steps, progress=None):
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        with_hf = True
+    except ImportError:
+        with_hf = False
+    if not with_hf:
+        raise SystemExit("decode: the benchmark builds its models with transformers; pip install "
+                         "'transformers' 'torch==2.13.0'")
+    rows = []
+    for name, spec in SHAPES.items():
+        spec = dict(spec, name=name)
+        if spec["kind"] == "llama":
+            rows += bench_decoder_only(spec, contexts, threads, steps, with_hf, progress)
+        else:
+            rows += bench_encoder_decoder(spec, threads, steps, with_hf, progress)
+    return rows
