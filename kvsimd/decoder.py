@@ -275,6 +275,18 @@ class Decoder(_Stack):
         from kvsimd.hf import decoder_from_transformers
         return decoder_from_transformers(cls, model)
 
+    @classmethod
+    def from_gguf(cls, path):
+        """Load a Llama-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized
+        to float32).  The tokenizer from the file's metadata is ``.tokenizer``."""
+        from kvsimd.gguf_model import decoder_kwargs_from_gguf
+        from kvsimd.tokenizer import Tokenizer
+        kwargs, reader = decoder_kwargs_from_gguf(path)
+        model = cls(**kwargs)
+        model.tokenizer = Tokenizer.from_gguf(reader)
+        model.source = str(path)
+        return model
+
     def generate(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                  stop_tokens=(), cache_dtype="float16", capacity=None) -> Iterator:
         """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
