@@ -140,14 +140,27 @@ class _Stack:
         return norm(cfg, x + ffn(cfg, lw.ffn, x), lw.norm2.w, lw.norm2.b)
 
     # ------------------------------------------------------------------ cached forward
+    prefill_chunk = 256   # prompt tokens per causal pass: bounds the [H, T, S] score matrices
+
     def _prefill(self, tokens, cache: KVCache, seq, cross=None):
-        """Run ``tokens`` of one sequence after its cached prefix; returns logits [T, vocab]."""
-        cfg = self.cfg
-        t = _tokens_1d(tokens, cfg.vocab_size)
-        start, T = cache.length(seq), t.size
-        if start + T > cache.capacity:
+        """Run ``tokens`` of one sequence after its cached prefix, in chunks; returns the last
+        hidden rows [T, d_model].  Checked up front, so a bad prompt leaves the cache unchanged."""
+        t = _tokens_1d(tokens, self.cfg.vocab_size)
+        start = cache.length(seq)
+        if start + t.size > cache.capacity:
             raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
-                                      % (T, start, cache.capacity, seq))
+                                      % (t.size, start, cache.capacity, seq))
+        if self.cfg.position in ("learned", "sinusoidal") and self.pos_embed is not None and \
+                start + t.size + self.cfg.position_offset > self.pos_embed.shape[0]:
+            raise KVSimdValueError("position %d is beyond the %d positions this model has"
+                                   % (start + t.size - 1, self.pos_embed.shape[0] - self.cfg.position_offset))
+        out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
+               for i in range(0, t.size, self.prefill_chunk)]
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
+        cfg = self.cfg
+        start, T = cache.length(seq), t.size
         pos = np.arange(start, start + T, dtype=np.int64)
         x = self._embed(t, pos)
         for l, lw in enumerate(self.layers):

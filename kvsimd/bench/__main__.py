@@ -18,6 +18,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__)
     ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope", "decode"])
     ap.add_argument("--threads", type=int, action="append", help="thread counts for decode (default: 1 and 2)")
+    ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
+                    help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
     ap.add_argument("--isa", action="append", help="ISA path(s) to run (default: every supported one)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="small contexts only, few repeats")
@@ -48,10 +50,18 @@ def main(argv=None):
     if args.what in ("all", "decode"):
         from kvsimd.bench import decode
         ctx = [128, 2048] if args.quick else [128, 2048, 8192]
-        rows = decode.run(ctx, args.threads or [1, 2], 4 if args.quick else 16,
-                          lambda r: print("decode     %-15s context=%-5d threads=%d %-12s %8.1f tok/s"
-                                          % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"]),
-                                          flush=True))
+        show = lambda r: print("decode     %-15s context=%-5d threads=%d %-12s %8.1f tok/s%s"  # noqa: E731
+                               % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"],
+                                  "   prefill %.1f tok/s" % r["prefill_tok_per_s"] if "prefill_tok_per_s" in r else ""),
+                               flush=True)
+        if args.model == "smollm2":
+            import os
+            text = os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..", "shared", "data",
+                                "hamlet_gut.txt")
+            rows = decode.bench_smollm2([128] if args.quick else [128, 4096], args.threads or [1, 2],
+                                        4 if args.quick else 16, show, text)
+        else:
+            rows = decode.run(ctx, args.threads or [1, 2], 4 if args.quick else 16, show)
         results["rows"] += rows
         ratios = {}
         for r in rows:

@@ -146,3 +146,54 @@ def run(contexts, threads, steps, progress=None):
         else:
             rows += bench_encoder_decoder(spec, threads, steps, with_hf, progress)
     return rows
+
+
+def bench_smollm2(contexts, threads, steps, progress=None, text_path=None):
+    """The real SmolLM2-135M-Instruct GGUF: prefill and decode tok/s, kvsimd vs transformers on
+    the same file (both with float32 weights after dequantization)."""
+    import os
+
+    import torch
+    import transformers as T
+
+    from kvsimd import models
+    T.logging.set_verbosity_error()
+    path = models.smollm2_path()
+    ours = kvsimd.Decoder.from_gguf(path)
+    hf = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+    text = ""
+    if text_path and os.path.exists(text_path):
+        with open(text_path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    ids = ours.tokenizer.encode(text or "All the world's a stage. " * 2000)
+    rows = []
+    for n_ctx in contexts:
+        prompt = ids[:n_ctx]
+        for nt in threads:
+            kvsimd.set_num_threads(nt)
+            torch.set_num_threads(nt)
+            cache = ours.new_cache(capacity=n_ctx + steps + 8)
+            t0 = time.perf_counter()
+            logits = ours.prefill(prompt, cache=cache)
+            pre = time.perf_counter() - t0
+            tok = [int(np.argmax(logits))]
+            dec = _median_step(lambda: ours.step(tok, cache=cache), steps)
+            rows.append({"model": "smollm2", "impl": "kvsimd", "context": n_ctx, "threads": nt,
+                         "prefill_tok_per_s": n_ctx / pre, "tok_per_s": 1.0 / dec, "isa": kvsimd.active_isa()})
+            if progress:
+                progress(rows[-1])
+            from transformers import DynamicCache
+            with torch.no_grad():
+                pkv = DynamicCache()
+                t0 = time.perf_counter()
+                out = hf(input_ids=torch.tensor([prompt]), past_key_values=pkv, use_cache=True)
+                pre = time.perf_counter() - t0
+                pkv = out.past_key_values
+                ids1 = out.logits[:, -1:].argmax(-1)
+                dec = _median_step(lambda: hf(input_ids=ids1, past_key_values=pkv, use_cache=True), steps)
+            rows.append({"model": "smollm2", "impl": "transformers", "context": n_ctx, "threads": nt,
+                         "prefill_tok_per_s": n_ctx / pre, "tok_per_s": 1.0 / dec})
+            if progress:
+                progress(rows[-1])
+    return rows
