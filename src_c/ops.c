@@ -14,9 +14,9 @@
 size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
 {
     const int64_t G = H / Hkv, Dp = (D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH;
-    /* qbuf, acc [G, Dp]; two [B, Dp] blocks; two [GS, B] arrays of vectors; scores [G, B] */
+    /* qbuf, acc [G, Dp]; two [B, Dp] blocks; two [GS, B] arrays of vectors; scores [G, chunk] */
     return sizeof(float) * (size_t)(2 * G * Dp + 2 * KV_MAX_BLOCK * Dp + 2 * KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH +
-                                    G * KV_MAX_BLOCK) + 64;
+                                    G * KV_MAX_CHUNK) + 64;
 }
 
 static int kv_threads = 1;
