@@ -10,36 +10,13 @@ import numpy as np
 __all__ = ["attend", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
 
 
-def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None):
-    """float64 single-query attention with GQA/MQA and optional ALiBi; returns ``[H, D]``."""
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
-    H, D = q.shape
-    Hkv, N, _ = k.shape
-    G = H // Hkv
-    if scale is None:
-        scale = 1.0 / np.sqrt(D)
-    kh = np.repeat(k, G, axis=0)                        # [H, N, D]
-    vh = np.repeat(v, G, axis=0)
-    s = np.einsum("hd,hnd->hn", q, kh) * float(scale)    # [H, N]
-    if alibi_slopes is not None:
-        kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
-        qp = float(N - 1 if query_position is None else query_position)
-        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (qp - kp)[None, :]
-    s = s - s.max(axis=1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=1, keepdims=True)
-    return np.einsum("hn,hnd->hd", p, vh)
-
-
 def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None):
-    """The softmax weights ``[H, N]`` of :func:`attend` (used to scale error bounds)."""
+    """float64 softmax weights ``[H, N]`` of single-query attention (GQA/MQA, optional ALiBi)."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     H, D = q.shape
     Hkv, N, _ = k.shape
-    kh = np.repeat(k, H // Hkv, axis=0)
+    kh = np.repeat(k, H // Hkv, axis=0)                  # query head h reads KV head h // (H // Hkv)
     s = np.einsum("hd,hnd->hn", q, kh) * float(1.0 / np.sqrt(D) if scale is None else scale)
     if alibi_slopes is not None:
         kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
@@ -48,6 +25,14 @@ def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True)
+
+
+def attend(q, k, v, **kw):
+    """float64 single-query attention ``softmax(scale * k @ q + bias) @ v``; returns ``[H, D]``.
+    Keywords as :func:`attention_weights`."""
+    p = attention_weights(q, k, **kw)
+    v = np.asarray(v, dtype=np.float64)
+    return np.einsum("hn,hnd->hd", p, np.repeat(v, p.shape[0] // v.shape[0], axis=0))
 
 
 def rope_angles(positions, *, theta=10000.0, rotary_dim):

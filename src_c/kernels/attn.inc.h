@@ -218,6 +218,22 @@ static void KV_FN(load_block)(float *dst, const void *src, int32_t dtype, int64_
     }
 }
 
+/* The KV_B rows t.. of one head: in place when the block is full and needs no padding
+   (fp16 is widened in registers later), else a zero-padded fp32 copy in buf. */
+static inline const void *KV_FN(block_rows)(const char *base, float *buf, int32_t dtype, int64_t t, int64_t nb,
+                                            int64_t D, int64_t Dp, int aligned, int64_t *stride, int *rmode)
+{
+    if (aligned && nb == KV_B) {
+        *stride = D;
+        *rmode = dtype == KV_F16 ? KV_ROWS_F16 : KV_ROWS_F32;
+        return base + (size_t)(t * D) * (dtype == KV_F16 ? 2 : 4);
+    }
+    KV_FN(load_block)(buf, base, dtype, t, nb, D, Dp);
+    *stride = Dp;
+    *rmode = KV_ROWS_F32;
+    return buf;
+}
+
 static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
 {
     const int64_t D = p->D, G = p->H / p->Hkv, N = p->n_total;
@@ -238,7 +254,6 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
        last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
     const int aligned = (D % KV_W) == 0;
-    const int mode = p->dtype == KV_F16 ? KV_ROWS_F16 : KV_ROWS_F32;
     const size_t row_bytes = (size_t)D * esize;
 
     for (int64_t g = p->g0; g < p->g1; g++) {
@@ -273,18 +288,9 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
             for (int64_t t = c0; t < c1; t += KV_B) {
                 const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
                 const char *kpf = KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? kbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
-                const void *kb;
-                int64_t ks, rmode;
-                if (aligned && nb == KV_B) {
-                    kb = kbase + (size_t)(t * D) * esize;
-                    ks = D;
-                    rmode = mode;
-                } else {
-                    KV_FN(load_block)(kblk, kbase, p->dtype, t, nb, D, Dp);
-                    kb = kblk;
-                    ks = Dp;
-                    rmode = KV_ROWS_F32;
-                }
+                int64_t ks;
+                int rmode;
+                const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
                 for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
                     const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
                     KV_FN(scores_n)(qbuf + i0 * Dp, kb, rmode, ks, Dp, red, nh, i0 ? NULL : kpf, row_bytes);
@@ -338,18 +344,9 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
             for (int64_t t = c0; t < c1; t += KV_B) {
                 const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
                 const char *vpf = KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? vbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
-                const void *vb;
-                int64_t vs, rmode;
-                if (aligned && nb == KV_B) {
-                    vb = vbase + (size_t)(t * D) * esize;
-                    vs = D;
-                    rmode = mode;
-                } else {
-                    KV_FN(load_block)(vblk, vbase, p->dtype, t, nb, D, Dp);
-                    vb = vblk;
-                    vs = Dp;
-                    rmode = KV_ROWS_F32;
-                }
+                int64_t vs;
+                int rmode;
+                const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
                 for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
                     const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
                     for (int i = 0; i < nh; i++)
