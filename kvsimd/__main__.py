@@ -27,11 +27,14 @@ def _generate(args):
     ids = tok.encode(text)
     if not ids:
         raise kvsimd.KVSimdValueError("the prompt encodes to no tokens")
-    capacity = min(len(ids) + args.max_new_tokens, model.cfg.max_positions)
+    if args.policy == "fixed":
+        capacity = min(len(ids) + args.max_new_tokens, args.window or model.cfg.max_positions)
+    else:  # infinite generation: a window of cached tokens that never fills
+        capacity = min(args.window or 1024, model.cfg.max_positions)
     if len(ids) >= capacity:
-        raise kvsimd.KVSimdValueError("prompt of %d tokens leaves no room in the %d-token context"
-                                      % (len(ids), model.cfg.max_positions))
-    cache = model.new_cache(capacity=capacity, dtype=args.cache_dtype)
+        raise kvsimd.KVSimdValueError("prompt of %d tokens leaves no room in a %d-token cache (see --window)"
+                                      % (len(ids), capacity))
+    cache = model.new_cache(capacity=capacity, dtype=args.cache_dtype, n_keep=args.n_keep, policy=args.policy)
     rng = np.random.default_rng(args.seed)
     stream = tok.stream()
     t1 = time.perf_counter()
@@ -47,7 +50,7 @@ def _generate(args):
             break
         out.write(stream.step(t))
         out.flush()
-        if cache.length() >= capacity:
+        if args.policy == "fixed" and cache.length() >= capacity:
             break
         logits = model.step([t], cache=cache)[0]
     decode_s = time.perf_counter() - t2
@@ -72,9 +75,16 @@ def main(argv=None):
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--cache-dtype", choices=["float16", "float32"], default="float16")
+    g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
+                   help="what to do when the cache is full: stop (fixed), or keep --n-keep sink tokens and slide "
+                        "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
+    g.add_argument("--n-keep", type=int, default=4, help="attention-sink tokens kept when the window slides")
+    g.add_argument("--window", type=int, default=None, help="tokens the cache holds (default: prompt + new tokens "
+                   "for --policy fixed, 1024 otherwise)")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or \
-            (args.threads is not None and args.threads < 1):
+            (args.threads is not None and args.threads < 1) or args.n_keep < 0 or \
+            (args.window is not None and args.window < 2):
         ap.error("--max-new-tokens and --threads must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
     try:
         return _generate(args)

@@ -2,6 +2,39 @@
 from kvsimd.errors import KVSimdCapacityError
 
 _DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32)}
+POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
+
+
+def _init_streaming(cache, n_keep, policy, n_discard):
+    """Attention-sink bookkeeping: slots [0, n_keep) hold the sinks, [n_keep, capacity) a ring."""
+    n_keep = _need_int(n_keep, "n_keep")
+    if policy not in POLICIES:
+        raise KVSimdValueError("policy must be one of %s, got %r" % (", ".join(POLICIES), policy))
+    if not 0 <= n_keep < cache.capacity:
+        raise KVSimdValueError("n_keep must be in 0..capacity-1=%d, got %d" % (cache.capacity - 1, n_keep))
+    window = cache.capacity - n_keep
+    if n_discard is None:
+        n_discard = max(1, window // 2)
+    n_discard = _need_int(n_discard, "n_discard")
+    if not 1 <= n_discard <= window:
+        raise KVSimdValueError("n_discard must be in 1..%d (the window), got %d" % (window, n_discard))
+    cache.n_keep, cache.policy, cache.n_discard = n_keep, policy, n_discard
+    # position of the token in each slot (as its key was rotated; ALiBi distances use it)
+    cache.positions = _np.zeros((cache.batch, cache.capacity), dtype=_np.int64)
+    cache.head = _np.full(cache.batch, n_keep, dtype=_np.int64)   # ring slot of the oldest window token
+    cache.seen = _np.zeros(cache.batch, dtype=_np.int64)          # tokens ever appended (absolute position)
+    cache.rotations = _np.zeros((cache.batch, cache.capacity), dtype=_np.int32)
+    cache.tokens = [[] for _ in range(cache.batch)]               # ids in the cache, oldest first
+
+
+def _reset_streaming(cache, seq):
+    seqs = range(cache.batch) if seq is None else [seq]
+    for s in seqs:
+        cache.head[s] = cache.n_keep
+        cache.seen[s] = 0
+        cache.positions[s] = 0
+        cache.rotations[s] = 0
+        cache.tokens[s] = []
 
 
 cdef class KVCache:
@@ -15,12 +48,14 @@ cdef class KVCache:
     :class:`kvsimd.KVSimdCapacityError` and changes nothing.
     """
     cdef kv_cache c
+    cdef dict __dict__
     cdef readonly int64_t n_layers, n_kv_heads, head_dim, capacity, batch
     cdef object _np_dtype
     cdef kv_dtype _kv_dtype
     cdef object _lengths
 
-    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16"):
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", n_keep=0,
+                  policy="fixed", n_discard=None):
         for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                           ("capacity", capacity), ("batch", batch)):
             if _need_int(val, name) < 1:
@@ -40,6 +75,7 @@ cdef class KVCache:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.capacity, self.batch = capacity, batch
         self._lengths = _np.zeros(batch, dtype=_np.int64)
+        _init_streaming(self, n_keep, policy, n_discard)
 
     def __dealloc__(self):
         kv_cache_destroy(&self.c)
@@ -136,12 +172,89 @@ cdef class KVCache:
                                       % (n, s, self._lengths[s], self.capacity))
         self._lengths[s] += n
 
+    def _forget(self, seq, n):
+        """Drop n tokens from the count of sequence seq (the ring policies free their slots)."""
+        s = self._seq(seq)
+        if not 0 <= n <= self._lengths[s]:
+            raise KVSimdValueError("cannot forget %d of %d tokens" % (n, self._lengths[s]))
+        self._lengths[s] -= n
+
     def reset(self, seq=None):
         """Forget the tokens of one sequence (or of all)."""
         if seq is None:
             self._lengths[:] = 0
+            _reset_streaming(self, None)
         else:
             self._lengths[self._seq(seq)] = 0
+            _reset_streaming(self, self._seq(seq))
+
+    def attend_parts(self, layer, parts, *, seq=0, scale=None, alibi_slopes=None, key_positions=None, out=None):
+        """Attention over several slot ranges of one sequence, each with its own query:
+        ``parts`` is a list of ``(q, t0, t1, query_position)``; one softmax spans all of them.
+        ALiBi distances use ``key_positions`` (int64 ``[capacity]``, per slot)."""
+        cdef kv_attn_params p
+        l, s = self._layer(layer), self._seq(seq)
+        cdef int64_t H = -1, D = self.head_dim
+        cdef int first = 1
+        if not parts:
+            raise KVSimdValueError("attend_parts needs at least one key range")
+        H = parts[0][0].shape[0]
+        if out is None:
+            out = _np.empty((H, D), dtype=_np.float32)
+        else:
+            _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True)
+        if alibi_slopes is not None:
+            _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
+            _need_array(key_positions, "key_positions", (_I64,), 1, "[capacity]")
+            if alibi_slopes.shape[0] != H or key_positions.shape[0] != self.capacity:
+                raise KVSimdValueError("alibi_slopes must be [%d] and key_positions [%d]" % (H, self.capacity))
+        ml = _np.empty(2 * H, dtype=_np.float32)
+        ws = _np.empty(kv_attend_workspace_bytes(H, self.n_kv_heads, D), dtype=_np.uint8)
+        cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
+        live = [pt for pt in parts if pt[2] > pt[1]]
+        for i, (q, t0, t1, qpos) in enumerate(live):
+            _need_array(q, "q", (_F32,), 2, "[H, head_dim]")
+            if q.shape != (H, D) or H % self.n_kv_heads:
+                raise KVSimdValueError("every q must be [%d, %d], got %s" % (H, D, q.shape))
+            if not 0 <= t0 < t1 <= self.capacity:
+                raise KVSimdValueError("key range %d..%d outside 0..%d" % (t0, t1, self.capacity))
+            p.q = <const float *>_ptr(q)
+            p.k = kv_cache_block(&self.c, l, 0, s)
+            p.v = kv_cache_block(&self.c, l, 1, s)
+            p.out = <float *>_ptr(out)
+            p.m = <float *>_ptr(ml)
+            p.l = p.m + H
+            p.alibi = <const float *>_ptr(alibi_slopes) if alibi_slopes is not None else NULL
+            p.key_pos = <const int64_t *>_ptr(key_positions) if alibi_slopes is not None else NULL
+            p.query_pos = qpos
+            p.H, p.Hkv, p.D = H, self.n_kv_heads, D
+            p.n_total, p.t0, p.t1 = self.capacity, t0, t1
+            p.g0, p.g1 = 0, self.n_kv_heads
+            p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
+            p.dtype = self._kv_dtype
+            p.init = 1 if i == 0 else 0
+            p.finalize = 1 if i == len(live) - 1 else 0
+            with nogil:
+                kv_attend(&p, <void *>wsp)
+        if not live:
+            raise KVSimdValueError("attend_parts: every key range is empty")
+        return out
+
+    def shift_range(self, int64_t seq, int64_t t0, int64_t t1, int64_t delta, double theta, style, int64_t rotary_dim):
+        """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K)."""
+        s = self._seq(seq)
+        if not 0 <= t0 <= t1 <= self.capacity:
+            raise KVSimdValueError("slot range %d..%d outside 0..%d" % (t0, t1, self.capacity))
+        cdef kv_rope_style st = _STYLES[style]
+        cdef kv_status rc
+        cdef void *kp
+        for layer in range(self.n_layers):
+            kp = kv_cache_block(&self.c, layer, 0, s)
+            with nogil:
+                rc = kv_shift_keys(kp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta, theta,
+                                   st, rotary_dim, t0, t1)
+            if rc != KV_OK:
+                raise KVSimdValueError("shift_range: bad arguments (status %d)" % rc)
 
     def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first

@@ -46,6 +46,18 @@ class CrossAttentionCache(KVCache):
         self.commit(S, seq=seq)
 
 
+def _ring_ranges(start, count, base, width):
+    """Slot ranges of ``count`` ring entries starting at slot ``start`` of the ring [base, base+width)."""
+    if count <= 0:
+        return []
+    r0 = start - base
+    first = min(count, width - r0)
+    out = [(start, start + first)]
+    if count > first:
+        out.append((base, base + count - first))
+    return out
+
+
 def _tokens_1d(tokens, vocab, what="tokens"):
     t = np.asarray(tokens)
     if t.ndim != 1 or t.size == 0:
@@ -147,6 +159,8 @@ class _Stack:
         hidden rows [T, d_model].  Checked up front, so a bad prompt leaves the cache unchanged."""
         t = _tokens_1d(tokens, self.cfg.vocab_size)
         start = cache.length(seq)
+        if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
+            raise KVSimdValueError("sequence %d has wrapped its ring buffer: feed further tokens with step()" % seq)
         if start + t.size > cache.capacity:
             raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
                                       % (t.size, start, cache.capacity, seq))
@@ -182,6 +196,9 @@ class _Stack:
                     return merge_heads(causal_attention(q, kk, vv, 0, None, causal=False))
             x = self._block(lw, x, attend_self, attend_cross)
         cache.commit(T, seq=seq)
+        cache.positions[seq, start:start + T] = pos
+        cache.seen[seq] += T
+        cache.tokens[seq].extend(int(v) for v in t)
         self.decoder_positions += T
         return x
 
@@ -197,23 +214,34 @@ class _Stack:
         if (lengths == 0).any():
             raise KVSimdValueError("sequences %s have no prompt yet: prefill them first"
                                    % np.nonzero(lengths == 0)[0].tolist())
-        if (lengths + 1 > cache.capacity).any():
+        if cache.policy == "fixed" and (lengths + 1 > cache.capacity).any():
             raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
                                       % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
-        pos = lengths.astype(np.int64)
-        x = self._embed(t, pos)
+        plans = [self._plan(cache, b) for b in range(B)]
+        kpos = np.array([pl["kpos"] for pl in plans], dtype=np.int64)
+        spos = np.array([pl["qpos_sinks"] for pl in plans], dtype=np.int64)
+        x = self._embed(t, kpos if cache.policy != "sink_query" else spos)
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        two_queries = bool((spos != kpos).any()) and cfg.position == "rope"
         for l, lw in enumerate(self.layers):
             def attend_self(h, l=l, lw=lw):
                 q, k, v = self._qkv(lw.attn, h)
-                q = rope(cfg, split_heads(q, H, D), pos)        # [H, B, D]: token b at pos[b]
-                k = rope(cfg, split_heads(k, Hkv, D), pos)
+                q = split_heads(q, H, D)                        # [H, B, D]: token b at its position
+                qs = rope(cfg, q.copy(), spos) if two_queries else None
+                q = rope(cfg, q, kpos)
+                k = rope(cfg, split_heads(k, Hkv, D), kpos)
                 v = split_heads(v, Hkv, D)
                 out = np.empty((B, H * D), F32)
-                for b in range(B):
-                    cache.write(l, np.ascontiguousarray(k[:, b:b + 1]), np.ascontiguousarray(v[:, b:b + 1]), seq=b)
-                    cache.attend(l, np.ascontiguousarray(q[:, b]), seq=b, length=int(pos[b]) + 1,
-                                 alibi_slopes=self.slopes, out=out[b].reshape(H, D))
+                for b, pl in enumerate(plans):
+                    cache.write(l, np.ascontiguousarray(k[:, b:b + 1]), np.ascontiguousarray(v[:, b:b + 1]), seq=b,
+                                start=pl["slot"])
+                    qa = np.ascontiguousarray(q[:, b])
+                    qsb = np.ascontiguousarray(qs[:, b]) if two_queries else qa
+                    parts = [(qsb if which == "sinks" else qa, t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
+                             for which, t0, t1 in pl["ranges"]]
+                    cache.attend_parts(l, parts, seq=b, alibi_slopes=self.slopes,
+                                       key_positions=cache.positions[b] if self.slopes is not None else None,
+                                       out=out[b].reshape(H, D))
                 return out
             attend_cross = None
             if cross is not None:
@@ -224,10 +252,58 @@ class _Stack:
                         cross.attend(l, np.ascontiguousarray(q[b]), seq=b, out=out[b].reshape(H, D))
                     return out
             x = self._block(lw, x, attend_self, attend_cross)
-        for b in range(B):
+        for b, pl in enumerate(plans):
+            cache.rotations[b, pl["slot"]] = 0
+            cache.seen[b] += 1
+            cache.tokens[b].append(int(t[b]))
             cache.commit(1, seq=b)
         self.decoder_positions += B
         return x
+
+    def _plan(self, cache: KVCache, b):
+        """Where sequence b's next token goes, at which positions, and which key ranges it reads;
+        makes room first when the window is full (the cache's policy).  StreamingLLM positions:
+        sinks 0..n_keep-1, the window contiguous after them."""
+        cfg = self.cfg
+        cap, nk = cache.capacity, cache.n_keep
+        W = cap - nk
+        L = cache.length(b)
+        if L == cap:
+            pol = cache.policy
+            if pol == "reevaluate":
+                kept = cache.tokens[b][:nk] + cache.tokens[b][nk + cache.n_discard:]
+                cache.reset(b)
+                self._prefill(kept, cache, b)
+            elif pol == "shift":
+                nd = cache.n_discard
+                keep_start = nk + (cache.head[b] - nk + nd) % W
+                for t0, t1 in _ring_ranges(keep_start, W - nd, nk, W):
+                    if cfg.position == "rope":
+                        cache.shift_range(b, t0, t1, -nd, cfg.rope_theta, cfg.rope_style, cfg.rotary_dim)
+                        cache.rotations[b, t0:t1] += 1
+                    cache.positions[b, t0:t1] -= nd
+                cache.head[b] = keep_start
+                cache._forget(b, nd)
+                del cache.tokens[b][nk:nk + nd]
+            elif pol == "sink_query":
+                cache.head[b] = nk + (cache.head[b] - nk + 1) % W
+                cache._forget(b, 1)
+                del cache.tokens[b][nk]
+            else:
+                raise KVSimdCapacityError("cache full: sequence %d holds %d tokens" % (b, cap))
+            L = cache.length(b)
+        if L < nk or W == 0:
+            slot = L
+        else:
+            slot = nk + (cache.head[b] - nk + (L - nk)) % W
+        Lp = L + 1                                   # valid tokens after this step
+        compressed = Lp - 1
+        kpos = int(cache.seen[b]) if cache.policy == "sink_query" else compressed
+        ranges = [("sinks", 0, min(nk, Lp))] if nk else []
+        if Lp > nk:
+            ranges += [("window", t0, t1) for t0, t1 in _ring_ranges(int(cache.head[b]), Lp - nk, nk, W)]
+        cache.positions[b, slot] = kpos       # invisible until committed; ALiBi reads it this step
+        return {"slot": slot, "kpos": kpos, "qpos_sinks": compressed if nk else kpos, "ranges": ranges}
 
     # ------------------------------------------------------------------ uncached reference
     def _full(self, tokens, enc_out=None):
@@ -254,9 +330,21 @@ class _Stack:
         self.decoder_positions += T
         return self._logits(x)
 
-    def new_cache(self, batch=1, capacity=2048, dtype="float16"):
-        """A self-attention cache sized for this model."""
-        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype)
+    def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None):
+        """A self-attention cache sized for this model.  With ``policy`` other than "fixed" the
+        cache never fills (StreamingLLM): ``n_keep`` sink tokens stay, and when the window is
+        full "reevaluate" drops the ``n_discard`` oldest window tokens and recomputes the rest,
+        "shift" drops them and rotates the kept keys back in place, "sink_query" drops the
+        oldest token each step and rewrites nothing (the query is rotated twice instead),
+        "auto" picks "shift" where positions can shift and "reevaluate" elsewhere."""
+        pos = self.cfg.position
+        if policy == "auto":
+            policy = "shift" if pos in ("rope", "alibi") else "reevaluate"
+        if policy in ("shift", "sink_query") and pos not in ("rope", "alibi"):
+            raise KVSimdValueError("policy %r needs RoPE or ALiBi positions; this model has %s positions "
+                                   "(use 'reevaluate', or 'auto')" % (policy, pos))
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype,
+                       n_keep=n_keep, policy=policy, n_discard=n_discard)
 
 
 class Decoder(_Stack):
@@ -301,22 +389,23 @@ class Decoder(_Stack):
         return model
 
     def generate(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                 stop_tokens=(), cache_dtype="float16", capacity=None) -> Iterator:
+                 stop_tokens=(), cache_dtype="float16", capacity=None, n_keep=0, policy="fixed",
+                 n_discard=None) -> Iterator:
         """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
         (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped)."""
         batched = len(prompt) > 0 and isinstance(prompt[0], (list, tuple, np.ndarray))
         prompts = [list(p) for p in prompt] if batched else [list(prompt)]
         return _generate(self, prompts, batched, None, max_new_tokens, temperature, top_k, top_p, seed,
-                         stop_tokens, cache_dtype, capacity)
+                         stop_tokens, cache_dtype, capacity, dict(n_keep=n_keep, policy=policy, n_discard=n_discard))
 
 
 def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-              cache_dtype, capacity):
+              cache_dtype, capacity, streaming=None):
     B = len(prompts)
     if B == 0 or any(len(p) == 0 for p in prompts):
         raise KVSimdValueError("every prompt needs at least one token")
     capacity = capacity or max(len(p) for p in prompts) + max_new_tokens
-    cache = model.new_cache(batch=B, capacity=capacity, dtype=cache_dtype)
+    cache = model.new_cache(batch=B, capacity=capacity, dtype=cache_dtype, **(streaming or {}))
     cross = model.cross_for(sources, cache_dtype) if sources is not None else None
     rng = np.random.default_rng(seed)
     stop = set(int(s) for s in stop_tokens)
@@ -331,7 +420,7 @@ def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top
         yield out if batched else out[0]
         if all(done):
             return
-        if (cache.lengths + 1 > cache.capacity).any():
+        if cache.policy == "fixed" and (cache.lengths + 1 > cache.capacity).any():
             return
         logits = model._step_logits(toks, cache, cross)
 

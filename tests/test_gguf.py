@@ -247,3 +247,12 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2
     r = run_cli([])
     assert r.returncode == 2
+
+
+def test_cli_infinite_generation(model_dir):
+    r = run_cli(["generate", "--policy", "sink_query", "--window", "24", "--n-keep", "4", "--max-new-tokens", "60",
+                 "Once upon a time"])
+    assert r.returncode == 0, r.stderr
+    assert "decode 60 tokens" in r.stderr or "decode" in r.stderr
+    r = run_cli(["generate", "--policy", "shift", "--window", "3", "Once upon a time there was"])
+    assert r.returncode == 1 and "see --window" in r.stderr
