@@ -16,7 +16,8 @@ def _fmt_attn(r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__)
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope", "decode"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope", "decode", "streaming", "quality"])
+    ap.add_argument("--plot", metavar="DIR", help="quality: write a PNG of running NLL against position here")
     ap.add_argument("--threads", type=int, action="append", help="thread counts for decode (default: 1 and 2)")
     ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
                     help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
@@ -69,6 +70,32 @@ def main(argv=None):
         for key, v in ratios.items():
             if "transformers" in v:
                 print("decode     %-15s context=%-5d threads=%d kvsimd / transformers = %.2fx" % (key + (v["kvsimd"] / v["transformers"],)))
+    if args.what == "streaming":
+        from kvsimd.bench import streaming
+        n = 10**5 if args.quick else 10**6
+        for pol in ("sink_query", "shift"):
+            r = streaming.bench_memory(pol, n_tokens=n, progress=lambda r: print(
+                "streaming  memory   %-10s after %8d tokens: RSS %.1f MiB (%.0f s)"
+                % (r["policy"], r["tokens"], r["rss_MiB"], r["seconds"]), flush=True))
+            print("streaming  memory   %-10s RSS growth from %d to %d tokens: %+.2f%%"
+                  % (pol, r["first"], r["tokens"], r["growth_pct"]), flush=True)
+            results["rows"].append(r)
+        results["rows"] += streaming.bench_overhead((256, 2048) if args.quick else (256, 2048, 8192), progress=lambda r: print(
+            "streaming  overhead capacity=%-5d %-10s %6.1f tok/s  %+6.2f%% vs fixed%s"
+            % (r["capacity"], r["policy"], r["tok_per_s"], r["overhead_pct"],
+               "  (one shift event: %.1f ms)" % r["event_ms"] if "event_ms" in r else ""), flush=True))
+    if args.what == "quality":
+        import os
+        from kvsimd.bench import quality
+        text = os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..", "shared", "data",
+                            "hamlet_gut.txt")
+        png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
+        rows, _ = quality.main(n_tokens=512 if args.quick else 2304, windows=(128,) if args.quick else (256, 512),
+                               oracle_every=8, text_path=text, png=png)
+        for r in rows:
+            print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
+                  % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
+        results["rows"] += rows
     if args.json:
         common.write_json(args.json, results)
     return 0

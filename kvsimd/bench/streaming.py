@@ -1,0 +1,115 @@
+"""Infinite generation: memory stays flat, and the policies cost little per step.
+
+* memory: RSS of a process that generates 10^6 tokens with a tiny model, after 10^4 and 10^6;
+* overhead: decode tok/s with a full cache under each policy against the same cache size in
+  fixed mode, on the SmolLM2-shaped model (random weights).  A shift event (rotating the kept
+  window of every layer) happens once per n_discard steps: its time is measured on its own and
+  amortized over those steps.
+"""
+import os
+import statistics
+import time
+
+import numpy as np
+
+import kvsimd
+from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def tiny_decoder(seed=0, d=32, H=4, Hkv=2, vocab=64, layers=1):
+    rng = np.random.default_rng(seed)
+    Dh = d // H
+    r = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
+    cfg = ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=H, n_kv_heads=Hkv, head_dim=Dh,
+                      ffn_dim=64, ffn_gated=True, position="rope", rope_style="gptj", family="tiny")
+    lw = [LayerWeights(AttentionWeights(r(d, H * Dh), r(d, Hkv * Dh), r(d, Hkv * Dh), r(H * Dh, d)),
+                       FFNWeights(r(d, 64), r(64, d), r(d, 64)), NormWeights(1 + r(d)), NormWeights(1 + r(d)))
+          for _ in range(layers)]
+    return kvsimd.Decoder(cfg, embed=r(vocab, d), layers=lw, final_norm=NormWeights(1 + r(d)), lm_head=r(d, vocab))
+
+
+def bench_memory(policy, n_tokens=10**6, checkpoints=(10**4,), capacity=256, progress=None):
+    dec = tiny_decoder()
+    cache = dec.new_cache(capacity=capacity, n_keep=4, policy=policy)
+    dec.prefill([1, 2, 3, 4, 5], cache=cache)
+    rss = {}
+    t0 = time.perf_counter()
+    tok = [7]
+    marks = set(checkpoints) | {n_tokens}
+    for i in range(1, n_tokens + 1):
+        logits = dec.step(tok, cache=cache)[0]
+        tok = [int(np.argmax(logits))]
+        if i in marks:
+            rss[i] = rss_bytes()
+            if progress:
+                progress({"policy": policy, "tokens": i, "rss_MiB": rss[i] / 2**20,
+                          "seconds": time.perf_counter() - t0})
+    first = min(checkpoints)
+    return {"op": "streaming-memory", "policy": policy, "capacity": capacity, "tokens": n_tokens,
+            "rss_first": rss[first], "rss_last": rss[n_tokens], "first": first,
+            "growth_pct": 100.0 * (rss[n_tokens] - rss[first]) / rss[first]}
+
+
+def _step_times(dec, cache, n):
+    times, tok = [], [1]
+    for _ in range(n):
+        t0 = time.perf_counter()
+        dec.step(tok, cache=cache)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_overhead(capacities=(256, 2048, 8192), steps=12, progress=None):
+    from kvsimd.bench.decode import SHAPES, _hf_model
+    spec = dict(SHAPES["smollm2-shaped"], name="smollm2-shaped")
+    dec = kvsimd.Decoder.from_transformers(_hf_model(spec))
+    cfg = dec.cfg
+    rng = np.random.default_rng(0)
+    rows = []
+    for cap in capacities:
+        kv = [(rng.standard_normal((cfg.n_kv_heads, cap, cfg.head_dim)).astype(np.float32) * 0.5,
+               rng.standard_normal((cfg.n_kv_heads, cap, cfg.head_dim)).astype(np.float32) * 0.5)
+              for _ in range(cfg.n_layers)]
+
+        def filled(policy, n):
+            c = dec.new_cache(capacity=cap, n_keep=4, policy=policy)
+            for layer, (k, v) in enumerate(kv):
+                c.write(layer, np.ascontiguousarray(k[:, :n]), np.ascontiguousarray(v[:, :n]))
+            c.commit(n)
+            c.positions[0, :n] = np.arange(n)
+            c.seen[0] = n
+            c.tokens[0] = [1] * n
+            return c
+
+        res = {}
+        # fixed: the same cache size, steps just below capacity
+        c = filled("fixed", cap - steps - 1)
+        _step_times(dec, c, 2)
+        res["fixed"] = statistics.median(_step_times(dec, c, steps - 2))
+        # sink_query: full window, every step evicts one token
+        c = filled("sink_query", cap)
+        _step_times(dec, c, 2)
+        res["sink_query"] = statistics.median(_step_times(dec, c, steps))
+        # shift: steps without an event, plus the event amortized over n_discard steps
+        c = filled("shift", cap)
+        event = _step_times(dec, c, 1)[0]          # full: this step discards and rotates
+        plain = statistics.median(_step_times(dec, c, steps))
+        res["shift"] = plain + max(0.0, event - plain) / c.n_discard
+        res["shift_event_s"] = event
+        # reevaluate: the recompute (a prefill of the kept tokens) amortized over n_discard steps
+        c = filled("reevaluate", cap)
+        event = _step_times(dec, c, 1)[0]
+        plain = statistics.median(_step_times(dec, c, steps))
+        res["reevaluate"] = plain + max(0.0, event - plain) / c.n_discard
+        for pol in ("fixed", "sink_query", "shift", "reevaluate"):
+            rows.append({"op": "streaming-overhead", "policy": pol, "capacity": cap, "tok_per_s": 1.0 / res[pol],
+                         "overhead_pct": 100.0 * (res[pol] - res["fixed"]) / res["fixed"],
+                         **({"event_ms": res["shift_event_s"] * 1e3} if pol == "shift" else {})})
+            if progress:
+                progress(rows[-1])
+    return rows
