@@ -330,6 +330,12 @@ class _Stack:
         self.decoder_positions += T
         return self._logits(x)
 
+    def _prefill_logits(self, tokens, cache, seq, cross):
+        return self._logits(self._prefill(tokens, cache, seq, cross)[-1:])[0]
+
+    def _step_logits(self, tokens, cache, cross):
+        return self._logits(self._step(tokens, cache, cross))
+
     def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None):
         """A self-attention cache sized for this model.  With ``policy`` other than "fixed" the
         cache never fills (StreamingLLM): ``n_keep`` sink tokens stay, and when the window is
@@ -425,16 +431,6 @@ def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top
         logits = model._step_logits(toks, cache, cross)
 
 
-def _prefill_logits(self, p, cache, b, cross):
-    return self._logits(self._prefill(p, cache, b, cross)[-1:])[0]
-
-
-def _step_logits(self, toks, cache, cross):
-    return self._logits(self._step(toks, cache, cross))
-
-
-_Stack._prefill_logits = _prefill_logits
-_Stack._step_logits = _step_logits
 
 
 class EncoderDecoder(_Stack):
