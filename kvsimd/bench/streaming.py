@@ -64,7 +64,7 @@ def _step_times(dec, cache, n):
     return times
 
 
-def bench_overhead(capacities=(256, 2048, 8192), steps=12, progress=None):
+def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
     from kvsimd.bench.decode import SHAPES, _hf_model
     spec = dict(SHAPES["smollm2-shaped"], name="smollm2-shaped")
     dec = kvsimd.Decoder.from_transformers(_hf_model(spec))
@@ -87,25 +87,24 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=12, progress=None):
             return c
 
         res = {}
-        # fixed: the same cache size, steps just below capacity
-        c = filled("fixed", cap - steps - 1)
-        _step_times(dec, c, 2)
-        res["fixed"] = statistics.median(_step_times(dec, c, steps - 2))
-        # sink_query: full window, every step evicts one token
-        c = filled("sink_query", cap)
-        _step_times(dec, c, 2)
-        res["sink_query"] = statistics.median(_step_times(dec, c, steps))
-        # shift: steps without an event, plus the event amortized over n_discard steps
-        c = filled("shift", cap)
-        event = _step_times(dec, c, 1)[0]          # full: this step discards and rotates
-        plain = statistics.median(_step_times(dec, c, steps))
-        res["shift"] = plain + max(0.0, event - plain) / c.n_discard
-        res["shift_event_s"] = event
-        # reevaluate: the recompute (a prefill of the kept tokens) amortized over n_discard steps
-        c = filled("reevaluate", cap)
-        event = _step_times(dec, c, 1)[0]
-        plain = statistics.median(_step_times(dec, c, steps))
-        res["reevaluate"] = plain + max(0.0, event - plain) / c.n_discard
+        caches = {"fixed": filled("fixed", cap - steps - 3)}
+        for pol in ("sink_query", "shift", "reevaluate"):
+            caches[pol] = filled(pol, cap)
+        # shift/reevaluate: the step that finds the window full discards (and rotates, or
+        # recomputes); time it alone, then amortize it over the n_discard steps it buys
+        events = {pol: _step_times(dec, caches[pol], 1)[0] for pol in ("shift", "reevaluate")}
+        _step_times(dec, caches["sink_query"], 1)   # warm-up
+        _step_times(dec, caches["fixed"], 1)
+        # steady state, interleaved step by step so that drift of this shared machine cancels
+        times = {pol: [] for pol in caches}
+        for _ in range(steps):
+            for pol, c in caches.items():
+                times[pol] += _step_times(dec, c, 1)
+        for pol in caches:
+            res[pol] = statistics.median(times[pol])
+        for pol, ev in events.items():
+            res[pol] += max(0.0, ev - res[pol]) / caches[pol].n_discard
+        res["shift_event_s"] = events["shift"]
         for pol in ("fixed", "sink_query", "shift", "reevaluate"):
             rows.append({"op": "streaming-overhead", "policy": pol, "capacity": cap, "tok_per_s": 1.0 / res[pol],
                          "overhead_pct": 100.0 * (res[pol] - res["fixed"]) / res["fixed"],
