@@ -11,7 +11,8 @@ from kvsimd.testing import use_isa
 settings.register_profile("dev", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                   HealthCheck.function_scoped_fixture])
-settings.register_profile("ci", max_examples=60, deadline=None,
+# CI replays the same examples every run (reproducible); dev runs explore new ones
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                   HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("KVSIMD_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
