@@ -80,6 +80,11 @@ def main(argv=None):
             print("streaming  memory   %-10s RSS growth from %d to %d tokens: %+.2f%%"
                   % (pol, r["first"], r["tokens"], r["growth_pct"]), flush=True)
             results["rows"].append(r)
+        for pol in ("shift", "sink_query"):
+            results["rows"] += streaming.bench_drift(pol, n_tokens=10**4 if args.quick else 10**5, checkpoints=(
+                (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5)), progress=lambda r: print(
+                "streaming  drift    %-10s %s after %6d tokens: logits within %.2e of a fresh prefill (max %d rotations)"
+                % (r["policy"], r["dtype"], r["tokens"], r["rel_err"], r["max_rotations"]), flush=True))
         results["rows"] += streaming.bench_overhead((256, 2048) if args.quick else (256, 2048, 8192), progress=lambda r: print(
             "streaming  overhead capacity=%-5d %-10s %6.1f tok/s  %+6.2f%% vs fixed%s"
             % (r["capacity"], r["policy"], r["tok_per_s"], r["overhead_pct"],

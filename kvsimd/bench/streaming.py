@@ -112,3 +112,25 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
             if progress:
                 progress(rows[-1])
     return rows
+
+
+def bench_drift(policy, n_tokens=10**5, checkpoints=(10**3, 10**4, 10**5), dtype="float16", progress=None):
+    """Logits of a long infinite generation against a fresh prefill of exactly the kept tokens
+    (one-layer model, where the two must agree): the error must not grow with the length."""
+    dec = tiny_decoder(seed=3)
+    cache = dec.new_cache(capacity=256, n_keep=4, policy=policy, dtype=dtype)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, dec.cfg.vocab_size, n_tokens)
+    logits = dec.prefill(list(toks[:8]), cache=cache)
+    out = []
+    for i in range(8, n_tokens):
+        logits = dec.step([int(toks[i])], cache=cache)[0]
+        if i + 1 in checkpoints:
+            ref_cache = dec.new_cache(capacity=len(cache.tokens[0]) + 1, dtype="float32")
+            ref = dec.prefill(cache.tokens[0], cache=ref_cache)
+            err = float(np.abs(logits - ref).max() / np.abs(ref).max())
+            out.append({"op": "streaming-drift", "policy": policy, "dtype": dtype, "tokens": i + 1,
+                        "rel_err": err, "max_rotations": int(cache.rotations.max())})
+            if progress:
+                progress(out[-1])
+    return out
