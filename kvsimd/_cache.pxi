@@ -240,6 +240,129 @@ cdef class KVCache:
             raise KVSimdValueError("attend_parts: every key range is empty")
         return out
 
+    def step_attend(self, layer, qkv, out, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None):
+        """One decode step of self-attention for layer ``layer``, every sequence of the batch, in
+        one call (what a decoder does per layer and token, without per-head Python work).
+
+        ``qkv`` float32 ``[batch, (H + 2 n_kv_heads) * head_dim]``: each row the token's q, k, v
+        projections, heads contiguous; rotated in place when ``rope = (theta, style, rotary_dim)``
+        (q and k at ``kpos[b]``).  k and v are stored at slot ``slots[b]`` (visible once
+        committed).  ``ranges[b]`` lists ``(use_sink_query, t0, t1, query_position)`` key ranges
+        read under one softmax; a range with ``use_sink_query`` uses q rotated at ``spos[b]``
+        instead.  ALiBi distances use ``self.positions``.  Writes ``out`` float32 ``[batch, H * head_dim]``."""
+        cdef kv_attn_params p
+        cdef int64_t b, l = self._layer(layer)
+        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
+        _need_array(qkv, "qkv", (_F32,), 2, "[batch, (H + 2 n_kv_heads) * head_dim]", writeable=True)
+        _need_array(out, "out", (_F32,), 2, "[batch, H * head_dim]", writeable=True)
+        cdef int64_t HD = out.shape[1], H = HD // D
+        if out.shape[0] != B or HD % D or H % Hkv or H == 0:
+            raise KVSimdValueError("out must be [%d, H * %d] with H a multiple of %d, got %s" % (B, D, Hkv, out.shape))
+        if qkv.shape[0] != B or qkv.shape[1] != HD + 2 * Hkv * D:
+            raise KVSimdValueError("qkv must be [%d, %d], got %s" % (B, HD + 2 * Hkv * D, qkv.shape))
+        for name, a in (("slots", slots), ("kpos", kpos), ("spos", spos)):
+            _need_array(a, name, (_I64,), 1, "[batch]")
+            if a.shape[0] != B:
+                raise KVSimdValueError("%s must have %d entries, got %d" % (name, B, a.shape[0]))
+        if ((slots < 0) | (slots >= C)).any():
+            raise KVSimdCapacityError("slots %s outside 0..%d" % (slots.tolist(), C - 1))
+        if len(ranges) != B:
+            raise KVSimdValueError("ranges must have one list per sequence (%d), got %d" % (B, len(ranges)))
+        cdef double theta = 0.0
+        cdef kv_rope_style st = KV_ROPE_GPTJ
+        cdef int64_t rd = 0
+        cdef bint do_rope = rope is not None
+        if do_rope:
+            th, style, rdim = rope
+            if style not in _STYLES:
+                raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
+            theta, st, rd = float(th), _STYLES[style], _need_int(rdim, "rotary_dim")
+            if rd <= 0 or rd % 2 or rd > D or not (theta > 0.0 and _math.isfinite(theta)):
+                raise KVSimdValueError("bad rope parameters %r" % (rope,))
+            if max(int(_np.abs(kpos).max()), int(_np.abs(spos).max())) > _MAX_EXACT_POS:
+                raise KVSimdPositionError("positions must be within +-2**53")
+        if alibi_slopes is not None:
+            _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
+            if alibi_slopes.shape[0] != H:
+                raise KVSimdValueError("alibi_slopes must be [%d]" % H)
+        checked = []
+        for b in range(B):
+            rs = []
+            for use_s, t0, t1, qpos in ranges[b]:
+                if not 0 <= t0 <= t1 <= C:
+                    raise KVSimdValueError("key range %d..%d outside 0..%d" % (t0, t1, C))
+                if t1 > t0:
+                    rs.append((1 if use_s else 0, t0, t1, qpos))
+            if not rs:
+                raise KVSimdValueError("sequence %d: every key range is empty" % b)
+            checked.append(rs)
+        # scratch: [H, D] sink query, softmax state, kernel workspace (kept between calls)
+        need = kv_attend_workspace_bytes(H, Hkv, D) + 64
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.shape[0] < need:
+            ws = self._ws = _np.empty(need, dtype=_np.uint8)
+        qs = _np.empty((H, D), dtype=_np.float32)
+        ml = _np.empty(2 * H, dtype=_np.float32)
+        cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
+        cdef float *qrow
+        cdef float *krow
+        cdef float *vrow
+        cdef float *qsp = <float *>_ptr(qs)
+        cdef const int64_t *kp = <const int64_t *>_ptr(kpos)
+        cdef const int64_t *sp = <const int64_t *>_ptr(spos)
+        cdef const int64_t *slp = <const int64_t *>_ptr(slots)
+        cdef char *kc
+        cdef char *vc
+        cdef int64_t h, slot
+        cdef size_t es = 2 if self._kv_dtype == KV_F16 else 4
+        cdef bint two
+        cdef kv_status rc
+        cdef float sc = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
+        cdef int64_t row = qkv.shape[1]
+        for b in range(B):
+            qrow = <float *>_ptr(qkv) + b * row
+            krow = qrow + HD
+            vrow = krow + Hkv * D
+            slot = slp[b]
+            two = do_rope and sp[b] != kp[b] and any(r[0] for r in checked[b])
+            with nogil:
+                if two:
+                    memcpy(qsp, qrow, HD * sizeof(float))
+                    kv_apply_rope(qsp, KV_F32, H, 1, D, sp + b, theta, st, rd)
+                if do_rope:
+                    kv_apply_rope(qrow, KV_F32, H, 1, D, kp + b, theta, st, rd)
+                    kv_apply_rope(krow, KV_F32, Hkv, 1, D, kp + b, theta, st, rd)
+                kc = <char *>kv_cache_block(&self.c, l, 0, b)
+                vc = <char *>kv_cache_block(&self.c, l, 1, b)
+                for h in range(Hkv):
+                    if es == 2:
+                        kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
+                        kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)
+                    else:
+                        memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
+                        memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
+            rs = checked[b]
+            for i, (use_s, t0, t1, qpos) in enumerate(rs):
+                p.q = qsp if (use_s and two) else qrow
+                p.k = kv_cache_block(&self.c, l, 0, b)
+                p.v = kv_cache_block(&self.c, l, 1, b)
+                p.out = <float *>_ptr(out) + b * HD
+                p.m = <float *>_ptr(ml)
+                p.l = p.m + H
+                p.alibi = <const float *>_ptr(alibi_slopes) if alibi_slopes is not None else NULL
+                p.key_pos = (<const int64_t *>_ptr(self.positions)) + b * C if alibi_slopes is not None else NULL
+                p.query_pos = qpos
+                p.H, p.Hkv, p.D = H, Hkv, D
+                p.n_total, p.t0, p.t1 = C, t0, t1
+                p.g0, p.g1 = 0, Hkv
+                p.scale = sc
+                p.dtype = self._kv_dtype
+                p.init = 1 if i == 0 else 0
+                p.finalize = 1 if i == len(rs) - 1 else 0
+                with nogil:
+                    kv_attend(&p, <void *>wsp)
+        return out
+
     def shift_range(self, int64_t seq, int64_t t0, int64_t t1, int64_t delta, double theta, style, int64_t rotary_dim):
         """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K)."""
         s = self._seq(seq)

@@ -222,27 +222,17 @@ class _Stack:
         spos = np.array([pl["qpos_sinks"] for pl in plans], dtype=np.int64)
         x = self._embed(t, kpos if cache.policy != "sink_query" else spos)
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        two_queries = bool((spos != kpos).any()) and cfg.position == "rope"
+        slots = np.array([pl["slot"] for pl in plans], dtype=np.int64)
+        ranges = [[(which == "sinks", t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
+                   for which, t0, t1 in pl["ranges"]] for pl in plans]
+        rope_args = (cfg.rope_theta, cfg.rope_style, cfg.rotary_dim) if cfg.position == "rope" else None
         for l, lw in enumerate(self.layers):
             def attend_self(h, l=l, lw=lw):
-                q, k, v = self._qkv(lw.attn, h)
-                q = split_heads(q, H, D)                        # [H, B, D]: token b at its position
-                qs = rope(cfg, q.copy(), spos) if two_queries else None
-                q = rope(cfg, q, kpos)
-                k = rope(cfg, split_heads(k, Hkv, D), kpos)
-                v = split_heads(v, Hkv, D)
+                qkv = np.ascontiguousarray(linear(h, lw.attn.wqkv, lw.attn.bqkv), dtype=F32)
                 out = np.empty((B, H * D), F32)
-                for b, pl in enumerate(plans):
-                    cache.write(l, np.ascontiguousarray(k[:, b:b + 1]), np.ascontiguousarray(v[:, b:b + 1]), seq=b,
-                                start=pl["slot"])
-                    qa = np.ascontiguousarray(q[:, b])
-                    qsb = np.ascontiguousarray(qs[:, b]) if two_queries else qa
-                    parts = [(qsb if which == "sinks" else qa, t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
-                             for which, t0, t1 in pl["ranges"]]
-                    cache.attend_parts(l, parts, seq=b, alibi_slopes=self.slopes,
-                                       key_positions=cache.positions[b] if self.slopes is not None else None,
-                                       out=out[b].reshape(H, D))
-                return out
+                # rope q/k, store k/v at each sequence's slot, attend over its key ranges
+                return cache.step_attend(l, qkv, out, slots, kpos, spos, ranges, rope=rope_args,
+                                         alibi_slopes=self.slopes)
             attend_cross = None
             if cross is not None:
                 def attend_cross(h, l=l, lw=lw):

@@ -57,13 +57,16 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------ functions
+try:  # SciPy's erf when it is installed (resolved once: a failed import per call is slow)
+    from scipy.special import erf as _scipy_erf
+except ImportError:
+    _scipy_erf = None
+
+
 def _erf(x):
     """erf to ~1e-7 absolute (Abramowitz & Stegun 7.1.26 is 1.5e-7); float32-adequate."""
-    try:  # SciPy's erf when it is installed
-        from scipy.special import erf
-        return erf(x)
-    except ImportError:
-        pass
+    if _scipy_erf is not None:
+        return _scipy_erf(x)
     s = np.sign(x)
     a = np.abs(x).astype(np.float64)
     t = 1.0 / (1.0 + 0.3275911 * a)
@@ -84,13 +87,21 @@ def activation(name, x):
 
 
 def norm(cfg, x, w, b):
+    # ufunc reductions directly (np.mean's Python layer costs more than the math at decode sizes)
+    inv_n = x.dtype.type(1.0 / x.shape[-1])
+    eps = x.dtype.type(cfg.norm_eps)
     if cfg.norm == "rmsnorm":
-        var = np.mean(np.square(x), axis=-1, keepdims=True)
-        return (x / np.sqrt(var + cfg.norm_eps)) * w
-    mu = np.mean(x, axis=-1, keepdims=True)
-    var = np.mean(np.square(x - mu), axis=-1, keepdims=True)
-    y = (x - mu) / np.sqrt(var + cfg.norm_eps) * w
-    return y + b if b is not None else y
+        r = np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) * inv_n + eps)
+        y = x / r
+        y *= w
+        return y
+    xc = x - np.add.reduce(x, axis=-1, keepdims=True) * inv_n
+    r = np.sqrt(np.add.reduce(xc * xc, axis=-1, keepdims=True) * inv_n + eps)
+    xc /= r
+    xc *= w
+    if b is not None:
+        xc += b
+    return xc
 
 
 def linear(x, w, b=None):

@@ -104,3 +104,80 @@ def test_memory_is_freed():
     assert view.base is not None  # the view keeps the cache alive: reading it is safe
     assert view.sum() == 0
     assert isinstance(repr(kvsimd.KVCache(1, 1, 8, 4)), str)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("mode", ["rope", "sink_query", "alibi"])
+def test_step_attend_matches_the_separate_ops(rng, dtype, mode):
+    """The fused decode-step call equals rope + write + attend done one by one (float64 reference)."""
+    from kvsimd import reference as ref
+    H, Hkv, D, C, B = 6, 2, 16, 40, 2
+    c = KVCache(2, Hkv, D, C, batch=B, dtype=dtype)
+    lens = [30, 17]
+    for b, n in enumerate(lens):
+        c.write(1, rng.standard_normal((Hkv, n, D)).astype(np.float32),
+                rng.standard_normal((Hkv, n, D)).astype(np.float32), seq=b)
+        c.commit(n, seq=b)
+        c.positions[b, :n] = np.arange(n) + 5 * b
+    qkv = rng.standard_normal((B, (H + 2 * Hkv) * D)).astype(np.float32)
+    slots = np.array(lens, np.int64)
+    kpos = np.array([lens[0] + 100, lens[1] + 7], np.int64)
+    spos = kpos - (40 if mode == "sink_query" else 0)
+    ranges = [[(True, 0, 3, int(spos[b])), (False, 3, lens[b] + 1, int(kpos[b]))] for b in range(B)]
+    rope = None if mode == "alibi" else (1e4, "neox", 12)
+    slopes = np.linspace(0.1, 0.6, H).astype(np.float32) if mode == "alibi" else None
+    if mode == "alibi":
+        for b in range(B):
+            c.positions[b, slots[b]] = kpos[b]
+    out = np.empty((B, H * D), np.float32)
+    c.step_attend(1, qkv.copy(), out, slots, kpos, spos, ranges, rope=rope, alibi_slopes=slopes)
+    for b in range(B):
+        q = qkv[b, :H * D].reshape(H, D).astype(np.float64)
+        k = qkv[b, H * D:(H + Hkv) * D].reshape(Hkv, 1, D).astype(np.float64)
+        v = qkv[b, (H + Hkv) * D:].reshape(Hkv, 1, D)
+        qs = q.copy()
+        if rope:
+            qs = ref.apply_rope(q[:, None], np.array([spos[b]]), theta=1e4, style="neox", rotary_dim=12)[:, 0]
+            q = ref.apply_rope(q[:, None], np.array([kpos[b]]), theta=1e4, style="neox", rotary_dim=12)[:, 0]
+            k = ref.apply_rope(k, np.array([kpos[b]]), theta=1e4, style="neox", rotary_dim=12)
+        kc = c.keys(1, b, length=lens[b] + 1).astype(np.float64)
+        vc = c.values(1, b, length=lens[b] + 1).astype(np.float64)
+        np.testing.assert_allclose(kc[:, -1:], k.astype(c.dtype), rtol=1e-3 if dtype == "float16" else 1e-6, atol=1e-3)
+        np.testing.assert_array_equal(c.values(1, b, length=lens[b] + 1)[:, -1:], v.astype(c.dtype))
+        # expected: one softmax over the sinks (seen by qs) and the rest (seen by q)
+        G = H // Hkv
+        s = np.empty((H, lens[b] + 1))
+        for h in range(H):
+            s[h, :3] = kc[h // G, :3] @ qs[h] / np.sqrt(D)
+            s[h, 3:] = kc[h // G, 3:] @ q[h] / np.sqrt(D)
+            if slopes is not None:
+                qp = np.where(np.arange(lens[b] + 1) < 3, spos[b], kpos[b])
+                s[h] -= slopes[h] * (qp - c.positions[b, :lens[b] + 1])
+        p = np.exp(s - s.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        want = np.stack([p[h] @ vc[h // G] for h in range(H)]).reshape(-1)
+        np.testing.assert_allclose(out[b], want, rtol=1e-4, atol=1e-4)
+
+
+def test_step_attend_bad_input_changes_nothing(rng):
+    c = KVCache(1, 2, 8, 10, dtype="float32")
+    c.write(0, np.ones((2, 4, 8), np.float32), np.ones((2, 4, 8), np.float32))
+    c.commit(4)
+    before = c.keys(0, length=10).copy()
+    qkv = np.zeros((1, 8 * 8), np.float32)
+    out = np.empty((1, 32), np.float32)
+    one = np.array([4], np.int64)
+    ok = [[(False, 0, 5, 4)]]
+    with pytest.raises(ValueError, match="qkv"):
+        c.step_attend(0, qkv[:, :-8], out, one, one, one, ok)
+    with pytest.raises(KVSimdCapacityError, match="slots"):
+        c.step_attend(0, qkv, out, np.array([10], np.int64), one, one, ok)
+    with pytest.raises(ValueError, match="key range"):
+        c.step_attend(0, qkv, out, one, one, one, [[(False, 0, 11, 4)]])
+    with pytest.raises(ValueError, match="empty"):
+        c.step_attend(0, qkv, out, one, one, one, [[(False, 3, 3, 4)]])
+    with pytest.raises(TypeError, match="kpos"):
+        c.step_attend(0, qkv, out, one, one.astype(np.int32), one, ok)
+    with pytest.raises(ValueError, match="rope"):
+        c.step_attend(0, qkv, out, one, one, one, ok, rope=(1e4, "neox", 7))
+    np.testing.assert_array_equal(c.keys(0, length=10), before)

@@ -2,6 +2,8 @@
 import argparse
 import sys
 
+import numpy as np
+
 import kvsimd
 from kvsimd.bench import cases, common, kernels
 
@@ -25,6 +27,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="small contexts only, few repeats")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
+                    help="quality: score the re-prefill oracle on every K-th position (1 = all; default 8)")
     args = ap.parse_args(argv)
 
     supported = kvsimd.isa_info()["supported"]
@@ -70,6 +74,10 @@ def main(argv=None):
         for key, v in ratios.items():
             if "transformers" in v:
                 print("decode     %-15s context=%-5d threads=%d kvsimd / transformers = %.2fx" % (key + (v["kvsimd"] / v["transformers"],)))
+            if "transformers" in v and "weights floor" in v:
+                print("decode     %-15s context=%-5d threads=%d kvsimd at %.0f%% of the weight-streaming floor; "
+                      "the floor itself is %.2fx transformers" % (key + (100 * v["kvsimd"] / v["weights floor"],
+                                                                          v["weights floor"] / v["transformers"])))
     if args.what == "streaming":
         from kvsimd.bench import streaming
         n = 10**5 if args.quick else 10**6
@@ -95,12 +103,14 @@ def main(argv=None):
         text = os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..", "shared", "data",
                             "hamlet_gut.txt")
         png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
-        rows, _ = quality.main(n_tokens=512 if args.quick else 2304, windows=(128,) if args.quick else (256, 512),
-                               oracle_every=8, text_path=text, png=png)
+        rows, curves = quality.main(n_tokens=512 if args.quick else 2304, windows=(128,) if args.quick else (256, 512),
+                               oracle_every=args.oracle_every, text_path=text, png=png)
         for r in rows:
             print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
                   % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
         results["rows"] += rows
+        results["curves"] = {k: [None if not np.isfinite(x) else round(float(x), 5) for x in v]
+                             for k, v in curves.items()}
     if args.json:
         common.write_json(args.json, results)
     return 0

@@ -37,20 +37,66 @@ def _hf_model(spec, seed=0):
 
 
 def _median_step(fn, steps, warmup=2):
+    return _median_steps({"f": fn}, steps, warmup)["f"]
+
+
+def _median_steps(fns, steps, warmup=2):
+    """Median seconds per call of each function, timed in turn step by step (round robin), so
+    that drift of a shared machine hits every implementation alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_matrices(stack):
+    """The weight matrices one decode step multiplies by, in order (the bytes it must stream)."""
+    mats = []
+    for lw in stack.layers:
+        mats += [lw.attn.wqkv, lw.attn.wo]
+        if lw.cross is not None:
+            mats += [lw.cross.wq, lw.cross.wo]
+        mats += [lw.ffn.w13 if lw.ffn.w13 is not None else lw.ffn.w1, lw.ffn.w2]
+    return mats + [stack.lm_head]
+
+
+def weight_floor_fn(stack):
+    """The matrix-vector products of one step alone (same BLAS, same order, nothing else): with
+    float32 weights beyond the LLC, the memory-bandwidth floor of any decode step that reads
+    those weights, kvsimd's and transformers' alike.  Returns (fn, bytes streamed)."""
+    mats = step_matrices(stack)
+    xs = {m.shape[0]: np.ones((1, m.shape[0]), np.float32) for m in mats}
+
+    def run():
+        for m in mats:
+            np.matmul(xs[m.shape[0]], m)
+    return run, sum(m.nbytes for m in mats)
+
+
+def _rows(model, context, nt, times, nbytes, progress):
+    extra = {"kvsimd": {"isa": kvsimd.active_isa(), "cache": "float16"},
+             "weights floor": {"weight_bytes": nbytes, "GBps": nbytes / times.get("weights floor", 1) / 1e9},
+             "transformers": {"cache": "fp32 (DynamicCache)"}}
+    rows = []
+    for impl, t in times.items():
+        rows.append(dict({"model": model, "impl": impl, "context": context, "threads": nt, "tok_per_s": 1.0 / t},
+                         **extra[impl]))
+        if progress:
+            progress(rows[-1])
+    return rows
 
 
 def bench_decoder_only(spec, contexts, threads, steps, with_hf=True, progress=None):
     import torch
     hf = _hf_model(spec)
     dec = kvsimd.Decoder.from_transformers(hf)
+    floor, nbytes = weight_floor_fn(dec)
     cfg = dec.cfg
     rows = []
     rng = np.random.default_rng(0)
@@ -61,31 +107,24 @@ def bench_decoder_only(spec, contexts, threads, steps, with_hf=True, progress=No
         for nt in threads:
             kvsimd.set_num_threads(nt)
             torch.set_num_threads(nt)
-            cache = dec.new_cache(capacity=n_ctx + steps + 8, dtype="float16")
+            cache = dec.new_cache(capacity=n_ctx + 2 * steps + 8, dtype="float16")
             for layer, (k, v) in enumerate(kv):
                 cache.write(layer, k, v)
             cache.commit(n_ctx)
             tok = [1]
-            t = _median_step(lambda: dec.step(tok, cache=cache), steps)
-            rows.append({"model": spec["name"], "impl": "kvsimd", "context": n_ctx, "threads": nt,
-                         "tok_per_s": 1.0 / t, "isa": kvsimd.active_isa(), "cache": "float16"})
-            if progress:
-                progress(rows[-1])
+            fns = {"kvsimd": lambda: dec.step(tok, cache=cache), "weights floor": floor}
             if with_hf:
                 from transformers import DynamicCache
-                with torch.no_grad():
-                    pkv = DynamicCache()
-                    for layer, (k, v) in enumerate(kv):
-                        pkv.update(torch.from_numpy(k[None]), torch.from_numpy(v[None]), layer)
-                    ids = torch.tensor([[1]])
+                pkv = DynamicCache()
+                for layer, (k, v) in enumerate(kv):
+                    pkv.update(torch.from_numpy(k[None]), torch.from_numpy(v[None]), layer)
+                ids = torch.tensor([[1]])
 
-                    def hf_step():
+                def hf_step():
+                    with torch.no_grad():
                         hf(input_ids=ids, past_key_values=pkv, use_cache=True)
-                    t = _median_step(hf_step, steps)
-                rows.append({"model": spec["name"], "impl": "transformers", "context": n_ctx, "threads": nt,
-                             "tok_per_s": 1.0 / t, "cache": "DynamicCache fp32"})
-                if progress:
-                    progress(rows[-1])
+                fns["transformers"] = hf_step
+            rows += _rows(spec["name"], n_ctx, nt, _median_steps(fns, steps), nbytes, progress)
     return rows
 
 
@@ -93,6 +132,7 @@ def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
     import torch
     hf = _hf_model(spec)
     ed = kvsimd.EncoderDecoder.from_transformers(hf)
+    floor, nbytes = weight_floor_fn(ed)
     rng = np.random.default_rng(0)
     src = list(rng.integers(3, spec["vocab"], spec["src"]))
     start = hf.config.decoder_start_token_id
@@ -101,13 +141,9 @@ def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
         kvsimd.set_num_threads(nt)
         torch.set_num_threads(nt)
         cross = ed.cross_for([src])
-        cache = ed.new_cache(capacity=steps + 16)
+        cache = ed.new_cache(capacity=2 * steps + 16)
         ed.prefill([start], cache=cache, cross=cross)
-        t = _median_step(lambda: ed.step([5], cache=cache, cross=cross), steps)
-        rows.append({"model": spec["name"], "impl": "kvsimd", "context": spec["src"], "threads": nt,
-                     "tok_per_s": 1.0 / t, "isa": kvsimd.active_isa(), "cache": "float16"})
-        if progress:
-            progress(rows[-1])
+        fns = {"kvsimd": lambda: ed.step([5], cache=cache, cross=cross), "weights floor": floor}
         if with_hf:
             from transformers import DynamicCache, EncoderDecoderCache
             with torch.no_grad():
@@ -115,16 +151,14 @@ def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
                 pkv = EncoderDecoderCache(DynamicCache(), DynamicCache())
                 out = hf(encoder_outputs=enc, decoder_input_ids=torch.tensor([[start]]), past_key_values=pkv,
                          use_cache=True)
-                pkv = out.past_key_values
-                ids = torch.tensor([[5]])
+            pkv = out.past_key_values
+            ids = torch.tensor([[5]])
 
-                def hf_step():
+            def hf_step():
+                with torch.no_grad():
                     hf(encoder_outputs=enc, decoder_input_ids=ids, past_key_values=pkv, use_cache=True)
-                t = _median_step(hf_step, steps)
-            rows.append({"model": spec["name"], "impl": "transformers", "context": spec["src"], "threads": nt,
-                         "tok_per_s": 1.0 / t, "cache": "EncoderDecoderCache fp32"})
-            if progress:
-                progress(rows[-1])
+            fns["transformers"] = hf_step
+        rows += _rows(spec["name"], spec["src"], nt, _median_steps(fns, steps), nbytes, progress)
     return rows
 
 
