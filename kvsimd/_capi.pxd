@@ -59,6 +59,7 @@ cdef extern from "kvsimd.h" nogil:
     ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
     ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil
     ctypedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n) noexcept nogil
+    ctypedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink) noexcept nogil
 
     ctypedef struct kv_kernels:
         const char *name
@@ -68,6 +69,7 @@ cdef extern from "kvsimd.h" nogil:
         kv_rot_fn rotate
         kv_f32_to_f16_fn f32_to_f16
         kv_f16_to_f32_fn f16_to_f32
+        kv_peak_fn fma_peak
 
     uint32_t kv_cpu_features() noexcept
     kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept
@@ -100,6 +102,12 @@ cdef extern from "kvsimd.h" nogil:
     void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim) noexcept
     uint64_t kv_bench_read(const void *buf, size_t bytes) noexcept
     void kv_bench_copy(void *dst, const void *src, size_t bytes) noexcept
+    void kv_bench_write(void *dst, size_t bytes) noexcept
+    uint64_t kv_bench_run(int op, void *dst, const void *src, size_t bytes, int threads) noexcept
+    enum:
+        KV_BENCH_READ
+        KV_BENCH_WRITE
+        KV_BENCH_COPY
 
     ctypedef struct kv_cache:
         void *data

@@ -1,6 +1,7 @@
 # kvsimd.ops: kernels over NumPy arrays.  Everything is validated here, with the GIL, before
 # any kernel runs without it; kernels themselves never check anything.
 import math as _math
+import time as _time
 
 import numpy as _np
 
@@ -253,6 +254,40 @@ def _bench_copy(cnp.ndarray dst, cnp.ndarray src):
     cdef size_t n = min(dst.nbytes, src.nbytes)
     with nogil:
         kv_bench_copy(d, s, n)
+
+
+_BENCH_OPS = {"read": KV_BENCH_READ, "write": KV_BENCH_WRITE, "copy": KV_BENCH_COPY}
+
+
+def _bench_mem(op, cnp.ndarray dst, cnp.ndarray src, int threads=1):
+    """Stream ``op`` ("read" src, "write" dst, "copy" src to dst) over the whole buffer, split
+    across ``threads`` OpenMP threads (benchmark roofline)."""
+    cdef int o = _BENCH_OPS[op]
+    cdef void *d = _ptr(dst)
+    cdef const void *s = _ptr(src)
+    cdef size_t n = min(dst.nbytes, src.nbytes)
+    cdef uint64_t r
+    if threads < 1:
+        raise KVSimdValueError("threads must be >= 1")
+    with nogil:
+        r = kv_bench_run(o, d, s, n, threads)
+    return r
+
+
+def _fma_peak(isa, int64_t iters):
+    """(flops, seconds) of ``iters`` rounds of the fp32 multiply-add probe on ISA row ``isa``."""
+    cdef const kv_kernels *row = NULL
+    for i in range(kv_isa_count()):
+        if kv_isa_name(i).decode() == isa and kv_isa_supported(i):
+            row = kv_isa_row(i)
+    if row == NULL:
+        raise KVSimdValueError("ISA %r is not supported here" % (isa,))
+    cdef float sink
+    cdef uint64_t flops
+    t0 = _time.perf_counter()
+    with nogil:
+        flops = row.fma_peak(iters, &sink)
+    return flops, _time.perf_counter() - t0
 
 
 def _attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D):

@@ -221,7 +221,7 @@ class _Stack:
         kpos = np.array([pl["kpos"] for pl in plans], dtype=np.int64)
         spos = np.array([pl["qpos_sinks"] for pl in plans], dtype=np.int64)
         x = self._embed(t, kpos if cache.policy != "sink_query" else spos)
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        H, D = cfg.n_heads, cfg.head_dim
         slots = np.array([pl["slot"] for pl in plans], dtype=np.int64)
         ranges = [[(which == "sinks", t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
                    for which, t0, t1 in pl["ranges"]] for pl in plans]

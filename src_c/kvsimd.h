@@ -117,6 +117,10 @@ typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);
 
 /* One row of the dispatch table: the kernels of one ISA. */
+/* fp32 multiply-add throughput probe: runs `iters` rounds of independent FMA chains, stores a
+   result in *sink (so nothing is optimized away) and returns the floating-point ops done. */
+typedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink);
+
 typedef struct kv_kernels {
     const char *name;
     uint32_t required;      /* KV_FEAT_* bits the CPU must have */
@@ -125,6 +129,7 @@ typedef struct kv_kernels {
     kv_rot_fn rotate;
     kv_f32_to_f16_fn f32_to_f16;
     kv_f16_to_f32_fn f16_to_f32;
+    kv_peak_fn fma_peak;
 } kv_kernels;
 
 /* cpu.c: CPUID + XGETBV.  Freestanding (no libc), so it also runs in the emulator. */
@@ -175,6 +180,10 @@ void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq);
 /* membench.c: what the benchmark compares kernels against (baseline ISA, no tricks). */
 uint64_t kv_bench_read(const void *buf, size_t bytes);
 void kv_bench_copy(void *dst, const void *src, size_t bytes);
+void kv_bench_write(void *dst, size_t bytes);
+enum { KV_BENCH_READ = 0, KV_BENCH_WRITE = 1, KV_BENCH_COPY = 2 };
+/* op over `bytes` split into `threads` equal 64-byte-multiple parts, one per OpenMP thread */
+uint64_t kv_bench_run(int op, void *dst, const void *src, size_t bytes, int threads);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
-/* membench.c - the memory roofline the benchmark reports kernels against: a streaming read
- * and a copy with plain 16-byte loads and stores (baseline SSE2, no non-temporal tricks). */
+/* membench.c - the memory roofline the benchmark reports kernels against: streaming read,
+ * write and copy with plain 16-byte loads and stores (baseline SSE2, no non-temporal tricks),
+ * on one thread or split across OpenMP threads. */
 #include <emmintrin.h>
 
 #include "kvsimd.h"
@@ -34,4 +35,36 @@ void kv_bench_copy(void *dst, const void *src, size_t bytes)
         _mm_storeu_si128(d + 2, x2);
         _mm_storeu_si128(d + 3, x3);
     }
+}
+
+void kv_bench_write(void *dst, size_t bytes)
+{
+    __m128i *d = (__m128i *)dst;
+    const __m128i x = _mm_set1_epi32(0x3c003c00);
+    size_t n = bytes / 64;
+    for (size_t i = 0; i < n; i++, d += 4) {
+        _mm_storeu_si128(d, x);
+        _mm_storeu_si128(d + 1, x);
+        _mm_storeu_si128(d + 2, x);
+        _mm_storeu_si128(d + 3, x);
+    }
+}
+
+uint64_t kv_bench_run(int op, void *dst, const void *src, size_t bytes, int threads)
+{
+    if (threads < 1)
+        threads = 1;
+    const size_t per = (bytes / (size_t)threads) & ~(size_t)63;
+    uint64_t sum = 0;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(+ : sum)
+    for (int t = 0; t < threads; t++) {
+        const size_t off = (size_t)t * per;
+        if (op == KV_BENCH_READ)
+            sum += kv_bench_read((const char *)src + off, per);
+        else if (op == KV_BENCH_WRITE)
+            kv_bench_write((char *)dst + off, per);
+        else
+            kv_bench_copy((char *)dst + off, (const char *)src + off, per);
+    }
+    return sum;
 }

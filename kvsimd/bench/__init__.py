@@ -1,4 +1,17 @@
-"""``python -m kvsimd.bench``: microbenchmarks of kvsimd's kernels against the machine's own
-memory roofline (measured in the same run).  Standard library + NumPy only.
+"""``python -m kvsimd.bench``: the benchmarks people run to decide whether kvsimd suits their
+machine.  Every kernel figure is reported against the machine's own roofline, measured in the
+same run, and beside its peers (NumPy; PyTorch and transformers when installed).
 
-Subcommands: ``roofline``, ``attention``, ``rope``.  See ``python -m kvsimd.bench --help``."""
+One module per concern, sharing the case lists in :mod:`kvsimd.bench.cases` with the
+pytest-benchmark suites in ``bench/``:
+
+* ``roofline`` (:mod:`.common`): read/write/copy bandwidth, 1 thread and all, DRAM and LLC;
+  fp32 multiply-add peak per ISA path;
+* ``attention`` / ``rope`` (:mod:`.kernels`): attend and the K-cache shift per ISA, shape,
+  dtype and context, with NumPy and torch peers;
+* ``decode`` (:mod:`.decode`): tokens/s against transformers and the weight-streaming floor;
+* ``complexity`` (:mod:`.complexity`): seed 003's no-cache / encoder-hoisted / cached regimes;
+* ``streaming`` (:mod:`.streaming`) and ``quality`` (:mod:`.quality`): infinite generation.
+
+``--json`` output follows :mod:`.schema`; ``--plot`` charts come from :mod:`.plots`;
+:mod:`.report` turns a JSON run into the README's Performance section."""

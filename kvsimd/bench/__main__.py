@@ -1,118 +1,220 @@
-"""python -m kvsimd.bench [roofline|attention|rope] [--isa NAME] [--repeat N] [--quick] [--json PATH]"""
+"""python -m kvsimd.bench [roofline|attention|rope|decode|complexity|streaming|quality] [options]
+
+With no subcommand: an overview of roofline, attention, rope, decode, complexity and streaming
+(about ten minutes; add --quick for a smoke run).  --json writes the schema of
+kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib)."""
 import argparse
+import os
 import sys
+import time
 
 import numpy as np
 
 import kvsimd
 from kvsimd.bench import cases, common, kernels
+from kvsimd.bench.schema import SCHEMA_VERSION
+
+SUBCOMMANDS = ("roofline", "attention", "rope", "decode", "complexity", "streaming", "quality")
+OVERVIEW = ("roofline", "attention", "rope", "decode", "complexity", "streaming")
 
 
-def _fmt_attn(r):
-    extra = "%5.1f%% of read" % r["pct_read_roofline"] if "pct_read_roofline" in r else \
-        "%5.1f%% of copy" % r["pct_copy_roofline"]
-    return ("%-10s %-12s %-7s N=%-6d %-10s %9.3f ms %7.2f GB/s  %s%s"
-            % (r["op"], r["shape"], r["dtype"], r["N"], r["isa"], r["median_s"] * 1e3, r["GBps"], extra,
-               "" if r["beyond_llc"] else "  (fits in LLC)"))
+def _fmt_kernel(r):
+    key = "pct_read_roofline" if "pct_read_roofline" in r else "pct_copy_roofline"
+    who = r.get("isa", r["impl"]) if r["impl"] == "kvsimd" else r["impl"]
+    return ("%-10s %-12s %-8s N=%-6d %-10s %9.3f ms %7.2f GB/s %5.1f%% of %s"
+            % (r["op"], r["shape"], r["dtype"], r["N"], who, r["median_s"] * 1e3, r["GBps"], r[key],
+               key.split("_")[1]))
+
+
+def _shared_text():
+    here = os.path.dirname(os.path.abspath(kvsimd.__file__))
+    return os.path.join(here, "..", "..", "shared", "data", "hamlet_gut.txt")
+
+
+def run_roofline(args, roof):
+    rows = common.roofline_table(size=(256 << 20) if args.quick else (1 << 30), repeat=args.repeat or 3)
+    for r in rows:
+        if r["kind"] == "fma":
+            print("roofline   fp32 multiply-add  %-10s threads=%d %8.1f GFLOP/s" % (r["isa"], r["threads"], r["GFLOPs"]))
+        else:
+            print("roofline   %-5s %-4s threads=%d %8.2f GB/s" % (r["kind"], r["where"], r["threads"], r["GBps"]))
+    return rows
+
+
+def _kernel_section(args, roof, isas, op):
+    shapes = cases.ATTN_SHAPES[:1] if args.quick else cases.ATTN_SHAPES
+    contexts = cases.QUICK_CONTEXTS if args.quick else (cases.OVERVIEW_CONTEXTS if args.overview else cases.CONTEXTS)
+    repeat = args.repeat or (3 if args.quick else 5)
+    threads = (args.threads or [1])[0]
+    kvsimd.set_num_threads(threads)
+    n = len(shapes) * len(contexts)
+    bar = common.Progress(n * len(cases.DTYPES) * len(isas) + n, op)
+
+    def show(r):
+        bar.tick("%s %s N=%d" % (r["shape"], r["dtype"], r["N"]))
+        print(_fmt_kernel(r), flush=True)
+    if op == "attention":
+        rows = kernels.bench_attention(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
+        peers = kernels.bench_peers("attend", shapes, contexts, repeat, roof, threads,
+                                    lambda r: print(_fmt_kernel(r), flush=True))
+    else:
+        rows = kernels.bench_shift(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
+        peers = kernels.bench_peers("shift_keys", shapes, contexts, repeat, roof, threads,
+                                    lambda r: print(_fmt_kernel(r), flush=True))
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["N"])
+        if r["isa"] == kvsimd.active_isa():
+            best.setdefault(key, {})[r["dtype"]] = r["median_s"]
+    for p in peers:
+        ours = best.get((p["shape"], p["N"]), {})
+        if ours:
+            p["kvsimd_speedup"] = p["median_s"] / min(ours.values())
+    return rows + peers
+
+
+def run_decode(args, roof):
+    from kvsimd.bench import decode
+    threads = args.threads or [1, 2]
+    steps = 4 if args.quick else 16
+
+    def show(r):
+        print("decode     %-15s context=%-5d threads=%d %-13s %8.1f tok/s%s"
+              % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"],
+                 "   prefill %.1f tok/s" % r["prefill_tok_per_s"] if "prefill_tok_per_s" in r else ""), flush=True)
+    if args.model == "smollm2":
+        rows = decode.bench_smollm2([128] if args.quick else [128, 4096], threads, steps, show, _shared_text())
+    else:
+        rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
+                          models=("smollm2-shaped",) if args.quick else None)
+    ratios = {}
+    for r in rows:
+        ratios.setdefault((r["model"], r["context"], r["threads"]), {})[r["impl"]] = r["tok_per_s"]
+    for key, v in ratios.items():
+        if "transformers" in v:
+            print("decode     %-15s context=%-5d threads=%d kvsimd / transformers = %.2fx"
+                  % (key + (v["kvsimd"] / v["transformers"],)))
+        if "transformers" in v and "weights floor" in v:
+            print("decode     %-15s context=%-5d threads=%d kvsimd at %.0f%% of the weight-streaming floor; "
+                  "the floor itself is %.2fx transformers"
+                  % (key + (100 * v["kvsimd"] / v["weights floor"], v["weights floor"] / v["transformers"])))
+    return rows
+
+
+def run_complexity(args, roof):
+    from kvsimd.bench import complexity
+    ms = (10, 20, 40, 80) if args.quick else (25, 50, 100, 200, 400, 1000)
+
+    def show(r):
+        if r["op"] == "complexity":
+            print("complexity %-8s N=%-5d M=%-5d %9.3f s  %9d token positions"
+                  % (r["regime"], r["N"], r["M"], r["seconds"], r["token_positions"]), flush=True)
+        elif r["op"] == "complexity-fit":
+            print("complexity %-8s fitted exponent over M=%d..%d: time ~ M^%.2f, token positions ~ M^%.2f"
+                  % (r["regime"], r["M_range"][0], r["M_range"][1], r["time_exponent"], r["positions_exponent"]))
+        else:
+            print("complexity %-8s N=1024 M=100: %d token positions (seed 003: %d)%s"
+                  % (r["regime"], r["token_positions"], r["expected"],
+                     "" if r["token_positions"] == r["expected"] else "  MISMATCH"), flush=True)
+    return complexity.run(ms=ms, n_src=32 if args.quick else 64, progress=show)
+
+
+def run_streaming(args, roof):
+    from kvsimd.bench import streaming
+    rows = []
+    n = 2 * 10**4 if args.quick else (10**5 if args.overview else 10**6)
+    first = 10**3 if args.quick else 10**4
+    for pol in ("sink_query", "shift"):
+        r = streaming.bench_memory(pol, n_tokens=n, checkpoints=(first,), progress=lambda r: print(
+            "streaming  memory   %-10s after %8d tokens: RSS %.1f MiB (%.0f s)"
+            % (r["policy"], r["tokens"], r["rss_MiB"], r["seconds"]), flush=True))
+        print("streaming  memory   %-10s RSS growth from %d to %d tokens: %+.2f%%"
+              % (pol, r["first"], r["tokens"], r["growth_pct"]), flush=True)
+        rows.append(r)
+    far = 2 * 10**3 if args.quick else (10**4 if args.overview else 10**5)
+    for pol in ("shift", "sink_query"):
+        rows += streaming.bench_drift(pol, n_tokens=far, checkpoints=tuple(c for c in (10**3, 10**4, 10**5) if c <= far)
+                                      + ((far,) if far not in (10**3, 10**4, 10**5) else ()), progress=lambda r: print(
+            "streaming  drift    %-10s %s after %6d tokens: logits within %.2e of a fresh prefill (max %d rotations)"
+            % (r["policy"], r["dtype"], r["tokens"], r["rel_err"], r["max_rotations"]), flush=True))
+    rows += streaming.bench_overhead((256,) if args.quick else (256, 2048, 8192), steps=6 if args.quick else 24,
+                                     progress=lambda r: print(
+        "streaming  overhead capacity=%-5d %-10s %6.1f tok/s  %+6.2f%% vs fixed%s"
+        % (r["capacity"], r["policy"], r["tok_per_s"], r["overhead_pct"],
+           "  (one shift event: %.1f ms)" % r["event_ms"] if "event_ms" in r else ""), flush=True))
+    return rows
+
+
+def run_quality(args, roof):
+    from kvsimd.bench import quality
+    png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
+    rows, curves = quality.main(n_tokens=256 if args.quick else 2304, windows=(64,) if args.quick else (256, 512),
+                                oracle_every=args.oracle_every, text_path=_shared_text(), png=png)
+    for r in rows:
+        print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
+              % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
+    args.extra["curves"] = {k: [None if not np.isfinite(x) else round(float(x), 5) for x in v]
+                            for k, v in curves.items()}
+    return rows
+
+
+RUNNERS = {"roofline": run_roofline, "attention": lambda a, r: _kernel_section(a, r, a.isas, "attention"),
+           "rope": lambda a, r: _kernel_section(a, r, a.isas, "rope"), "decode": run_decode,
+           "complexity": run_complexity, "streaming": run_streaming, "quality": run_quality}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__)
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "roofline", "attention", "rope", "decode", "streaming", "quality"])
-    ap.add_argument("--plot", metavar="DIR", help="quality: write a PNG of running NLL against position here")
-    ap.add_argument("--threads", type=int, action="append", help="thread counts for decode (default: 1 and 2)")
+    ap = argparse.ArgumentParser(prog="python -m kvsimd.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="?", default=None, choices=SUBCOMMANDS,
+                    help="one benchmark (default: an overview of all but quality)")
+    ap.add_argument("--isa", action="append", help="ISA path(s) for attention/rope (default: every supported one)")
+    ap.add_argument("--threads", type=int, action="append",
+                    help="thread count(s): decode runs each (default 1 and 2); kernels use the first (default 1)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
+    ap.add_argument("--quick", action="store_true", help="small cases, few repeats (each subcommand < 1 min)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (see kvsimd.bench.schema)")
+    ap.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
                     help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
-    ap.add_argument("--isa", action="append", help="ISA path(s) to run (default: every supported one)")
-    ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
-    ap.add_argument("--quick", action="store_true", help="small contexts only, few repeats")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
                     help="quality: score the re-prefill oracle on every K-th position (1 = all; default 8)")
     args = ap.parse_args(argv)
 
     supported = kvsimd.isa_info()["supported"]
-    isas = args.isa or supported
-    for isa in isas:
+    args.isas = args.isa or supported
+    for isa in args.isas:
         if isa not in supported:
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
-    repeat = args.repeat or (3 if args.quick else 7)
-    contexts = cases.QUICK_CONTEXTS if args.quick else cases.CONTEXTS
+    if any(t < 1 for t in args.threads or []):
+        ap.error("--threads must be >= 1")
+    if args.plot:
+        os.makedirs(args.plot, exist_ok=True)
+    args.overview = args.what is None
+    args.extra = {}
+    sections = OVERVIEW if args.overview else (args.what,)
 
+    t_start = time.perf_counter()
     machine = common.header()
     roof = common.roofline(size=(256 << 20) if args.quick else (1 << 30), repeat=3 if args.quick else 5)
     print("roofline (1 thread, beyond LLC): read %.2f GB/s, copy %.2f GB/s (read+write bytes)"
-          % (roof["read_GBps"], roof["copy_GBps"]))
-    results = {"machine": machine, "roofline": roof, "rows": []}
-
-    def show(r):
-        print(_fmt_attn(r), flush=True)
-
-    if args.what in ("all", "attention"):
-        results["rows"] += kernels.bench_attention(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
-    if args.what in ("all", "rope"):
-        results["rows"] += kernels.bench_shift(isas, cases.ATTN_SHAPES, contexts, cases.DTYPES, repeat, roof, show)
-    if args.what in ("all", "decode"):
-        from kvsimd.bench import decode
-        ctx = [128, 2048] if args.quick else [128, 2048, 8192]
-        show = lambda r: print("decode     %-15s context=%-5d threads=%d %-12s %8.1f tok/s%s"  # noqa: E731
-                               % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"],
-                                  "   prefill %.1f tok/s" % r["prefill_tok_per_s"] if "prefill_tok_per_s" in r else ""),
-                               flush=True)
-        if args.model == "smollm2":
-            import os
-            text = os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..", "shared", "data",
-                                "hamlet_gut.txt")
-            rows = decode.bench_smollm2([128] if args.quick else [128, 4096], args.threads or [1, 2],
-                                        4 if args.quick else 16, show, text)
-        else:
-            rows = decode.run(ctx, args.threads or [1, 2], 4 if args.quick else 16, show)
-        results["rows"] += rows
-        ratios = {}
-        for r in rows:
-            ratios.setdefault((r["model"], r["context"], r["threads"]), {})[r["impl"]] = r["tok_per_s"]
-        for key, v in ratios.items():
-            if "transformers" in v:
-                print("decode     %-15s context=%-5d threads=%d kvsimd / transformers = %.2fx" % (key + (v["kvsimd"] / v["transformers"],)))
-            if "transformers" in v and "weights floor" in v:
-                print("decode     %-15s context=%-5d threads=%d kvsimd at %.0f%% of the weight-streaming floor; "
-                      "the floor itself is %.2fx transformers" % (key + (100 * v["kvsimd"] / v["weights floor"],
-                                                                          v["weights floor"] / v["transformers"])))
-    if args.what == "streaming":
-        from kvsimd.bench import streaming
-        n = 10**5 if args.quick else 10**6
-        for pol in ("sink_query", "shift"):
-            r = streaming.bench_memory(pol, n_tokens=n, progress=lambda r: print(
-                "streaming  memory   %-10s after %8d tokens: RSS %.1f MiB (%.0f s)"
-                % (r["policy"], r["tokens"], r["rss_MiB"], r["seconds"]), flush=True))
-            print("streaming  memory   %-10s RSS growth from %d to %d tokens: %+.2f%%"
-                  % (pol, r["first"], r["tokens"], r["growth_pct"]), flush=True)
-            results["rows"].append(r)
-        for pol in ("shift", "sink_query"):
-            results["rows"] += streaming.bench_drift(pol, n_tokens=10**4 if args.quick else 10**5, checkpoints=(
-                (10**3, 10**4) if args.quick else (10**3, 10**4, 10**5)), progress=lambda r: print(
-                "streaming  drift    %-10s %s after %6d tokens: logits within %.2e of a fresh prefill (max %d rotations)"
-                % (r["policy"], r["dtype"], r["tokens"], r["rel_err"], r["max_rotations"]), flush=True))
-        results["rows"] += streaming.bench_overhead((256, 2048) if args.quick else (256, 2048, 8192), progress=lambda r: print(
-            "streaming  overhead capacity=%-5d %-10s %6.1f tok/s  %+6.2f%% vs fixed%s"
-            % (r["capacity"], r["policy"], r["tok_per_s"], r["overhead_pct"],
-               "  (one shift event: %.1f ms)" % r["event_ms"] if "event_ms" in r else ""), flush=True))
-    if args.what == "quality":
-        import os
-        from kvsimd.bench import quality
-        text = os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..", "shared", "data",
-                            "hamlet_gut.txt")
-        png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
-        rows, curves = quality.main(n_tokens=512 if args.quick else 2304, windows=(128,) if args.quick else (256, 512),
-                               oracle_every=args.oracle_every, text_path=text, png=png)
-        for r in rows:
-            print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
-                  % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
-        results["rows"] += rows
-        results["curves"] = {k: [None if not np.isfinite(x) else round(float(x), 5) for x in v]
-                             for k, v in curves.items()}
+          % (roof["read_GBps"], roof["copy_GBps"]), flush=True)
+    results = {}
+    for section in sections:
+        print("## %s" % section, flush=True)
+        results[section] = RUNNERS[section](args, roof)
+    doc = {"schema": SCHEMA_VERSION,
+           "header": {"machine": machine, "versions": common.versions(), "isa": kvsimd.isa_info(),
+                      "roofline": roof, "argv": list(sys.argv[1:] if argv is None else argv), "quick": args.quick,
+                      "seconds": time.perf_counter() - t_start},
+           "results": results}
+    doc.update(args.extra)
+    if args.plot:
+        from kvsimd.bench import plots
+        for path in plots.write_all(doc, args.plot):
+            print("plot: %s" % path)
     if args.json:
-        common.write_json(args.json, results)
+        common.write_json(args.json, doc)
     return 0
 
 

@@ -92,15 +92,90 @@ def fill(shape, dtype, seed=0):
 
 
 def roofline(size=1 << 30, repeat=5):
-    """Single-thread streaming read and copy bandwidth (bytes moved / s), beyond the LLC."""
+    """Single-thread streaming read and copy bandwidth (bytes moved / s), beyond the LLC: the
+    figures every kernel row is reported against."""
     size = max(size, 4 * llc_bytes())
     src = np.ones(size, dtype=np.uint8)
     dst = np.ones(size, dtype=np.uint8)
-    _kvsimd._bench_read(src)
-    _kvsimd._bench_copy(dst, src)
-    t_read, _ = time_call(lambda: _kvsimd._bench_read(src), repeat)
-    t_copy, _ = time_call(lambda: _kvsimd._bench_copy(dst, src), repeat)
-    return {"read_GBps": size / t_read / 1e9, "copy_GBps": 2 * size / t_copy / 1e9, "bytes": size}
+    out = {}
+    for op in ("read", "copy"):
+        _kvsimd._bench_mem(op, dst, src, 1)
+        t, _ = time_call(lambda: _kvsimd._bench_mem(op, dst, src, 1), repeat)
+        out["%s_GBps" % op] = (2 if op == "copy" else 1) * size / t / 1e9
+    out["bytes"] = size
+    return out
+
+
+def roofline_table(size=1 << 30, repeat=5, progress=None):
+    """Read, write and copy bandwidth on 1 thread and on every core, beyond the LLC (DRAM) and
+    inside it (a buffer of a quarter of the LLC, repeated), plus the fp32 multiply-add peak of
+    every supported ISA path (1 thread, and x cores for all threads)."""
+    llc = llc_bytes() or (32 << 20)
+    cores = os.cpu_count() or 1
+    rows = []
+    for where, nbytes, reps in (("dram", max(size, 4 * llc), 1), ("llc", llc // 4, 16)):
+        src = np.ones(nbytes, dtype=np.uint8)
+        dst = np.ones(nbytes, dtype=np.uint8)
+        for threads in sorted({1, cores}):
+            for op in ("read", "write", "copy"):
+                def run():
+                    for _ in range(reps):
+                        _kvsimd._bench_mem(op, dst, src, threads)
+                run()
+                t, _ = time_call(run, repeat)
+                moved = (2 if op == "copy" else 1) * nbytes * reps
+                rows.append({"kind": op, "where": where, "threads": threads, "bytes": nbytes, "GBps": moved / t / 1e9})
+                if progress:
+                    progress(rows[-1])
+    for isa in kvsimd.isa_info()["supported"]:
+        flops, secs = _kvsimd._fma_peak(isa, 1000)
+        iters = max(1000, int(1000 * 0.2 / max(secs, 1e-6)))
+        for threads in sorted({1, cores}):
+            best = min(_parallel_peak(isa, iters, threads) for _ in range(repeat))
+            rows.append({"kind": "fma", "isa": isa, "threads": threads,
+                         "GFLOPs": flops / 1000 * iters * threads / best / 1e9})
+            if progress:
+                progress(rows[-1])
+    return rows
+
+
+def _parallel_peak(isa, iters, threads):
+    """Wall time of ``threads`` concurrent FMA probes (the probe releases the GIL)."""
+    import threading
+    go = threading.Barrier(threads + 1)
+
+    def work():
+        go.wait()
+        _kvsimd._fma_peak(isa, iters)
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal): ``tick(label)`` per item."""
+
+    def __init__(self, total, title):
+        self.total, self.title, self.n = max(1, total), title, 0
+        self.t0 = time.perf_counter()
+        self.on = sys.stderr.isatty()
+
+    def tick(self, label=""):
+        self.n += 1
+        if self.on:
+            w = 24
+            f = min(w, int(w * self.n / self.total))
+            sys.stderr.write("\r%-10s [%s%s] %d/%d %5.0fs %-40s" % (self.title, "#" * f, "." * (w - f), self.n,
+                                                                   self.total, time.perf_counter() - self.t0,
+                                                                   label[:40]))
+            if self.n >= self.total:
+                sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()
 
 
 def header(out=sys.stdout):
@@ -109,6 +184,16 @@ def header(out=sys.stdout):
           % (m["cpu"], m["cores"], m["llc_bytes"] >> 20, m["python"], m["numpy"]), file=out)
     kvsimd.show_runtime(file=out)
     return m
+
+
+def versions():
+    out = {"python": platform.python_version(), "numpy": np.__version__, "kvsimd": kvsimd.__version__}
+    for mod in ("torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return out
 
 
 def write_json(path, payload):

@@ -162,7 +162,7 @@ def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
     return rows
 
 
-def run(contexts, threads, steps, progress=None):
+def run(contexts, threads, steps, progress=None, models=None):
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -174,6 +174,8 @@ def run(contexts, threads, steps, progress=None):
                          "'transformers' 'torch==2.13.0'")
     rows = []
     for name, spec in SHAPES.items():
+        if models is not None and name not in models:
+            continue
         spec = dict(spec, name=name)
         if spec["kind"] == "llama":
             rows += bench_decoder_only(spec, contexts, threads, steps, with_hf, progress)

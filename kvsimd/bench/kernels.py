@@ -22,7 +22,7 @@ def _sweep(op, isas, shapes, contexts, dtypes, repeat, roof, make, progress):
                         call()
                         med, best = time_call(call, repeat, setup=evict)
                     gbps = moved / med / 1e9
-                    rows.append({"op": op, "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": dtype,
+                    rows.append({"op": op, "impl": "kvsimd", "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": dtype,
                                  "isa": isa, "median_s": med, "min_s": best, "bytes": moved, "GBps": gbps,
                                  "pct_%s_roofline" % roof_key.split("_")[0]: 100.0 * gbps / roof[roof_key],
                                  "beyond_llc": resident > llc})
@@ -46,3 +46,97 @@ def bench_shift(isas, shapes, contexts, dtypes, repeat, roof, progress=None):
         k = fill((Hkv, N, D), dtype, 1)
         return (lambda: ops.shift_keys(k, -1)), 2 * k.nbytes, k.nbytes, "copy_GBps"
     return _sweep("shift_keys", isas, shapes, contexts, dtypes, repeat, roof, make, progress)
+
+
+# ----------------------------------------------------------------------------- peers
+def torch_available():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _numpy_attend(q, k, v):
+    """Decode attention in NumPy float32 (batched matmuls + softmax), GQA by head groups."""
+    Hkv, N, D = k.shape
+    G = q.shape[0] // Hkv
+    s = np.matmul(q.reshape(Hkv, G, D), k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(D))
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v).reshape(-1, D)
+
+
+def attention_peers(H, Hkv, D, N, threads=1):
+    """(impl, dtype, call, bytes of K+V it reads) for NumPy float32 and torch SDPA fp32/fp16/bf16."""
+    k32, v32 = fill((Hkv, N, D), np.float32, 1), fill((Hkv, N, D), np.float32, 2)
+    q = fill((H, D), np.float32, 3)
+    out = [("numpy", "float32", lambda: _numpy_attend(q, k32, v32), k32.nbytes + v32.nbytes)]
+    if torch_available():
+        import torch
+        import torch.nn.functional as F
+        torch.set_num_threads(threads)
+        for name, dt in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+            tk = torch.from_numpy(k32).to(dt)[None]
+            tv = torch.from_numpy(v32).to(dt)[None]
+            tq = torch.from_numpy(q).to(dt)[None, :, None, :]
+
+            def call(tq=tq, tk=tk, tv=tv):
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=H != Hkv)
+            out.append(("torch-sdpa", name, call, tk.nbytes * 2))
+    return out
+
+
+def _rope_cos_sin(D, theta, positions):
+    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def shift_peers(Hkv, D, N, threads=1):
+    """The K-cache shift written the usual way (rotate_half formula, new tensor, copied back):
+    NumPy float32 and torch in the cache's dtypes.  (impl, dtype, call, bytes read + written)."""
+    k32 = fill((Hkv, N, D), np.float32, 1)
+    cos, sin = _rope_cos_sin(D, 1e4, [-1])
+    cos, sin = np.concatenate([cos, cos], -1)[0], np.concatenate([sin, sin], -1)[0]
+    h = D // 2
+
+    def np_shift():
+        rot = np.concatenate([-k32[..., h:], k32[..., :h]], axis=-1)
+        k32[...] = k32 * cos + rot * sin
+    out = [("numpy", "float32", np_shift, 2 * k32.nbytes)]
+    if torch_available():
+        import torch
+        torch.set_num_threads(threads)
+        for name, dt in (("float32", torch.float32), ("float16", torch.float16)):
+            tk = torch.from_numpy(k32).to(dt)
+            tc, ts = torch.from_numpy(cos).to(dt), torch.from_numpy(sin).to(dt)
+
+            def call(tk=tk, tc=tc, ts=ts):
+                with torch.no_grad():
+                    rot = torch.cat([-tk[..., h:], tk[..., :h]], dim=-1)
+                    tk.copy_(tk * tc + rot * ts)
+            out.append(("torch", name, call, 2 * tk.nbytes))
+    return out
+
+
+def bench_peers(kind, shapes, contexts, repeat, roof, threads=1, progress=None):
+    """Peers timed like kvsimd's rows (cold caches, median of repeats)."""
+    rows = []
+    evict = Evictor()
+    for name, H, Hkv, D in shapes:
+        for N in contexts:
+            peers = attention_peers(H, Hkv, D, N, threads) if kind == "attend" else shift_peers(Hkv, D, N, threads)
+            for impl, dtype, call, moved in peers:
+                call()
+                med, best = time_call(call, repeat, setup=evict)
+                key = "read_GBps" if kind == "attend" else "copy_GBps"
+                rows.append({"op": kind, "impl": impl, "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N,
+                             "dtype": dtype, "median_s": med, "min_s": best, "bytes": moved,
+                             "GBps": moved / med / 1e9,
+                             "pct_%s_roofline" % key.split("_")[0]: 100.0 * moved / med / 1e9 / roof[key]})
+                if progress:
+                    progress(rows[-1])
+    return rows

@@ -13,8 +13,9 @@
 #include "attn.inc.h"
 #include "rope.inc.h"
 #include "convert.inc.h"
+#include "peak.inc.h"
 
 const kv_kernels KV_FN(kernels) = {
     KV_STR(KV_ISA), KV_ROW_REQUIRED, KV_ROW_CFLAGS,
-    KV_FN(attn), KV_FN(rotate), KV_FN(f32_to_f16), KV_FN(f16_to_f32),
+    KV_FN(attn), KV_FN(rotate), KV_FN(f32_to_f16), KV_FN(f16_to_f32), KV_FN(fma_peak),
 };

@@ -1,0 +1,88 @@
+"""The JSON that ``python -m kvsimd.bench --json PATH`` writes, and a checker for it.
+
+    {"schema": 1,
+     "header": {"machine": {cpu, cores, llc_bytes, ...}, "versions": {python, numpy, kvsimd, torch?, ...},
+                "isa": {compiled, supported, active, forced}, "roofline": {read_GBps, copy_GBps, bytes},
+                "argv": [...], "quick": bool, "seconds": float},
+     "results": {<section>: [row, ...], ...}}
+
+Sections and the keys every row has (figures are positive and finite):
+
+* roofline   -- kind ("read" | "write" | "copy" | "fma"), threads, and GBps (memory: where =
+                "dram" | "llc") or GFLOPs (fma: isa)
+* attention  -- op "attend", impl ("kvsimd" | "numpy" | "torch-sdpa"), shape, H, Hkv, D, N, dtype,
+                median_s, GBps, pct_read_roofline (kvsimd rows: isa)
+* rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
+                median_s, GBps, pct_copy_roofline
+* decode     -- model, impl ("kvsimd" | "transformers" | "weights floor"), context, threads, tok_per_s
+* complexity -- op "complexity" (regime, N, M, seconds, token_positions), "complexity-fit" (regime,
+                time_exponent, positions_exponent) or "complexity-seed003" (regime, token_positions,
+                expected)
+* streaming  -- op "streaming-memory" (policy, tokens, growth_pct), "streaming-drift" (policy,
+                tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct)
+* quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results")
+"""
+import math
+
+SCHEMA_VERSION = 1
+
+# section -> op (or None for every row) -> keys that must be present; values in POSITIVE must be > 0
+ROW_KEYS = {
+    "roofline": {None: ["kind", "threads"]},
+    "attention": {None: ["op", "impl", "shape", "H", "Hkv", "D", "N", "dtype", "median_s", "GBps",
+                         "pct_read_roofline"]},
+    "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
+    "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"]},
+    "complexity": {"complexity": ["regime", "N", "M", "seconds", "token_positions"],
+                   "complexity-fit": ["regime", "time_exponent", "positions_exponent"],
+                   "complexity-seed003": ["regime", "token_positions", "expected"]},
+    "streaming": {"streaming-memory": ["policy", "tokens", "growth_pct"],
+                  "streaming-drift": ["policy", "tokens", "rel_err"],
+                  "streaming-overhead": ["policy", "capacity", "tok_per_s", "overhead_pct"]},
+    "quality": {None: ["config", "scored", "ppl_all", "ppl_oracle_positions"]},
+}
+POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
+            "pct_copy_roofline", "context", "tok_per_s", "M", "seconds", "token_positions", "tokens",
+            "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored"}
+FINITE = POSITIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
+
+
+def validate(doc):
+    """Raise ValueError naming the first thing in ``doc`` that breaks the schema."""
+    if doc.get("schema") != SCHEMA_VERSION:
+        raise ValueError("schema must be %d, got %r" % (SCHEMA_VERSION, doc.get("schema")))
+    head = doc.get("header")
+    if not isinstance(head, dict):
+        raise ValueError("header missing")
+    for key in ("machine", "versions", "isa", "roofline", "argv"):
+        if key not in head:
+            raise ValueError("header.%s missing" % key)
+    for key in ("read_GBps", "copy_GBps"):
+        v = head["roofline"].get(key)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError("header.roofline.%s must be positive, got %r" % (key, v))
+    res = doc.get("results")
+    if not isinstance(res, dict) or not res:
+        raise ValueError("results missing or empty")
+    for section, rows in res.items():
+        if section not in ROW_KEYS:
+            raise ValueError("unknown section %r" % section)
+        if not isinstance(rows, list) or not rows:
+            raise ValueError("section %r has no rows" % section)
+        for i, row in enumerate(rows):
+            spec = ROW_KEYS[section]
+            op = row.get("op")
+            keys = spec.get(None) or spec.get(op)
+            if keys is None:
+                raise ValueError("%s[%d]: unknown op %r" % (section, i, op))
+            for k in keys:
+                if k not in row:
+                    raise ValueError("%s[%d]: key %r missing" % (section, i, k))
+            if section == "roofline" and not ("GBps" in row or "GFLOPs" in row):
+                raise ValueError("roofline[%d]: needs GBps or GFLOPs" % i)
+            for k, v in row.items():
+                if k in FINITE and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if not math.isfinite(v) or (k in POSITIVE and v <= 0):
+                        raise ValueError("%s[%d]: %s = %r is not %s" % (section, i, k, v,
+                                                                        "positive" if k in POSITIVE else "finite"))
+    return True
