@@ -1,15 +1,53 @@
 """attention and rope (K-cache shift) benchmarks, per ISA path, against the read/copy roofline."""
+import statistics
+import time
+
 import numpy as np
 
 from kvsimd import ops
 from kvsimd.testing import use_isa
 
-from kvsimd.bench.common import Evictor, fill, llc_bytes, time_call
+from kvsimd.bench.common import Evictor, fill, llc_bytes
+
+
+def paired_roofline(kind, nbytes):
+    """A plain streaming read (or copy) of ``nbytes`` moved, to time beside a kernel call:
+    the same size, started equally cold, in the same seconds of this shared machine."""
+    from kvsimd import _kvsimd
+    if kind == "read":
+        a = np.ones(nbytes, np.uint8)
+        return lambda: _kvsimd._bench_mem("read", a, a, 1)
+    a, b = np.ones(nbytes // 2, np.uint8), np.ones(nbytes // 2, np.uint8)
+    return lambda: _kvsimd._bench_mem("copy", b, a, 1)
+
+
+def time_paired(call, ref, repeat, evict):
+    """Median seconds of ``call`` and of ``ref``, alternated repeat by repeat, each cold."""
+    tc, tr = [], []
+    for _ in range(repeat):
+        for fn, acc in ((call, tc), (ref, tr)):
+            evict()
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(tc), min(tc), statistics.median(tr)
+
+
+def _row(op, impl, name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof, roof_key, llc, resident):
+    gbps = moved / med / 1e9
+    kind = roof_key.split("_")[0]
+    return {"op": op, "impl": impl, "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": dtype,
+            "median_s": med, "min_s": best, "bytes": moved, "GBps": gbps,
+            "paired_%s_GBps" % kind: moved / ref_s / 1e9,
+            "pct_%s_roofline" % kind: 100.0 * gbps / (moved / ref_s / 1e9),
+            "pct_global_%s_roofline" % kind: 100.0 * gbps / roof[roof_key],
+            "beyond_llc": resident > llc}
 
 
 def _sweep(op, isas, shapes, contexts, dtypes, repeat, roof, make, progress):
-    """Time ``make(...)``'s call for every shape x dtype x context x ISA, cold caches.
-    ``make`` returns (call, bytes moved, bytes resident, roofline key)."""
+    """Time ``make(...)``'s call for every shape x dtype x context x ISA, cold caches, each
+    repeat paired with a plain read (or copy) of the same bytes: the % of roofline is kernel
+    GB/s over that paired figure.  ``make`` returns (call, bytes moved, bytes resident, key)."""
     rows = []
     evict = Evictor()
     llc = llc_bytes()
@@ -17,15 +55,13 @@ def _sweep(op, isas, shapes, contexts, dtypes, repeat, roof, make, progress):
         for dtype in dtypes:
             for N in contexts:
                 call, moved, resident, roof_key = make(H, Hkv, D, N, dtype)
+                ref = paired_roofline(roof_key.split("_")[0], moved)
                 for isa in isas:
                     with use_isa(isa):
                         call()
-                        med, best = time_call(call, repeat, setup=evict)
-                    gbps = moved / med / 1e9
-                    rows.append({"op": op, "impl": "kvsimd", "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": dtype,
-                                 "isa": isa, "median_s": med, "min_s": best, "bytes": moved, "GBps": gbps,
-                                 "pct_%s_roofline" % roof_key.split("_")[0]: 100.0 * gbps / roof[roof_key],
-                                 "beyond_llc": resident > llc})
+                        med, best, ref_s = time_paired(call, ref, repeat, evict)
+                    rows.append(dict(_row(op, "kvsimd", name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof,
+                                          roof_key, llc, resident), isa=isa))
                     if progress:
                         progress(rows[-1])
     return rows
@@ -123,20 +159,20 @@ def shift_peers(Hkv, D, N, threads=1):
 
 
 def bench_peers(kind, shapes, contexts, repeat, roof, threads=1, progress=None):
-    """Peers timed like kvsimd's rows (cold caches, median of repeats)."""
+    """Peers timed like kvsimd's rows (cold caches, median of repeats, paired roofline)."""
     rows = []
     evict = Evictor()
+    llc = llc_bytes()
+    key = "read_GBps" if kind == "attend" else "copy_GBps"
     for name, H, Hkv, D in shapes:
         for N in contexts:
             peers = attention_peers(H, Hkv, D, N, threads) if kind == "attend" else shift_peers(Hkv, D, N, threads)
             for impl, dtype, call, moved in peers:
                 call()
-                med, best = time_call(call, repeat, setup=evict)
-                key = "read_GBps" if kind == "attend" else "copy_GBps"
-                rows.append({"op": kind, "impl": impl, "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N,
-                             "dtype": dtype, "median_s": med, "min_s": best, "bytes": moved,
-                             "GBps": moved / med / 1e9,
-                             "pct_%s_roofline" % key.split("_")[0]: 100.0 * moved / med / 1e9 / roof[key]})
+                ref = paired_roofline(key.split("_")[0], moved)
+                med, best, ref_s = time_paired(call, ref, repeat, evict)
+                rows.append(_row(kind, impl, name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof, key, llc,
+                                 moved if kind == "attend" else moved // 2))
                 if progress:
                     progress(rows[-1])
     return rows

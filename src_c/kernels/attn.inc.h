@@ -62,9 +62,7 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
-/* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
- * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  RP rows at a time: per column
- * chunk, NH query loads and RP key loads feed RP * NH FMAs. */
+/* Prefetch one row (for the block KV_PF ahead). */
 KV_AINLINE void kv_prefetch_row(const char *row, size_t bytes)
 {
     if (row)
@@ -72,45 +70,57 @@ KV_AINLINE void kv_prefetch_row(const char *row, size_t bytes)
             __builtin_prefetch(row + off, 0, 3);
 }
 
+/* R rows from j0: per column chunk, NH query loads and R key loads feed R * NH FMAs. */
+KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red,
+                               const int NH, const int j0, const int R, const char *pf, size_t pf_row)
+{
+    /* spread over the block: prefetch the rows KV_PF blocks ahead that this pass mirrors */
+    for (int r = 0; r < R && pf; r++)
+        kv_prefetch_row(pf + (size_t)(j0 + r) * pf_row, pf_row);
+    vf a[KV_ACC];
+#pragma GCC unroll 16
+    for (int x = 0; x < R * NH; x++)
+        a[x] = vf_zero();
+    for (int64_t c = 0; c < Dp; c += KV_W) {
+        vf qc[KV_GS];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            qc[i] = vf_load(q + i * Dp + c);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c);
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            red[i * KV_B + j0 + r] = a[r * NH + i];
+}
+
+/* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
+ * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  About KV_ACC accumulators per
+ * pass (RP rows x NH heads: independent FMA chains), the last pass takes the rows left. */
 KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, const int NH,
                           const char *pf, size_t pf_row)
 {
-    const int RP0 = KV_POW2_FLOOR(KV_ACC / NH);
+    const int RP0 = KV_ACC / NH > 0 ? KV_ACC / NH : 1;
     const int RP = RP0 > KV_B ? KV_B : RP0;
-    for (int j0 = 0; j0 < KV_B; j0 += RP) {
-        /* spread over the block: prefetch the rows KV_PF blocks ahead that this pass mirrors */
-        for (int r = 0; r < RP && pf; r++)
-            kv_prefetch_row(pf + (size_t)(j0 + r) * pf_row, pf_row);
-        vf a[KV_ACC];
-#pragma GCC unroll 16
-        for (int x = 0; x < RP * NH; x++)
-            a[x] = vf_zero();
-        for (int64_t c = 0; c < Dp; c += KV_W) {
-            vf qc[KV_GS];
-#pragma GCC unroll 8
-            for (int i = 0; i < NH; i++)
-                qc[i] = vf_load(q + i * Dp + c);
-#pragma GCC unroll 16
-            for (int r = 0; r < RP; r++) {
-                const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c);
-#pragma GCC unroll 8
-                for (int i = 0; i < NH; i++)
-                    a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < RP; r++)
-#pragma GCC unroll 8
-            for (int i = 0; i < NH; i++)
-                red[i * KV_B + j0 + r] = a[r * NH + i];
-    }
+    int j0 = 0;
+    for (; j0 + RP <= KV_B; j0 += RP)
+        kv_scores_rows(q, kb, mode, ks, Dp, red, NH, j0, RP, pf, pf_row);
+    if (KV_B % RP)
+        kv_scores_rows(q, kb, mode, ks, Dp, red, NH, j0, KV_B % RP, pf, pf_row);
 }
 
-/* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); pb[i * KV_B + j]
- * holds p_ij broadcast to a vector.  CG column chunks at a time: per row, CG V loads and NH
- * weight loads feed CG * NH FMAs. */
-KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
-                              int64_t Dp, const int NH, const char *pf, size_t pf_row)
+/* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); p_ij is
+ * w[i * ws + j], broadcast straight from memory.  CG column chunks at a time: per row, CG V
+ * loads and NH broadcast loads feed CG * NH FMAs. */
+KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
+                              int64_t vs, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
     for (int j = 0; pf && j < KV_B; j++)
         kv_prefetch_row(pf + (size_t)j * pf_row, pf_row);
@@ -129,7 +139,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const
             vf w[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
-                w[i] = pb[i * KV_B + j];
+                w[i] = vf_set1(pw[i * ws + j]);
 #pragma GCC unroll 16
             for (int u = 0; u < CG; u++) {
                 const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W);
@@ -153,7 +163,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const
             const vf v0 = kv_load_row(vb, mode, j * vs + c);
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
-                x0[i] = vf_fmadd(pb[i * KV_B + j], v0, x0[i]);
+                x0[i] = vf_fmadd(vf_set1(pw[i * ws + j]), v0, x0[i]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
@@ -164,8 +174,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const vf *pb, const
 /* Instantiate the two helpers for a compile-time head count and row mode. */
 #define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, Dp, red, n, pf, pf_row); } \
                               else { kv_scores(q, kb, KV_ROWS_F32, ks, Dp, red, n, pf, pf_row); } break;
-#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F16, vs, Dp, n, pf, pf_row); } \
-                              else { kv_accumulate(acc, corr, pb, vb, KV_ROWS_F32, vs, Dp, n, pf, pf_row); } break;
+#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, Dp, n, pf, pf_row); } \
+                              else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, Dp, n, pf, pf_row); } break;
 
 static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, int nh,
                             const char *pf, size_t pf_row)
@@ -179,8 +189,8 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
     }
 }
 
-static void KV_FN(accumulate_n)(float *acc, const float *corr, const vf *pb, const void *vb, int mode, int64_t vs,
-                                int64_t Dp, int nh, const char *pf, size_t pf_row)
+static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
+                                int64_t vs, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
@@ -245,8 +255,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
     float *kblk = acc + G * Dp;                       /* [KV_B, Dp] padded block (tails only) */
     float *vblk = kblk + KV_B * Dp;                   /* [KV_B, Dp] */
     vf *red = (vf *)(vblk + KV_B * Dp);               /* [KV_GS, KV_B] partial dot products */
-    vf *pb = red + KV_GS * KV_B;                      /* [KV_GS, KV_B] broadcast weights */
-    float *sc = (float *)(pb + KV_GS * KV_B);         /* [G, KV_CHUNK] scores, then weights */
+    float *sc = (float *)(red + KV_GS * KV_B);        /* [G, KV_CHUNK] scores, then weights */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS], one[KV_GS];
     for (int i = 0; i < KV_GS; i++)
         one[i] = 1.0f;
@@ -349,11 +358,8 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
                 for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
                     const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
-                    for (int i = 0; i < nh; i++)
-                        for (int j = 0; j < KV_B; j++)
-                            pb[i * KV_B + j] = vf_set1(sc[(i0 + i) * KV_CHUNK + (t - c0) + j]);
-                    KV_FN(accumulate_n)(acc + i0 * Dp, (t == c0 && i0 == 0) ? corr : one, pb, vb, rmode, vs, Dp, nh,
-                                        i0 ? NULL : vpf, row_bytes);
+                    KV_FN(accumulate_n)(acc + i0 * Dp, (t == c0 && i0 == 0) ? corr : one, sc + i0 * KV_CHUNK + (t - c0),
+                                        KV_CHUNK, vb, rmode, vs, Dp, nh, i0 ? NULL : vpf, row_bytes);
                 }
             }
         }
