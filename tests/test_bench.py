@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvsimd.bench import schema
+from kvsimd.bench import report, schema
 from kvsimd.bench.__main__ import OVERVIEW, SUBCOMMANDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,11 +23,18 @@ def run_bench(tmp_path, *args):
     return json.loads(out.read_text()), p.stdout
 
 
+HEADINGS = {"roofline": "### Roofline", "attention": "### Decode attention", "rope": "### K-cache shift",
+            "decode": "### Decode (tokens/s", "complexity": "### Complexity", "streaming": "### Infinite generation",
+            "quality": "### Perplexity"}
+
+
 @pytest.mark.parametrize("sub", SUBCOMMANDS)
 def test_subcommand_quick_json(tmp_path, sub):
     doc, stdout = run_bench(tmp_path, sub, *(["--plot", str(tmp_path)] if sub in ("attention", "complexity") else []))
     schema.validate(doc)
     assert list(doc["results"]) == [sub]
+    md = report.render(doc, quality=doc if sub == "quality" else None)
+    assert HEADINGS[sub] in md
     rows = doc["results"][sub]
     if sub == "attention":
         impls = {r["impl"] for r in rows}
@@ -60,7 +67,8 @@ def test_overview_covers_every_section_but_quality():
 
 def _doc():
     return {"schema": schema.SCHEMA_VERSION,
-            "header": {"machine": {}, "versions": {}, "isa": {}, "argv": [],
+            "header": {"machine": {"cpu": "x", "cores": 2, "llc_bytes": 1 << 25}, "versions": {},
+                       "isa": {"active": "avx2"}, "argv": [],
                        "roofline": {"read_GBps": 10.0, "copy_GBps": 12.0}},
             "results": {"decode": [{"model": "m", "impl": "kvsimd", "context": 128, "threads": 1, "tok_per_s": 3.0}]}}
 
@@ -88,3 +96,18 @@ def test_bad_flags_fail_clearly(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--isa", "nope"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode != 0 and "not supported" in p.stderr
+
+
+def test_report_replaces_only_the_marked_readme_section(tmp_path):
+    doc = tmp_path / "r.json"
+    d = _doc()
+    doc.write_text(json.dumps(d))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n%s\nold table\n%s\noutro\n" % (report.BEGIN, report.END))
+    assert report.main([str(doc), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
+    assert "| m | 128 | 1 | 3.0 |" in text
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit):
+        report.main([str(doc), "--readme", str(readme)])
