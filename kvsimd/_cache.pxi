@@ -37,6 +37,16 @@ def _reset_streaming(cache, seq):
         cache.tokens[s] = []
 
 
+cdef class _StepPlan:
+    """One decode step's validated slots, positions, key ranges and scratch (see KVCache.step_plan)."""
+    cdef object slots, kpos, spos, alibi, rng, nr, two, ws, qs, ml
+    cdef int64_t B, H, HD, nrmax, rd
+    cdef double theta
+    cdef kv_rope_style st
+    cdef bint do_rope
+    cdef float scale
+
+
 cdef class KVCache:
     """Self-attention K/V cache for every layer of a model and every sequence of a batch.
 
@@ -250,16 +260,26 @@ cdef class KVCache:
         committed).  ``ranges[b]`` lists ``(use_sink_query, t0, t1, query_position)`` key ranges
         read under one softmax; a range with ``use_sink_query`` uses q rotated at ``spos[b]``
         instead.  ALiBi distances use ``self.positions``.  Writes ``out`` float32 ``[batch, H * head_dim]``."""
-        cdef kv_attn_params p
-        cdef int64_t b, l = self._layer(layer)
-        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
-        _need_array(qkv, "qkv", (_F32,), 2, "[batch, (H + 2 n_kv_heads) * head_dim]", writeable=True)
+        cdef int64_t l = self._layer(layer)
         _need_array(out, "out", (_F32,), 2, "[batch, H * head_dim]", writeable=True)
-        cdef int64_t HD = out.shape[1], H = HD // D
-        if out.shape[0] != B or HD % D or H % Hkv or H == 0:
-            raise KVSimdValueError("out must be [%d, H * %d] with H a multiple of %d, got %s" % (B, D, Hkv, out.shape))
-        if qkv.shape[0] != B or qkv.shape[1] != HD + 2 * Hkv * D:
-            raise KVSimdValueError("qkv must be [%d, %d], got %s" % (B, HD + 2 * Hkv * D, qkv.shape))
+        cdef _StepPlan plan = self.step_plan(out.shape[1], slots, kpos, spos, ranges, rope=rope,
+                                             alibi_slopes=alibi_slopes, scale=scale)
+        if out.shape[0] != self.batch:
+            raise KVSimdValueError("out must be [%d, %d], got %s" % (self.batch, plan.HD, out.shape))
+        _need_array(qkv, "qkv", (_F32,), 2, "[batch, (H + 2 n_kv_heads) * head_dim]", writeable=True)
+        if qkv.shape[0] != self.batch or qkv.shape[1] != plan.HD + 2 * self.n_kv_heads * self.head_dim:
+            raise KVSimdValueError("qkv must be [%d, %d], got %s"
+                                   % (self.batch, plan.HD + 2 * self.n_kv_heads * self.head_dim, qkv.shape))
+        self._attend_plan(l, <float *>_ptr(qkv), qkv.shape[1], <float *>_ptr(out), plan)
+        return out
+
+    def step_plan(self, int64_t HD, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None):
+        """Validate one decode step's slots, positions and key ranges once, for every layer."""
+        cdef _StepPlan p = _StepPlan.__new__(_StepPlan)
+        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
+        cdef int64_t H = HD // D if D else 0, b, i
+        if HD % D or H % Hkv or H == 0:
+            raise KVSimdValueError("out must be [%d, H * %d] with H a multiple of %d, got width %d" % (B, D, Hkv, HD))
         for name, a in (("slots", slots), ("kpos", kpos), ("spos", spos)):
             _need_array(a, name, (_I64,), 1, "[batch]")
             if a.shape[0] != B:
@@ -268,16 +288,13 @@ cdef class KVCache:
             raise KVSimdCapacityError("slots %s outside 0..%d" % (slots.tolist(), C - 1))
         if len(ranges) != B:
             raise KVSimdValueError("ranges must have one list per sequence (%d), got %d" % (B, len(ranges)))
-        cdef double theta = 0.0
-        cdef kv_rope_style st = KV_ROPE_GPTJ
-        cdef int64_t rd = 0
-        cdef bint do_rope = rope is not None
-        if do_rope:
+        p.do_rope = rope is not None
+        if p.do_rope:
             th, style, rdim = rope
             if style not in _STYLES:
                 raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
-            theta, st, rd = float(th), _STYLES[style], _need_int(rdim, "rotary_dim")
-            if rd <= 0 or rd % 2 or rd > D or not (theta > 0.0 and _math.isfinite(theta)):
+            p.theta, p.st, p.rd = float(th), _STYLES[style], _need_int(rdim, "rotary_dim")
+            if p.rd <= 0 or p.rd % 2 or p.rd > D or not (p.theta > 0.0 and _math.isfinite(p.theta)):
                 raise KVSimdValueError("bad rope parameters %r" % (rope,))
             if max(int(_np.abs(kpos).max()), int(_np.abs(spos).max())) > _MAX_EXACT_POS:
                 raise KVSimdPositionError("positions must be within +-2**53")
@@ -285,53 +302,75 @@ cdef class KVCache:
             _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
             if alibi_slopes.shape[0] != H:
                 raise KVSimdValueError("alibi_slopes must be [%d]" % H)
-        checked = []
+        nr = max([len(r) for r in ranges] + [1])
+        p.rng = _np.zeros((B, nr, 4), dtype=_np.int64)    # (use sink query, t0, t1, query position)
+        p.nr = _np.zeros(B, dtype=_np.int64)
+        p.two = _np.zeros(B, dtype=_np.int64)
         for b in range(B):
-            rs = []
+            i = 0
             for use_s, t0, t1, qpos in ranges[b]:
                 if not 0 <= t0 <= t1 <= C:
                     raise KVSimdValueError("key range %d..%d outside 0..%d" % (t0, t1, C))
                 if t1 > t0:
-                    rs.append((1 if use_s else 0, t0, t1, qpos))
-            if not rs:
+                    p.rng[b, i] = (1 if use_s else 0, t0, t1, qpos)
+                    if use_s and p.do_rope and spos[b] != kpos[b]:
+                        p.two[b] = 1
+                    i += 1
+            if i == 0:
                 raise KVSimdValueError("sequence %d: every key range is empty" % b)
-            checked.append(rs)
-        # scratch: [H, D] sink query, softmax state, kernel workspace (kept between calls)
+            p.nr[b] = i
+        p.slots, p.kpos, p.spos, p.alibi = slots, kpos, spos, alibi_slopes
+        p.B, p.H, p.HD, p.nrmax = B, H, HD, nr
+        p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
+        # scratch kept between calls: [H, D] sink query, softmax state, kernel workspace
         need = kv_attend_workspace_bytes(H, Hkv, D) + 64
         ws = getattr(self, "_ws", None)
         if ws is None or ws.shape[0] < need:
             ws = self._ws = _np.empty(need, dtype=_np.uint8)
-        qs = _np.empty((H, D), dtype=_np.float32)
-        ml = _np.empty(2 * H, dtype=_np.float32)
-        cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
+        qs = getattr(self, "_qs", None)
+        if qs is None or qs.shape[0] < H * D:
+            qs = self._qs = _np.empty(H * D, dtype=_np.float32)
+        ml = getattr(self, "_ml", None)
+        if ml is None or ml.shape[0] < 2 * H:
+            ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
+        p.ws, p.qs, p.ml = ws, qs, ml
+        return p
+
+    cdef int _attend_plan(self, int64_t l, float *qkv, int64_t row, float *out, _StepPlan plan) except -1:
+        """The work of step_attend for a validated plan (no Python objects touched per head)."""
+        cdef kv_attn_params p
+        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
+        cdef int64_t H = plan.H, HD = plan.HD, b, h, i, n, slot
         cdef float *qrow
         cdef float *krow
         cdef float *vrow
-        cdef float *qsp = <float *>_ptr(qs)
-        cdef const int64_t *kp = <const int64_t *>_ptr(kpos)
-        cdef const int64_t *sp = <const int64_t *>_ptr(spos)
-        cdef const int64_t *slp = <const int64_t *>_ptr(slots)
+        cdef float *qsp = <float *>_ptr(plan.qs)
+        cdef const int64_t *kp = <const int64_t *>_ptr(plan.kpos)
+        cdef const int64_t *sp = <const int64_t *>_ptr(plan.spos)
+        cdef const int64_t *slp = <const int64_t *>_ptr(plan.slots)
+        cdef const int64_t *rg = <const int64_t *>_ptr(plan.rng)
+        cdef const int64_t *nrp = <const int64_t *>_ptr(plan.nr)
+        cdef const int64_t *twp = <const int64_t *>_ptr(plan.two)
+        cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
+        cdef const int64_t *kpos_all = <const int64_t *>_ptr(self.positions)
+        cdef void *wsp = <void *>((<size_t>_ptr(plan.ws) + 63) & ~(<size_t>63))
         cdef char *kc
         cdef char *vc
-        cdef int64_t h, slot
+        cdef const int64_t *r
         cdef size_t es = 2 if self._kv_dtype == KV_F16 else 4
-        cdef bint two
-        cdef kv_status rc
-        cdef float sc = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
-        cdef int64_t row = qkv.shape[1]
-        for b in range(B):
-            qrow = <float *>_ptr(qkv) + b * row
-            krow = qrow + HD
-            vrow = krow + Hkv * D
-            slot = slp[b]
-            two = do_rope and sp[b] != kp[b] and any(r[0] for r in checked[b])
-            with nogil:
-                if two:
+        cdef float *mlp = <float *>_ptr(plan.ml)
+        with nogil:
+            for b in range(B):
+                qrow = qkv + b * row
+                krow = qrow + HD
+                vrow = krow + Hkv * D
+                slot = slp[b]
+                if twp[b]:
                     memcpy(qsp, qrow, HD * sizeof(float))
-                    kv_apply_rope(qsp, KV_F32, H, 1, D, sp + b, theta, st, rd)
-                if do_rope:
-                    kv_apply_rope(qrow, KV_F32, H, 1, D, kp + b, theta, st, rd)
-                    kv_apply_rope(krow, KV_F32, Hkv, 1, D, kp + b, theta, st, rd)
+                    kv_apply_rope(qsp, KV_F32, H, 1, D, sp + b, plan.theta, plan.st, plan.rd)
+                if plan.do_rope:
+                    kv_apply_rope(qrow, KV_F32, H, 1, D, kp + b, plan.theta, plan.st, plan.rd)
+                    kv_apply_rope(krow, KV_F32, Hkv, 1, D, kp + b, plan.theta, plan.st, plan.rd)
                 kc = <char *>kv_cache_block(&self.c, l, 0, b)
                 vc = <char *>kv_cache_block(&self.c, l, 1, b)
                 for h in range(Hkv):
@@ -341,27 +380,27 @@ cdef class KVCache:
                     else:
                         memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
                         memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
-            rs = checked[b]
-            for i, (use_s, t0, t1, qpos) in enumerate(rs):
-                p.q = qsp if (use_s and two) else qrow
-                p.k = kv_cache_block(&self.c, l, 0, b)
-                p.v = kv_cache_block(&self.c, l, 1, b)
-                p.out = <float *>_ptr(out) + b * HD
-                p.m = <float *>_ptr(ml)
-                p.l = p.m + H
-                p.alibi = <const float *>_ptr(alibi_slopes) if alibi_slopes is not None else NULL
-                p.key_pos = (<const int64_t *>_ptr(self.positions)) + b * C if alibi_slopes is not None else NULL
-                p.query_pos = qpos
-                p.H, p.Hkv, p.D = H, Hkv, D
-                p.n_total, p.t0, p.t1 = C, t0, t1
-                p.g0, p.g1 = 0, Hkv
-                p.scale = sc
-                p.dtype = self._kv_dtype
-                p.init = 1 if i == 0 else 0
-                p.finalize = 1 if i == len(rs) - 1 else 0
-                with nogil:
-                    kv_attend(&p, <void *>wsp)
-        return out
+                n = nrp[b]
+                for i in range(n):
+                    r = rg + (b * plan.nrmax + i) * 4
+                    p.q = qsp if (r[0] and twp[b]) else qrow
+                    p.k = kc
+                    p.v = vc
+                    p.out = out + b * HD
+                    p.m = mlp
+                    p.l = p.m + H
+                    p.alibi = alibi
+                    p.key_pos = kpos_all + b * C if alibi != NULL else NULL
+                    p.query_pos = r[3]
+                    p.H, p.Hkv, p.D = H, Hkv, D
+                    p.n_total, p.t0, p.t1 = C, r[1], r[2]
+                    p.g0, p.g1 = 0, Hkv
+                    p.scale = plan.scale
+                    p.dtype = self._kv_dtype
+                    p.init = 1 if i == 0 else 0
+                    p.finalize = 1 if i == n - 1 else 0
+                    kv_attend(&p, wsp)
+        return 0
 
     def shift_range(self, int64_t seq, int64_t t0, int64_t t1, int64_t delta, double theta, style, int64_t rotary_dim):
         """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K)."""

@@ -15,3 +15,4 @@ __version__ = KV_VERSION.decode()
 include "_runtime.pxi"
 include "_ops.pxi"
 include "_cache.pxi"
+include "_decode.pxi"

@@ -90,6 +90,80 @@ def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
     return int(order[rng.choice(len(order), p=p)])
 
 
+class _PrefillAttention:
+    """Attention of a causal prefill chunk: write K/V to the cache, attend over the prefix."""
+
+    def __init__(self, stack, cache, seq, cross, start, T, pos):
+        self.s, self.cache, self.seq, self.cross = stack, cache, seq, cross
+        self.start, self.T, self.pos = start, T, pos
+        self.has_cross = cross is not None
+
+    def self_attn(self, l, lw, h):
+        s, cfg, cache, seq = self.s, self.s.cfg, self.cache, self.seq
+        q, k, v = s._qkv(lw.attn, h)
+        q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), self.pos)
+        k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), self.pos)
+        v = split_heads(v, cfg.n_kv_heads, cfg.head_dim)
+        cache.write(l, k, v, seq=seq)
+        kk = cache.keys(l, seq, length=self.start + self.T).astype(F32)
+        vv = cache.values(l, seq, length=self.start + self.T).astype(F32)
+        return merge_heads(causal_attention(q, kk, vv, self.start, s.slopes))
+
+    def cross_attn(self, l, lw, h):
+        cfg = self.s.cfg
+        q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
+        kk = self.cross.keys(l, self.seq).astype(F32)
+        vv = self.cross.values(l, self.seq).astype(F32)
+        return merge_heads(causal_attention(q, kk, vv, 0, None, causal=False))
+
+
+class _StepAttention:
+    """Attention of one decode step (one token per sequence) through the cache's fused call."""
+
+    def __init__(self, stack, cache, cross, B, slots, kpos, spos, ranges, rope_args):
+        self.s, self.cache, self.cross, self.B = stack, cache, cross, B
+        self.slots, self.kpos, self.spos, self.ranges, self.rope_args = slots, kpos, spos, ranges, rope_args
+        self.has_cross = cross is not None
+        self.HD = stack.cfg.n_heads * stack.cfg.head_dim
+
+    def self_attn(self, l, lw, h):
+        # rope q/k, store k/v at each sequence's slot, attend over its key ranges: one C call
+        qkv = np.ascontiguousarray(linear(h, lw.attn.wqkv, lw.attn.bqkv), dtype=F32)
+        return self.cache.step_attend(l, qkv, np.empty((self.B, self.HD), F32), self.slots, self.kpos, self.spos,
+                                      self.ranges, rope=self.rope_args, alibi_slopes=self.s.slopes)
+
+    def cross_attn(self, l, lw, h):
+        cfg, B = self.s.cfg, self.B
+        H, D = cfg.n_heads, cfg.head_dim
+        q = linear(h, lw.cross.wq, lw.cross.bq).reshape(B, H, D)
+        out = np.empty((B, H * D), F32)
+        for b in range(B):
+            self.cross.attend(l, np.ascontiguousarray(q[b]), seq=b, out=out[b].reshape(H, D))
+        return out
+
+
+class _FullAttention:
+    """Attention of an uncached forward over a whole sequence (the recomputation reference)."""
+
+    def __init__(self, stack, pos, enc_out):
+        self.s, self.pos, self.enc_out = stack, pos, enc_out
+        self.has_cross = enc_out is not None
+
+    def self_attn(self, l, lw, h):
+        s, cfg = self.s, self.s.cfg
+        q, k, v = s._qkv(lw.attn, h)
+        q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), self.pos)
+        k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), self.pos)
+        return merge_heads(causal_attention(q, k, split_heads(v, cfg.n_kv_heads, cfg.head_dim), 0, s.slopes))
+
+    def cross_attn(self, l, lw, h):
+        cfg, e = self.s.cfg, self.enc_out
+        q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
+        k = split_heads(linear(e, lw.cross.wk, lw.cross.bk), cfg.n_kv_heads, cfg.head_dim)
+        v = split_heads(linear(e, lw.cross.wv, lw.cross.bv), cfg.n_kv_heads, cfg.head_dim)
+        return merge_heads(causal_attention(q, k, v, 0, None, causal=False))
+
+
 class _Stack:
     """What decoder-only models and the decoder half of encoder-decoders share."""
 
@@ -133,26 +207,51 @@ class _Stack:
             x = norm(self.cfg, x, self.final_norm.w, self.final_norm.b)
         return linear(x, self.lm_head, self.lm_bias).astype(F32)
 
-    def _block(self, lw: LayerWeights, x, attend_self, attend_cross=None):
-        """One decoder layer given the two attention functions (h -> [T, H*D] before wo)."""
+    def _block(self, l, lw: LayerWeights, x, att):
+        """One decoder layer; ``att`` supplies the attention of this forward (prefill, step or
+        uncached): ``att.self_attn(l, lw, h)`` / ``att.cross_attn(l, lw, h)`` -> [T, H*D] before wo.
+        (Methods of one object per forward, not closures per layer: a decode step then makes no
+        garbage-collected allocations per layer, and Python's cyclic GC stays out of the loop.)"""
         cfg = self.cfg
+        cross = att.has_cross
         if cfg.pre_norm:
             h = norm(cfg, x, lw.norm1.w, lw.norm1.b)
-            a = linear(attend_self(h), lw.attn.wo, lw.attn.bo)
+            a = linear(att.self_attn(l, lw, h), lw.attn.wo, lw.attn.bo)
             if cfg.parallel_residual:
                 return x + a + ffn(cfg, lw.ffn, norm(cfg, x, lw.norm2.w, lw.norm2.b))
             x = x + a
-            if attend_cross is not None:
+            if cross:
                 h = norm(cfg, x, lw.norm_cross.w, lw.norm_cross.b)
-                x = x + linear(attend_cross(h), lw.cross.wo, lw.cross.bo)
+                x = x + linear(att.cross_attn(l, lw, h), lw.cross.wo, lw.cross.bo)
             return x + ffn(cfg, lw.ffn, norm(cfg, x, lw.norm2.w, lw.norm2.b))
-        x = norm(cfg, x + linear(attend_self(x), lw.attn.wo, lw.attn.bo), lw.norm1.w, lw.norm1.b)
-        if attend_cross is not None:
-            x = norm(cfg, x + linear(attend_cross(x), lw.cross.wo, lw.cross.bo), lw.norm_cross.w, lw.norm_cross.b)
+        x = norm(cfg, x + linear(att.self_attn(l, lw, x), lw.attn.wo, lw.attn.bo), lw.norm1.w, lw.norm1.b)
+        if cross:
+            x = norm(cfg, x + linear(att.cross_attn(l, lw, x), lw.cross.wo, lw.cross.bo), lw.norm_cross.w,
+                     lw.norm_cross.b)
         return norm(cfg, x + ffn(cfg, lw.ffn, x), lw.norm2.w, lw.norm2.b)
 
     # ------------------------------------------------------------------ cached forward
     prefill_chunk = 256   # prompt tokens per causal pass: bounds the [H, T, S] score matrices
+    fast_decode = True    # decode steps of pre-norm decoders through _kvsimd._decode_stack
+
+    def _fast_layers(self):
+        """Per-layer weight tuples for the compiled decode step, or None when this model's
+        layers need the general path (post-norm, cross-attention, an unknown activation)."""
+        cfg = self.cfg
+        if not cfg.pre_norm or cfg.cross_attention or cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu") \
+                or cfg.norm not in ("rmsnorm", "layernorm"):
+            return None
+        cached = getattr(self, "_fast", None)
+        if cached is None or cached[0] is not self.layers:
+            packed = []
+            for lw in self.layers:
+                f = lw.ffn
+                packed.append((lw.norm1.w, lw.norm1.b if cfg.norm == "layernorm" else None, lw.attn.wqkv,
+                               lw.attn.bqkv, lw.attn.wo, lw.attn.bo, lw.norm2.w,
+                               lw.norm2.b if cfg.norm == "layernorm" else None,
+                               f.w13 if f.w13 is not None else f.w1, None if f.w13 is not None else f.b1, f.w2, f.b2))
+            self._fast = cached = (self.layers, packed)
+        return cached[1]
 
     def _prefill(self, tokens, cache: KVCache, seq, cross=None):
         """Run ``tokens`` of one sequence after its cached prefix, in chunks; returns the last
@@ -173,28 +272,12 @@ class _Stack:
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
-        cfg = self.cfg
         start, T = cache.length(seq), t.size
         pos = np.arange(start, start + T, dtype=np.int64)
         x = self._embed(t, pos)
+        att = _PrefillAttention(self, cache, seq, cross, start, T, pos)
         for l, lw in enumerate(self.layers):
-            def attend_self(h, l=l, lw=lw):
-                q, k, v = self._qkv(lw.attn, h)
-                q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), pos)
-                k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), pos)
-                v = split_heads(v, cfg.n_kv_heads, cfg.head_dim)
-                cache.write(l, k, v, seq=seq)
-                kk = cache.keys(l, seq, length=start + T).astype(F32)
-                vv = cache.values(l, seq, length=start + T).astype(F32)
-                return merge_heads(causal_attention(q, kk, vv, start, self.slopes))
-            attend_cross = None
-            if cross is not None:
-                def attend_cross(h, l=l, lw=lw):
-                    q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
-                    kk = cross.keys(l, seq).astype(F32)
-                    vv = cross.values(l, seq).astype(F32)
-                    return merge_heads(causal_attention(q, kk, vv, 0, None, causal=False))
-            x = self._block(lw, x, attend_self, attend_cross)
+            x = self._block(l, lw, x, att)
         cache.commit(T, seq=seq)
         cache.positions[seq, start:start + T] = pos
         cache.seen[seq] += T
@@ -221,27 +304,21 @@ class _Stack:
         kpos = np.array([pl["kpos"] for pl in plans], dtype=np.int64)
         spos = np.array([pl["qpos_sinks"] for pl in plans], dtype=np.int64)
         x = self._embed(t, kpos if cache.policy != "sink_query" else spos)
-        H, D = cfg.n_heads, cfg.head_dim
         slots = np.array([pl["slot"] for pl in plans], dtype=np.int64)
         ranges = [[(which == "sinks", t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
                    for which, t0, t1 in pl["ranges"]] for pl in plans]
         rope_args = (cfg.rope_theta, cfg.rope_style, cfg.rotary_dim) if cfg.position == "rope" else None
-        for l, lw in enumerate(self.layers):
-            def attend_self(h, l=l, lw=lw):
-                qkv = np.ascontiguousarray(linear(h, lw.attn.wqkv, lw.attn.bqkv), dtype=F32)
-                out = np.empty((B, H * D), F32)
-                # rope q/k, store k/v at each sequence's slot, attend over its key ranges
-                return cache.step_attend(l, qkv, out, slots, kpos, spos, ranges, rope=rope_args,
-                                         alibi_slopes=self.slopes)
-            attend_cross = None
-            if cross is not None:
-                def attend_cross(h, l=l, lw=lw):
-                    q = linear(h, lw.cross.wq, lw.cross.bq).reshape(B, H, D)
-                    out = np.empty((B, H * D), F32)
-                    for b in range(B):
-                        cross.attend(l, np.ascontiguousarray(q[b]), seq=b, out=out[b].reshape(H, D))
-                    return out
-            x = self._block(lw, x, attend_self, attend_cross)
+        fast = self._fast_layers() if cross is None and self.fast_decode else None
+        if fast is not None:
+            plan = cache.step_plan(cfg.n_heads * cfg.head_dim, slots, kpos, spos, ranges, rope=rope_args,
+                                   alibi_slopes=self.slopes)
+            x = np.ascontiguousarray(x, dtype=F32)
+            _kvsimd._decode_stack(fast, x, cache, plan, cfg.norm == "rmsnorm", cfg.norm_eps, cfg.activation,
+                                  cfg.ffn_gated, cfg.parallel_residual)
+        else:
+            att = _StepAttention(self, cache, cross, B, slots, kpos, spos, ranges, rope_args)
+            for l, lw in enumerate(self.layers):
+                x = self._block(l, lw, x, att)
         for b, pl in enumerate(plans):
             cache.rotations[b, pl["slot"]] = 0
             cache.seen[b] += 1
@@ -303,20 +380,9 @@ class _Stack:
         T = t.size
         pos = np.arange(T, dtype=np.int64)
         x = self._embed(t, pos)
-        for lw in self.layers:
-            def attend_self(h, lw=lw):
-                q, k, v = self._qkv(lw.attn, h)
-                q = rope(cfg, split_heads(q, cfg.n_heads, cfg.head_dim), pos)
-                k = rope(cfg, split_heads(k, cfg.n_kv_heads, cfg.head_dim), pos)
-                return merge_heads(causal_attention(q, k, split_heads(v, cfg.n_kv_heads, cfg.head_dim), 0, self.slopes))
-            attend_cross = None
-            if enc_out is not None:
-                def attend_cross(h, lw=lw):
-                    q = split_heads(linear(h, lw.cross.wq, lw.cross.bq), cfg.n_heads, cfg.head_dim)
-                    k = split_heads(linear(enc_out, lw.cross.wk, lw.cross.bk), cfg.n_kv_heads, cfg.head_dim)
-                    v = split_heads(linear(enc_out, lw.cross.wv, lw.cross.bv), cfg.n_kv_heads, cfg.head_dim)
-                    return merge_heads(causal_attention(q, k, v, 0, None, causal=False))
-            x = self._block(lw, x, attend_self, attend_cross)
+        att = _FullAttention(self, pos, enc_out)
+        for l, lw in enumerate(self.layers):
+            x = self._block(l, lw, x, att)
         self.decoder_positions += T
         return self._logits(x)
 

@@ -97,6 +97,32 @@ def test_prefill_and_32_steps_match_transformers(name, dtype, rng):
 
 
 @pytest.mark.parametrize("name", list(causal_models()))
+@pytest.mark.parametrize("policy", ["fixed", "ring"])
+def test_compiled_decode_step_equals_the_python_layers(name, policy, rng):
+    """Decoder-only steps run through _kvsimd._decode_stack; the general Python layer path
+    (layers.py) must give the same logits, batch of 2, through ring wraps (sink_query, or
+    reevaluate for learned positions)."""
+    m, d = causal(name)
+    if policy == "ring":
+        policy = "reevaluate" if d.cfg.position == "learned" else "sink_query"
+    assert d._fast_layers() is not None           # every decoder-only family takes the compiled path
+    toks = rng.integers(0, V, (2, 40))
+    out = {}
+    for fast in (True, False):
+        d.fast_decode = fast
+        try:
+            cache = d.new_cache(capacity=24, batch=2, n_keep=2, policy=policy, dtype="float32")
+            for b in range(2):
+                d.prefill(toks[b, :5 + 3 * b], seq=b, cache=cache)
+            n = 16 if policy == "fixed" else 34   # 34 steps wrap the 22-slot window
+            out[fast] = [d.step(list(toks[:, 5 + i]), cache=cache) for i in range(n)]
+        finally:
+            d.fast_decode = True
+    for a, b in zip(out[True], out[False]):
+        assert rel(a, b.astype(np.float64)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(causal_models()))
 def test_greedy_tokens_identical_to_transformers(name, rng):
     m, d = causal(name)
     prompt = list(rng.integers(0, V, 7))

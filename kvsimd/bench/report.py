@@ -68,15 +68,24 @@ def _kernel_md(rows, kind):
         c = (r["shape"], r["H"], r["Hkv"], r["D"], r["N"])
         if c not in cases:
             cases.append(c)
+    peers = [c for c in cols if not c[0].startswith("kvsimd")]
+    isas = [c[0] for c in cols if c[0].startswith("kvsimd")]
+    fast = isas[-1] if isas else None   # the last ISA listed is the best supported one
     body = []
     for shape, H, Hkv, D, N in cases:
         line = ["%s %d/%d/%d" % (shape, H, Hkv, D), N]
+        got = {}
         for c in cols:
             hit = [r for r in rows if (r["shape"], r["N"]) == (shape, N) and r["dtype"] == c[1] and
                    (("kvsimd " + r.get("isa", "")) if r["impl"] == "kvsimd" else r["impl"]) == c[0]]
             line.append("%s (%s%%)" % (_f(hit[0]["GBps"]), _f(hit[0][key], 0)) if hit else "-")
+            if hit:
+                got[c] = hit[0]["median_s"]
+        ours = got.get((fast, "float16"))
+        line.append(", ".join("%sx" % _f(got[p] / ours, 1) for p in peers if p in got) if ours else "-")
         body.append(line)
-    return _table(["shape H/Hkv/D", "N"] + ["%s %s" % c for c in cols], body)
+    ratio = "%s float16 speedup over %s" % (fast, " / ".join("%s %s" % p for p in peers)) if fast else "speedup"
+    return _table(["shape H/Hkv/D", "N"] + ["%s %s" % c for c in cols] + [ratio], body)
 
 
 def _behind(rows):

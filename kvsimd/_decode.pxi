@@ -1,0 +1,117 @@
+# One decode step through the layers of a pre-norm decoder, with the per-layer glue in C.
+#
+# The matrix products stay in BLAS (np.matmul into preallocated outputs); norms, biases,
+# activations, residual adds and the attention step (KVCache._attend_plan) run here without
+# creating Python objects per layer.  Between two weight matrices a decode step is otherwise
+# a few dozen small NumPy calls, and on a model whose weights stream from DRAM that glue was
+# ~10% of the step.  Post-norm and encoder-decoder models keep the Python path (layers.py).
+from libc.math cimport sqrtf, expf, erff, tanhf
+
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+cdef inline float _act1(float v, int kind) noexcept nogil:
+    if kind == 0:
+        return v / (1.0 + expf(-v))
+    if kind == 1:
+        return 0.5 * v * (1.0 + erff(v * 0.7071067811865476))
+    if kind == 2:
+        return 0.5 * v * (1.0 + tanhf(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+    return v if v > 0 else 0
+
+
+cdef void _norm_rows(float *y, const float *x, int64_t B, int64_t d, const float *w, const float *bias, float eps,
+                     bint rms) noexcept nogil:
+    cdef int64_t b, i
+    cdef double s, mu
+    cdef float r, m
+    for b in range(B):
+        mu = 0.0
+        if not rms:
+            for i in range(d):
+                mu += x[b * d + i]
+            mu /= d
+        m = <float>mu
+        s = 0.0
+        for i in range(d):
+            s += (x[b * d + i] - m) * (x[b * d + i] - m)
+        r = 1.0 / sqrtf(<float>(s / d) + eps)
+        for i in range(d):
+            y[b * d + i] = (x[b * d + i] - m) * r * w[i] + (bias[i] if bias != NULL else 0.0)
+
+
+cdef inline void _add_bias(float *y, const float *bias, int64_t B, int64_t n) noexcept nogil:
+    cdef int64_t b, i
+    if bias != NULL:
+        for b in range(B):
+            for i in range(n):
+                y[b * n + i] += bias[i]
+
+
+cdef inline const float *_fptr(a):
+    return <const float *>_ptr(a) if a is not None else NULL
+
+
+def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bint rms, float eps, act,
+                  bint gated, bint parallel):
+    """Run ``x`` (float32 [B, d_model], updated in place) through ``layers``: tuples
+    (norm1 w, b, wqkv, bqkv, wo, bo, norm2 w, b, w_in, b_in, w2, b2), w_in = [w1 | w3] when gated."""
+    cdef int64_t B = x.shape[0], d = x.shape[1], HD = plan.HD, l, i, n, nq
+    cdef int kind = _ACTS[act]
+    _need_array(x, "x", (_F32,), 2, "[batch, d_model]", writeable=True)
+    if B != cache.batch:
+        raise KVSimdValueError("x must have %d rows, got %d" % (cache.batch, B))
+    h = _np.empty((B, d), _np.float32)
+    att = _np.empty((B, HD), _np.float32)
+    a = _np.empty((B, d), _np.float32)
+    f = _np.empty((B, d), _np.float32)
+    cdef float *xp = <float *>_ptr(x)
+    cdef float *hp = <float *>_ptr(h)
+    cdef float *ap = <float *>_ptr(a)
+    cdef float *fp = <float *>_ptr(f)
+    cdef float *gp
+    cdef float *up
+    cdef const float *w1p
+    cdef const float *b1p
+    cdef const float *w2p
+    cdef const float *b2p
+    for l in range(len(layers)):
+        n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w_in, b_in, w2, b2 = layers[l]
+        w1p, b1p, w2p, b2p = _fptr(n1w), _fptr(n1b), _fptr(n2w), _fptr(n2b)
+        nq = wqkv.shape[1]
+        qkv = _np.empty((B, nq), _np.float32)
+        with nogil:
+            _norm_rows(hp, xp, B, d, w1p, b1p, eps, rms)
+        _np.matmul(h, wqkv, out=qkv)
+        _add_bias(<float *>_ptr(qkv), _fptr(bqkv), B, nq)
+        cache._attend_plan(l, <float *>_ptr(qkv), nq, <float *>_ptr(att), plan)
+        _np.matmul(att, wo, out=a)
+        _add_bias(ap, _fptr(bo), B, d)
+        if not parallel:
+            with nogil:
+                for i in range(B * d):
+                    xp[i] += ap[i]
+        with nogil:
+            _norm_rows(hp, xp, B, d, w2p, b2p, eps, rms)
+        g = _np.matmul(h, w_in)
+        gp = <float *>_ptr(g)
+        _add_bias(gp, _fptr(b_in), B, g.shape[1])
+        n = g.shape[1] // 2 if gated else g.shape[1]
+        u = _np.empty((B, n), _np.float32)
+        up = <float *>_ptr(u)
+        with nogil:
+            for i in range(B * n):
+                if gated:
+                    up[i] = _act1(gp[(i // n) * 2 * n + i % n], kind) * gp[(i // n) * 2 * n + n + i % n]
+                else:
+                    up[i] = _act1(gp[i], kind)
+        _np.matmul(u, w2, out=f)
+        _add_bias(fp, _fptr(b2), B, d)
+        with nogil:
+            if parallel:
+                for i in range(B * d):
+                    xp[i] += ap[i] + fp[i]
+            else:
+                for i in range(B * d):
+                    xp[i] += fp[i]
+    return x
