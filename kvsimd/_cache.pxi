@@ -402,6 +402,46 @@ cdef class KVCache:
                     kv_attend(&p, wsp)
         return 0
 
+    cdef int _attend_all(self, int64_t l, float *q, int64_t H, float *out) except -1:
+        """Every sequence b: out[b] = attention of q[b] ([H, head_dim]) over its committed
+        tokens of layer l (a cross-attention step: no positions, no mask)."""
+        cdef kv_attn_params p
+        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, b
+        if H % Hkv:
+            raise KVSimdValueError("%d query heads is not a multiple of %d KV heads" % (H, Hkv))
+        if (self._lengths == 0).any():
+            raise KVSimdValueError("cross-attention cache has empty sequences %s" % _np.nonzero(self._lengths == 0)[0].tolist())
+        need = kv_attend_workspace_bytes(H, Hkv, D) + 64
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.shape[0] < need:
+            ws = self._ws = _np.empty(need, dtype=_np.uint8)
+        ml = getattr(self, "_ml", None)
+        if ml is None or ml.shape[0] < 2 * H:
+            ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
+        cdef void *wsp = <void *>((<size_t>_ptr(ws) + 63) & ~(<size_t>63))
+        cdef float *mlp = <float *>_ptr(ml)
+        cdef const int64_t *lens = <const int64_t *>_ptr(self._lengths)
+        with nogil:
+            for b in range(B):
+                p.q = q + b * H * D
+                p.k = kv_cache_block(&self.c, l, 0, b)
+                p.v = kv_cache_block(&self.c, l, 1, b)
+                p.out = out + b * H * D
+                p.m = mlp
+                p.l = mlp + H
+                p.alibi = NULL
+                p.key_pos = NULL
+                p.query_pos = 0
+                p.H, p.Hkv, p.D = H, Hkv, D
+                p.n_total, p.t0, p.t1 = self.capacity, 0, lens[b]
+                p.g0, p.g1 = 0, Hkv
+                p.scale = 1.0 / sqrtf(<float>D)
+                p.dtype = self._kv_dtype
+                p.init = 1
+                p.finalize = 1
+                kv_attend(&p, wsp)
+        return 0
+
     def shift_range(self, int64_t seq, int64_t t0, int64_t t1, int64_t delta, double theta, style, int64_t rotary_dim):
         """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K)."""
         s = self._seq(seq)

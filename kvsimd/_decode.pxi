@@ -5,7 +5,7 @@
 # creating Python objects per layer.  Between two weight matrices a decode step is otherwise
 # a few dozen small NumPy calls, and on a model whose weights stream from DRAM that glue was
 # ~10% of the step.  Post-norm and encoder-decoder models keep the Python path (layers.py).
-from libc.math cimport sqrtf, expf, erff, tanhf
+
 
 _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -53,47 +53,84 @@ cdef inline const float *_fptr(a):
 
 
 def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bint rms, float eps, act,
-                  bint gated, bint parallel):
+                  bint gated, bint parallel, bint pre_norm=True, KVCache cross=None):
     """Run ``x`` (float32 [B, d_model], updated in place) through ``layers``: tuples
-    (norm1 w, b, wqkv, bqkv, wo, bo, norm2 w, b, w_in, b_in, w2, b2), w_in = [w1 | w3] when gated."""
+    (norm1 w, b, wqkv, bqkv, wo, bo, norm2 w, b, w_in, b_in, w2, b2, norm_cross w, b, cross wq, bq,
+    cross wo, bo), w_in = [w1 | w3] when gated; the cross entries are None without ``cross``.
+    Pre-norm: x += attn(norm1 x) [+= cross(norm_c x)] += ffn(norm2 x) (parallel: both from x);
+    post-norm: x = norm1(x + attn x) [= norm_c(x + cross x)] = norm2(x + ffn x)."""
     cdef int64_t B = x.shape[0], d = x.shape[1], HD = plan.HD, l, i, n, nq
     cdef int kind = _ACTS[act]
     _need_array(x, "x", (_F32,), 2, "[batch, d_model]", writeable=True)
-    if B != cache.batch:
-        raise KVSimdValueError("x must have %d rows, got %d" % (cache.batch, B))
+    if B != cache.batch or (cross is not None and cross.batch != B):
+        raise KVSimdValueError("x must have one row per sequence of the caches (%d), got %d" % (cache.batch, B))
     h = _np.empty((B, d), _np.float32)
     att = _np.empty((B, HD), _np.float32)
     a = _np.empty((B, d), _np.float32)
     f = _np.empty((B, d), _np.float32)
+    cq = _np.empty((B, HD), _np.float32)
     cdef float *xp = <float *>_ptr(x)
     cdef float *hp = <float *>_ptr(h)
     cdef float *ap = <float *>_ptr(a)
     cdef float *fp = <float *>_ptr(f)
+    cdef float *attp = <float *>_ptr(att)
+    cdef float *cqp = <float *>_ptr(cq)
     cdef float *gp
     cdef float *up
+    cdef float *inp
     cdef const float *w1p
     cdef const float *b1p
     cdef const float *w2p
     cdef const float *b2p
+    cdef const float *wcp
+    cdef const float *bcp
     for l in range(len(layers)):
-        n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w_in, b_in, w2, b2 = layers[l]
+        n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w_in, b_in, w2, b2, ncw, ncb, cwq, cbq, cwo, cbo = layers[l]
         w1p, b1p, w2p, b2p = _fptr(n1w), _fptr(n1b), _fptr(n2w), _fptr(n2b)
         nq = wqkv.shape[1]
         qkv = _np.empty((B, nq), _np.float32)
-        with nogil:
-            _norm_rows(hp, xp, B, d, w1p, b1p, eps, rms)
-        _np.matmul(h, wqkv, out=qkv)
+        # self-attention
+        if pre_norm:
+            with nogil:
+                _norm_rows(hp, xp, B, d, w1p, b1p, eps, rms)
+            _np.matmul(h, wqkv, out=qkv)
+        else:
+            _np.matmul(x, wqkv, out=qkv)
         _add_bias(<float *>_ptr(qkv), _fptr(bqkv), B, nq)
-        cache._attend_plan(l, <float *>_ptr(qkv), nq, <float *>_ptr(att), plan)
+        cache._attend_plan(l, <float *>_ptr(qkv), nq, attp, plan)
         _np.matmul(att, wo, out=a)
         _add_bias(ap, _fptr(bo), B, d)
         if not parallel:
             with nogil:
                 for i in range(B * d):
                     xp[i] += ap[i]
-        with nogil:
-            _norm_rows(hp, xp, B, d, w2p, b2p, eps, rms)
-        g = _np.matmul(h, w_in)
+                if not pre_norm:
+                    _norm_rows(xp, xp, B, d, w1p, b1p, eps, rms)
+        # cross-attention
+        if cross is not None:
+            wcp, bcp = _fptr(ncw), _fptr(ncb)
+            if pre_norm:
+                with nogil:
+                    _norm_rows(hp, xp, B, d, wcp, bcp, eps, rms)
+                _np.matmul(h, cwq, out=cq)
+            else:
+                _np.matmul(x, cwq, out=cq)
+            _add_bias(cqp, _fptr(cbq), B, HD)
+            cross._attend_all(l, cqp, HD // cross.head_dim, attp)
+            _np.matmul(att, cwo, out=a)
+            _add_bias(ap, _fptr(cbo), B, d)
+            with nogil:
+                for i in range(B * d):
+                    xp[i] += ap[i]
+                if not pre_norm:
+                    _norm_rows(xp, xp, B, d, wcp, bcp, eps, rms)
+        # feed-forward
+        if pre_norm:
+            with nogil:
+                _norm_rows(hp, xp, B, d, w2p, b2p, eps, rms)
+            g = _np.matmul(h, w_in)
+        else:
+            g = _np.matmul(x, w_in)
         gp = <float *>_ptr(g)
         _add_bias(gp, _fptr(b_in), B, g.shape[1])
         n = g.shape[1] // 2 if gated else g.shape[1]
@@ -114,4 +151,6 @@ def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bin
             else:
                 for i in range(B * d):
                     xp[i] += fp[i]
+                if not pre_norm:
+                    _norm_rows(xp, xp, B, d, w2p, b2p, eps, rms)
     return x

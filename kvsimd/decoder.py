@@ -236,20 +236,23 @@ class _Stack:
 
     def _fast_layers(self):
         """Per-layer weight tuples for the compiled decode step, or None when this model's
-        layers need the general path (post-norm, cross-attention, an unknown activation)."""
+        layers need the general path (parallel residual with post-norm, an unknown activation)."""
         cfg = self.cfg
-        if not cfg.pre_norm or cfg.cross_attention or cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu") \
-                or cfg.norm not in ("rmsnorm", "layernorm"):
+        if cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu") or cfg.norm not in ("rmsnorm", "layernorm") \
+                or (cfg.parallel_residual and not cfg.pre_norm):
             return None
         cached = getattr(self, "_fast", None)
         if cached is None or cached[0] is not self.layers:
+            ln = cfg.norm == "layernorm"
             packed = []
             for lw in self.layers:
-                f = lw.ffn
-                packed.append((lw.norm1.w, lw.norm1.b if cfg.norm == "layernorm" else None, lw.attn.wqkv,
-                               lw.attn.bqkv, lw.attn.wo, lw.attn.bo, lw.norm2.w,
-                               lw.norm2.b if cfg.norm == "layernorm" else None,
-                               f.w13 if f.w13 is not None else f.w1, None if f.w13 is not None else f.b1, f.w2, f.b2))
+                f, c, nc = lw.ffn, lw.cross, lw.norm_cross
+                packed.append((lw.norm1.w, lw.norm1.b if ln else None, lw.attn.wqkv, lw.attn.bqkv, lw.attn.wo,
+                               lw.attn.bo, lw.norm2.w, lw.norm2.b if ln else None,
+                               f.w13 if f.w13 is not None else f.w1, None if f.w13 is not None else f.b1, f.w2, f.b2,
+                               None if nc is None else nc.w, None if nc is None or not ln else nc.b,
+                               None if c is None else c.wq, None if c is None else c.bq,
+                               None if c is None else c.wo, None if c is None else c.bo))
             self._fast = cached = (self.layers, packed)
         return cached[1]
 
@@ -308,13 +311,13 @@ class _Stack:
         ranges = [[(which == "sinks", t0, t1, pl["qpos_sinks"] if which == "sinks" else pl["kpos"])
                    for which, t0, t1 in pl["ranges"]] for pl in plans]
         rope_args = (cfg.rope_theta, cfg.rope_style, cfg.rotary_dim) if cfg.position == "rope" else None
-        fast = self._fast_layers() if cross is None and self.fast_decode else None
+        fast = self._fast_layers() if self.fast_decode else None
         if fast is not None:
             plan = cache.step_plan(cfg.n_heads * cfg.head_dim, slots, kpos, spos, ranges, rope=rope_args,
                                    alibi_slopes=self.slopes)
             x = np.ascontiguousarray(x, dtype=F32)
             _kvsimd._decode_stack(fast, x, cache, plan, cfg.norm == "rmsnorm", cfg.norm_eps, cfg.activation,
-                                  cfg.ffn_gated, cfg.parallel_residual)
+                                  cfg.ffn_gated, cfg.parallel_residual, cfg.pre_norm, cross)
         else:
             att = _StepAttention(self, cache, cross, B, slots, kpos, spos, ranges, rope_args)
             for l, lw in enumerate(self.layers):
