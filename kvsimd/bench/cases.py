@@ -9,4 +9,3 @@ ATTN_SHAPES = [
 CONTEXTS = [512, 2048, 8192, 32768]
 QUICK_CONTEXTS = [512, 2048]
 DTYPES = ["float16", "float32"]
-OVERVIEW_CONTEXTS = [2048, 32768]   # in the LLC / far beyond it

@@ -20,7 +20,28 @@ def _nll(logits, target):
     return float(m + math.log(np.exp(z - m).sum()) - z[target])
 
 
-def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None):
+def oracle_shard(model, tokens, W, shard=0, n_shards=1, every=1):
+    """The oracle's NLL at positions i = 1 + every * (shard + k * n_shards): the model on exactly
+    the last W tokens, re-prefilled.  Shards of one oracle can run in separate processes (it
+    costs a W-token prefill per position); NaN where another shard scores."""
+    n = len(tokens)
+    nll = np.full(n - 1, np.nan)
+    for j, i in enumerate(range(1, n, every)):
+        if j % n_shards != shard:
+            continue
+        ctx = tokens[max(0, i - W):i]
+        c = model.new_cache(capacity=len(ctx))
+        nll[i - 1] = _nll(model.prefill(ctx, cache=c), tokens[i])
+    return nll
+
+
+def load_tokens(model, text_path, n_tokens):
+    with open(text_path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
+
+
+def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None, oracle=True, dense=True):
     n = len(tokens)
     curves = {}
 
@@ -30,13 +51,14 @@ def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=No
             progress(name, curves[name])
 
     # dense: all tokens cached, one step at a time
-    cache = model.new_cache(capacity=n + 1)
-    nll = []
-    logits = model.prefill(tokens[:1], cache=cache)
-    for i in range(1, n):
-        nll.append(_nll(logits, tokens[i]))
-        logits = model.step([tokens[i]], cache=cache)[0]
-    log("dense", nll)
+    if dense:
+        cache = model.new_cache(capacity=n + 1)
+        nll = []
+        logits = model.prefill(tokens[:1], cache=cache)
+        for i in range(1, n):
+            nll.append(_nll(logits, tokens[i]))
+            logits = model.step([tokens[i]], cache=cache)[0]
+        log("dense", nll)
     for W in windows:
         configs = [("window, no sinks", dict(n_keep=0, policy="sink_query"))] + \
                   [("%d sinks + %s" % (n_keep, p), dict(n_keep=n_keep, policy=p))
@@ -49,13 +71,8 @@ def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=No
                 nll.append(_nll(logits, tokens[i]))
                 logits = model.step([tokens[i]], cache=cache)[0]
             log("W=%d %s" % (W, name), nll)
-        # oracle: the model on exactly the last W tokens, recomputed
-        nll = np.full(n - 1, np.nan)
-        for i in range(1, n, oracle_every):
-            ctx = tokens[max(0, i - W):i]
-            c = model.new_cache(capacity=len(ctx))
-            nll[i - 1] = _nll(model.prefill(ctx, cache=c), tokens[i])
-        log("W=%d oracle (re-prefill)" % W, nll)
+        if oracle:
+            log("W=%d oracle (re-prefill)" % W, oracle_shard(model, tokens, W, every=oracle_every))
     return curves
 
 
@@ -91,9 +108,7 @@ def plot(curves, path):
 def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None, png=None):
     from kvsimd import models
     model = kvsimd.Decoder.from_gguf(models.smollm2_path())
-    with open(text_path, encoding="utf-8", errors="replace") as fh:
-        text = fh.read()
-    tokens = model.tokenizer.encode(text[20000:])[:n_tokens + 1]
+    tokens = load_tokens(model, text_path, n_tokens)
     t0 = time.perf_counter()
     curves = run(model, tokens, windows, oracle_every=oracle_every,
                  progress=lambda name, c: print("quality  %-32s PPL %.3f  (%d scored, %.0f s)"
@@ -103,3 +118,78 @@ def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None, png=
     if png:
         plot(curves, png)
     return rows, curves
+
+
+def _cli(argv=None):
+    """Long quality runs in pieces (separate processes, so both cores work):
+
+        python -m kvsimd.bench.quality oracle --window 512 --shard 0/2 --out o512_0.npy
+        python -m kvsimd.bench.quality policies --out p.npz       # dense + every policy, windows 256 512
+        python -m kvsimd.bench.quality merge p.npz o256_*.npy ... --json q.json --plot docs/
+    """
+    import argparse
+    import glob
+    import json
+    import os
+    ap = argparse.ArgumentParser(prog="python -m kvsimd.bench.quality", description=_cli.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["oracle", "policies", "merge"])
+    ap.add_argument("inputs", nargs="*")
+    ap.add_argument("--window", type=int, action="append", help="window(s) (default 256 and 512)")
+    ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--shard", default="0/1")
+    ap.add_argument("--tokens", type=int, default=2304)
+    ap.add_argument("--out")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--text", default=os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..",
+                                                   "shared", "data", "hamlet_gut.txt"))
+    a = ap.parse_args(argv)
+    if a.what in ("oracle", "policies"):
+        from kvsimd import models
+        model = kvsimd.Decoder.from_gguf(models.smollm2_path())
+        tokens = load_tokens(model, a.text, a.tokens)
+        if a.what == "oracle":
+            k, n = (int(v) for v in a.shard.split("/"))
+            np.save(a.out, oracle_shard(model, tokens, (a.window or [256])[0], k, n))
+        else:
+            curves = run(model, tokens, windows=a.window or (256, 512), oracle=False, dense=not a.no_dense,
+                         progress=lambda name, c: print(
+                "quality  %-32s PPL %.3f" % (name, float(np.exp(np.mean(c)))), flush=True))
+            np.savez(a.out, **curves)
+        return 0
+    curves = {}
+    oracles = {}
+    for path in a.inputs:
+        for p in sorted(glob.glob(path)):
+            if p.endswith(".npz"):
+                curves.update(dict(np.load(p)))
+            else:
+                w = int(os.path.basename(p).split("_")[0].lstrip("o"))
+                part = np.load(p)
+                cur = oracles.get(w)
+                oracles[w] = part if cur is None else np.where(np.isnan(cur), part, cur)
+    for w, c in sorted(oracles.items()):
+        curves["W=%d oracle (re-prefill)" % w] = c
+    rows = summarize(curves, 1)
+    for r in rows:
+        print("quality  %-32s PPL %.3f (%d scored)" % (r["config"], r["ppl_oracle_positions"], r["scored"]))
+    if a.plot:
+        plot(curves, os.path.join(a.plot, "streaming_nll.png"))
+    if a.json:
+        from kvsimd.bench import common
+        from kvsimd.bench.schema import SCHEMA_VERSION
+        doc = {"schema": SCHEMA_VERSION,
+               "header": {"machine": common.machine(), "versions": common.versions(), "isa": kvsimd.isa_info(),
+                          "roofline": common.roofline(size=256 << 20, repeat=3), "argv": ["quality"] + list(argv or []),
+                          "quick": False},
+               "results": {"quality": rows},
+               "curves": {k: [None if not np.isfinite(x) else round(float(x), 5) for x in v] for k, v in curves.items()}}
+        with open(a.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_cli())
