@@ -76,7 +76,7 @@ def _kernel_section(args, roof, isas, op):
 def run_decode(args, roof):
     from kvsimd.bench import decode
     threads = args.threads or [1, 2]
-    steps = 4 if args.quick else 16
+    steps = 4 if args.quick else 24
 
     def show(r):
         print("decode     %-15s context=%-5d threads=%d %-13s %8.1f tok/s%s"

@@ -41,14 +41,16 @@ def _median_step(fn, steps, warmup=2):
 
 
 def _median_steps(fns, steps, warmup=2):
-    """Median seconds per call of each function, timed in turn step by step (round robin), so
-    that drift of a shared machine hits every implementation alike."""
+    """Median seconds per call of each function, timed in turn step by step (round robin, the
+    order rotated every round), so that drift of a shared machine hits every implementation alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(steps):
-        for name, fn in fns.items():
+    order = list(fns)
+    for i in range(steps):
+        for name in order[i % len(order):] + order[:i % len(order)]:   # rotate who goes first
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

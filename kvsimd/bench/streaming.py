@@ -76,8 +76,8 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
                rng.standard_normal((cfg.n_kv_heads, cap, cfg.head_dim)).astype(np.float32) * 0.5)
               for _ in range(cfg.n_layers)]
 
-        def filled(policy, n):
-            c = dec.new_cache(capacity=cap, n_keep=4, policy=policy)
+        def filled(policy, n, capacity=cap):
+            c = dec.new_cache(capacity=capacity, n_keep=4, policy=policy)
             for layer, (k, v) in enumerate(kv):
                 c.write(layer, np.ascontiguousarray(k[:, :n]), np.ascontiguousarray(v[:, :n]))
             c.commit(n)
@@ -87,7 +87,9 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
             return c
 
         res = {}
-        caches = {"fixed": filled("fixed", cap - steps - 3)}
+        # the fixed cache grows from cap - steps/2 to cap + steps/2 tokens while timed: on
+        # average it holds exactly the ring's cap tokens
+        caches = {"fixed": filled("fixed", cap - steps // 2 - 2, capacity=cap + steps)}
         for pol in ("sink_query", "shift", "reevaluate"):
             caches[pol] = filled(pol, cap)
         # shift/reevaluate: the step that finds the window full discards (and rotates, or
@@ -97,9 +99,10 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
         _step_times(dec, caches["fixed"], 1)
         # steady state, interleaved step by step so that drift of this shared machine cancels
         times = {pol: [] for pol in caches}
-        for _ in range(steps):
-            for pol, c in caches.items():
-                times[pol] += _step_times(dec, c, 1)
+        order = list(caches)
+        for i in range(steps):
+            for pol in order[i % len(order):] + order[:i % len(order)]:   # rotate who goes first
+                times[pol] += _step_times(dec, caches[pol], 1)
         for pol in caches:
             res[pol] = statistics.median(times[pol])
         for pol, ev in events.items():
