@@ -71,7 +71,7 @@ def run(ms=(25, 50, 100, 200, 400, 1000), n_src=64, seed_check=True, progress=No
     fits = []
     for regime in REGIMES:
         rs = [r for r in rows if r["regime"] == regime]
-        upper = rs[len(rs) // 2 - (1 if len(rs) > 2 else 0):]   # the larger Ms: closer to the asymptote
+        upper = rs[-3:]   # the three largest Ms: closest to the asymptote
         fits.append({"op": "complexity-fit", "regime": regime, "N": n_src,
                      "M_range": [upper[0]["M"], upper[-1]["M"]],
                      "time_exponent": fit_exponent([r["M"] for r in upper], [r["seconds"] for r in upper]),
