@@ -198,58 +198,6 @@ cdef class KVCache:
             self._lengths[self._seq(seq)] = 0
             _reset_streaming(self, self._seq(seq))
 
-    def attend_parts(self, layer, parts, *, seq=0, scale=None, alibi_slopes=None, key_positions=None, out=None):
-        """Attention over several slot ranges of one sequence, each with its own query:
-        ``parts`` is a list of ``(q, t0, t1, query_position)``; one softmax spans all of them.
-        ALiBi distances use ``key_positions`` (int64 ``[capacity]``, per slot)."""
-        cdef kv_attn_params p
-        l, s = self._layer(layer), self._seq(seq)
-        cdef int64_t H = -1, D = self.head_dim
-        cdef int first = 1
-        if not parts:
-            raise KVSimdValueError("attend_parts needs at least one key range")
-        H = parts[0][0].shape[0]
-        if out is None:
-            out = _np.empty((H, D), dtype=_np.float32)
-        else:
-            _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True)
-        if alibi_slopes is not None:
-            _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
-            _need_array(key_positions, "key_positions", (_I64,), 1, "[capacity]")
-            if alibi_slopes.shape[0] != H or key_positions.shape[0] != self.capacity:
-                raise KVSimdValueError("alibi_slopes must be [%d] and key_positions [%d]" % (H, self.capacity))
-        ml = _np.empty(2 * H, dtype=_np.float32)
-        ws = _np.empty(kv_attend_workspace_bytes(H, self.n_kv_heads, D), dtype=_np.uint8)
-        cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
-        live = [pt for pt in parts if pt[2] > pt[1]]
-        for i, (q, t0, t1, qpos) in enumerate(live):
-            _need_array(q, "q", (_F32,), 2, "[H, head_dim]")
-            if q.shape != (H, D) or H % self.n_kv_heads:
-                raise KVSimdValueError("every q must be [%d, %d], got %s" % (H, D, q.shape))
-            if not 0 <= t0 < t1 <= self.capacity:
-                raise KVSimdValueError("key range %d..%d outside 0..%d" % (t0, t1, self.capacity))
-            p.q = <const float *>_ptr(q)
-            p.k = kv_cache_block(&self.c, l, 0, s)
-            p.v = kv_cache_block(&self.c, l, 1, s)
-            p.out = <float *>_ptr(out)
-            p.m = <float *>_ptr(ml)
-            p.l = p.m + H
-            p.alibi = <const float *>_ptr(alibi_slopes) if alibi_slopes is not None else NULL
-            p.key_pos = <const int64_t *>_ptr(key_positions) if alibi_slopes is not None else NULL
-            p.query_pos = qpos
-            p.H, p.Hkv, p.D = H, self.n_kv_heads, D
-            p.n_total, p.t0, p.t1 = self.capacity, t0, t1
-            p.g0, p.g1 = 0, self.n_kv_heads
-            p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
-            p.dtype = self._kv_dtype
-            p.init = 1 if i == 0 else 0
-            p.finalize = 1 if i == len(live) - 1 else 0
-            with nogil:
-                kv_attend(&p, <void *>wsp)
-        if not live:
-            raise KVSimdValueError("attend_parts: every key range is empty")
-        return out
-
     def step_attend(self, layer, qkv, out, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None):
         """One decode step of self-attention for layer ``layer``, every sequence of the batch, in
         one call (what a decoder does per layer and token, without per-head Python work).
