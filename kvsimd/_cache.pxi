@@ -270,19 +270,22 @@ cdef class KVCache:
         p.slots, p.kpos, p.spos, p.alibi = slots, kpos, spos, alibi_slopes
         p.B, p.H, p.HD, p.nrmax = B, H, HD, nr
         p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
-        # scratch kept between calls: [H, D] sink query, softmax state, kernel workspace
-        need = kv_attend_workspace_bytes(H, Hkv, D) + 64
+        p.ws, p.qs, p.ml = self._scratch(H)
+        return p
+
+    def _scratch(self, int64_t H):
+        """Buffers kept between calls: kernel workspace, an [H, head_dim] query, softmax state."""
+        need = kv_attend_workspace_bytes(H, self.n_kv_heads, self.head_dim) + 64
         ws = getattr(self, "_ws", None)
         if ws is None or ws.shape[0] < need:
             ws = self._ws = _np.empty(need, dtype=_np.uint8)
         qs = getattr(self, "_qs", None)
-        if qs is None or qs.shape[0] < H * D:
-            qs = self._qs = _np.empty(H * D, dtype=_np.float32)
+        if qs is None or qs.shape[0] < H * self.head_dim:
+            qs = self._qs = _np.empty(H * self.head_dim, dtype=_np.float32)
         ml = getattr(self, "_ml", None)
         if ml is None or ml.shape[0] < 2 * H:
             ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
-        p.ws, p.qs, p.ml = ws, qs, ml
-        return p
+        return ws, qs, ml
 
     cdef int _attend_plan(self, int64_t l, float *qkv, int64_t row, float *out, _StepPlan plan) except -1:
         """The work of step_attend for a validated plan (no Python objects touched per head)."""
@@ -359,13 +362,7 @@ cdef class KVCache:
             raise KVSimdValueError("%d query heads is not a multiple of %d KV heads" % (H, Hkv))
         if (self._lengths == 0).any():
             raise KVSimdValueError("cross-attention cache has empty sequences %s" % _np.nonzero(self._lengths == 0)[0].tolist())
-        need = kv_attend_workspace_bytes(H, Hkv, D) + 64
-        ws = getattr(self, "_ws", None)
-        if ws is None or ws.shape[0] < need:
-            ws = self._ws = _np.empty(need, dtype=_np.uint8)
-        ml = getattr(self, "_ml", None)
-        if ml is None or ml.shape[0] < 2 * H:
-            ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
+        ws, _, ml = self._scratch(H)
         cdef void *wsp = <void *>((<size_t>_ptr(ws) + 63) & ~(<size_t>63))
         cdef float *mlp = <float *>_ptr(ml)
         cdef const int64_t *lens = <const int64_t *>_ptr(self._lengths)

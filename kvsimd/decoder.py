@@ -210,8 +210,7 @@ class _Stack:
     def _block(self, l, lw: LayerWeights, x, att):
         """One decoder layer; ``att`` supplies the attention of this forward (prefill, step or
         uncached): ``att.self_attn(l, lw, h)`` / ``att.cross_attn(l, lw, h)`` -> [T, H*D] before wo.
-        (Methods of one object per forward, not closures per layer: a decode step then makes no
-        garbage-collected allocations per layer, and Python's cyclic GC stays out of the loop.)"""
+        (Methods of one object per forward instead of closures created for every layer.)"""
         cfg = self.cfg
         cross = att.has_cross
         if cfg.pre_norm:
@@ -232,7 +231,7 @@ class _Stack:
 
     # ------------------------------------------------------------------ cached forward
     prefill_chunk = 256   # prompt tokens per causal pass: bounds the [H, T, S] score matrices
-    fast_decode = True    # decode steps of pre-norm decoders through _kvsimd._decode_stack
+    fast_decode = True    # decode steps through _kvsimd._decode_stack (False: the NumPy layers)
 
     def _fast_layers(self):
         """Per-layer weight tuples for the compiled decode step, or None when this model's

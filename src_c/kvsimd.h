@@ -61,9 +61,7 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 #define KV_MAX_BLOCK 16
 #define KV_MAX_WIDTH 16
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
-#ifndef KV_MAX_CHUNK
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
-#endif
 
 /* Single-query attention over one contiguous key range, continuing an online softmax.
  *   q   [H, D] float32; k, v [Hkv, n_total, D] (dtype), tokens t0..t1-1 are read.

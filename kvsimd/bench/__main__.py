@@ -61,15 +61,6 @@ def _kernel_section(args, roof, isas, op):
         rows = kernels.bench_shift(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
         peers = kernels.bench_peers("shift_keys", shapes, contexts, repeat, roof, threads,
                                     lambda r: print(_fmt_kernel(r), flush=True))
-    best = {}
-    for r in rows:
-        key = (r["shape"], r["N"])
-        if r["isa"] == kvsimd.active_isa():
-            best.setdefault(key, {})[r["dtype"]] = r["median_s"]
-    for p in peers:
-        ours = best.get((p["shape"], p["N"]), {})
-        if ours:
-            p["kvsimd_speedup"] = p["median_s"] / min(ours.values())
     return rows + peers
 
 

@@ -62,6 +62,12 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
+/* Rows of the block KV_PF blocks after token t of a pass ending at c1 (NULL: none to prefetch). */
+KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize)
+{
+    return KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? base + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
+}
+
 /* Prefetch one row (for the block KV_PF ahead). */
 KV_AINLINE void kv_prefetch_row(const char *row, size_t bytes)
 {
@@ -296,7 +302,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
             /* pass 1: scores */
             for (int64_t t = c0; t < c1; t += KV_B) {
                 const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
-                const char *kpf = KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? kbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
+                const char *kpf = kv_ahead(kbase, t, c1, D, esize);
                 int64_t ks;
                 int rmode;
                 const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
@@ -352,7 +358,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
             /* pass 2: weighted sum of V */
             for (int64_t t = c0; t < c1; t += KV_B) {
                 const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
-                const char *vpf = KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? vbase + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
+                const char *vpf = kv_ahead(vbase, t, c1, D, esize);
                 int64_t vs;
                 int rmode;
                 const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
