@@ -39,7 +39,7 @@ def _reset_streaming(cache, seq):
 
 cdef class _StepPlan:
     """One decode step's validated slots, positions, key ranges and scratch (see KVCache.step_plan)."""
-    cdef object slots, kpos, spos, alibi, rng, nr, two, ws, qs, ml
+    cdef object slots, kpos, spos, alibi, rng, nr, two, cs, ws, qs, ml
     cdef int64_t B, H, HD, nrmax, rd
     cdef double theta
     cdef kv_rope_style st
@@ -259,14 +259,26 @@ cdef class KVCache:
             for use_s, t0, t1, qpos in ranges[b]:
                 if not 0 <= t0 <= t1 <= C:
                     raise KVSimdValueError("key range %d..%d outside 0..%d" % (t0, t1, C))
-                if t1 > t0:
-                    p.rng[b, i] = (1 if use_s else 0, t0, t1, qpos)
-                    if use_s and p.do_rope and spos[b] != kpos[b]:
-                        p.two[b] = 1
+                if t1 == t0:
+                    continue
+                use_s = 1 if (use_s and p.do_rope and spos[b] != kpos[b]) else 0
+                if use_s:
+                    p.two[b] = 1
+                if i and p.rng[b, i - 1, 2] == t0 and p.rng[b, i - 1, 0] == use_s and p.rng[b, i - 1, 3] == qpos:
+                    p.rng[b, i - 1, 2] = t1      # adjacent, same query: one range for the kernel
+                else:
+                    p.rng[b, i] = (use_s, t0, t1, qpos)
                     i += 1
             if i == 0:
                 raise KVSimdValueError("sequence %d: every key range is empty" % b)
             p.nr[b] = i
+        if p.do_rope:
+            # rotation tables of this step's positions, once for every layer: [b][k position | sink position]
+            p.cs = _np.zeros((B, 2, p.rd), dtype=_np.float32)
+            for b in range(B):
+                kv_rope_table(<float *>_ptr(p.cs) + 2 * b * p.rd, <double>kpos[b], p.theta, p.rd // 2, p.rd)
+                if p.two[b]:
+                    kv_rope_table(<float *>_ptr(p.cs) + (2 * b + 1) * p.rd, <double>spos[b], p.theta, p.rd // 2, p.rd)
         p.slots, p.kpos, p.spos, p.alibi = slots, kpos, spos, alibi_slopes
         p.B, p.H, p.HD, p.nrmax = B, H, HD, nr
         p.scale = (1.0 / _math.sqrt(D)) if scale is None else float(scale)
@@ -296,12 +308,11 @@ cdef class KVCache:
         cdef float *krow
         cdef float *vrow
         cdef float *qsp = <float *>_ptr(plan.qs)
-        cdef const int64_t *kp = <const int64_t *>_ptr(plan.kpos)
-        cdef const int64_t *sp = <const int64_t *>_ptr(plan.spos)
         cdef const int64_t *slp = <const int64_t *>_ptr(plan.slots)
         cdef const int64_t *rg = <const int64_t *>_ptr(plan.rng)
         cdef const int64_t *nrp = <const int64_t *>_ptr(plan.nr)
         cdef const int64_t *twp = <const int64_t *>_ptr(plan.two)
+        cdef const float *csp = <const float *>_ptr(plan.cs) if plan.do_rope else NULL
         cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
         cdef const int64_t *kpos_all = <const int64_t *>_ptr(self.positions)
         cdef void *wsp = <void *>((<size_t>_ptr(plan.ws) + 63) & ~(<size_t>63))
@@ -318,10 +329,10 @@ cdef class KVCache:
                 slot = slp[b]
                 if twp[b]:
                     memcpy(qsp, qrow, HD * sizeof(float))
-                    kv_apply_rope(qsp, KV_F32, H, 1, D, sp + b, plan.theta, plan.st, plan.rd)
+                    kv_rotate_rows(qsp, KV_F32, H, 1, D, csp + (2 * b + 1) * plan.rd, plan.st, plan.rd, 0, 1)
                 if plan.do_rope:
-                    kv_apply_rope(qrow, KV_F32, H, 1, D, kp + b, plan.theta, plan.st, plan.rd)
-                    kv_apply_rope(krow, KV_F32, Hkv, 1, D, kp + b, plan.theta, plan.st, plan.rd)
+                    kv_rotate_rows(qrow, KV_F32, H, 1, D, csp + 2 * b * plan.rd, plan.st, plan.rd, 0, 1)
+                    kv_rotate_rows(krow, KV_F32, Hkv, 1, D, csp + 2 * b * plan.rd, plan.st, plan.rd, 0, 1)
                 kc = <char *>kv_cache_block(&self.c, l, 0, b)
                 vc = <char *>kv_cache_block(&self.c, l, 1, b)
                 for h in range(Hkv):

@@ -97,6 +97,8 @@ cdef extern from "kvsimd.h" nogil:
     kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
                             double theta, kv_rope_style style, int64_t rotary_dim, int64_t start,
                             int64_t stop) noexcept
+    void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs,
+                        kv_rope_style style, int64_t rotary_dim, int64_t t0, int64_t t1) noexcept
     void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) noexcept
     void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) noexcept
     void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim) noexcept

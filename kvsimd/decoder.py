@@ -370,7 +370,9 @@ class _Stack:
         kpos = int(cache.seen[b]) if cache.policy == "sink_query" else compressed
         ranges = [("sinks", 0, min(nk, Lp))] if nk else []
         if Lp > nk:
-            ranges += [("window", t0, t1) for t0, t1 in _ring_ranges(int(cache.head[b]), Lp - nk, nk, W)]
+            # the window's keys carry their own positions, so slot order does not matter to the
+            # softmax: in slot order, ranges that touch become one kernel call (cache.step_plan)
+            ranges += [("window", t0, t1) for t0, t1 in sorted(_ring_ranges(int(cache.head[b]), Lp - nk, nk, W))]
         cache.positions[b, slot] = kpos       # invisible until committed; ALiBi reads it this step
         return {"slot": slot, "kpos": kpos, "qpos_sinks": compressed if nk else kpos, "ranges": ranges}
 

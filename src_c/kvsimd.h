@@ -160,6 +160,10 @@ kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D
                         const int64_t *positions, double theta, kv_rope_style style, int64_t rotary_dim);
 kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
                         double theta, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
+/* Rows t0..t1-1 of x [H, N, D] rotated in place by one shared table cs (from kv_rope_table):
+   what a decode step uses to rotate q and k with angles computed once for every layer. */
+void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs, kv_rope_style style,
+                    int64_t rotary_dim, int64_t t0, int64_t t1);
 void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */

@@ -116,7 +116,13 @@ kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t
     const int64_t R = rotary_dim / 2;
     float cs[KV_MAX_HEAD_DIM];
     kv_rope_table(cs, (double)delta, theta, R, rotary_dim);
-    kv_rot_params p = {k, cs, Hkv, D, R, N, start, stop, 0, dtype, style};
-    kv_active()->rotate(&p);
+    kv_rotate_rows(k, dtype, Hkv, N, D, cs, style, rotary_dim, start, stop);
     return KV_OK;
+}
+
+void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs, kv_rope_style style,
+                    int64_t rotary_dim, int64_t t0, int64_t t1)
+{
+    kv_rot_params p = {x, cs, H, D, rotary_dim / 2, N, t0, t1, 0, dtype, style};
+    kv_active()->rotate(&p);
 }
