@@ -303,7 +303,7 @@ cdef class KVCache:
         """The work of step_attend for a validated plan (no Python objects touched per head)."""
         cdef kv_attn_params p
         cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
-        cdef int64_t H = plan.H, HD = plan.HD, b, h, i, n, slot
+        cdef int64_t H = plan.H, HD = plan.HD, b, h, slot
         cdef float *qrow
         cdef float *krow
         cdef float *vrow
@@ -318,9 +318,9 @@ cdef class KVCache:
         cdef void *wsp = <void *>((<size_t>_ptr(plan.ws) + 63) & ~(<size_t>63))
         cdef char *kc
         cdef char *vc
-        cdef const int64_t *r
         cdef size_t es = 2 if self._kv_dtype == KV_F16 else 4
         cdef float *mlp = <float *>_ptr(plan.ml)
+        memset(&p, 0, sizeof(p))
         with nogil:
             for b in range(B):
                 qrow = qkv + b * row
@@ -342,32 +342,33 @@ cdef class KVCache:
                     else:
                         memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
                         memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
-                n = nrp[b]
-                for i in range(n):
-                    r = rg + (b * plan.nrmax + i) * 4
-                    p.q = qsp if (r[0] and twp[b]) else qrow
-                    p.k = kc
-                    p.v = vc
-                    p.out = out + b * HD
-                    p.m = mlp
-                    p.l = p.m + H
-                    p.alibi = alibi
-                    p.key_pos = kpos_all + b * C if alibi != NULL else NULL
-                    p.query_pos = r[3]
-                    p.H, p.Hkv, p.D = H, Hkv, D
-                    p.n_total, p.t0, p.t1 = C, r[1], r[2]
-                    p.g0, p.g1 = 0, Hkv
-                    p.scale = plan.scale
-                    p.dtype = self._kv_dtype
-                    p.init = 1 if i == 0 else 0
-                    p.finalize = 1 if i == n - 1 else 0
-                    kv_attend(&p, wsp)
+                # every key range of the sequence in one kernel call: one softmax, and each KV
+                # head reads its ranges back to back
+                p.q = qrow
+                p.q_alt = qsp if twp[b] else NULL
+                p.ranges = <const kv_attn_range *>(rg + b * plan.nrmax * 4)
+                p.n_ranges = nrp[b]
+                p.k = kc
+                p.v = vc
+                p.out = out + b * HD
+                p.m = mlp
+                p.l = p.m + H
+                p.alibi = alibi
+                p.key_pos = kpos_all + b * C if alibi != NULL else NULL
+                p.H, p.Hkv, p.D = H, Hkv, D
+                p.n_total = C
+                p.g0, p.g1 = 0, Hkv
+                p.scale = plan.scale
+                p.dtype = self._kv_dtype
+                p.init, p.finalize = 1, 1
+                kv_attend(&p, wsp)
         return 0
 
     cdef int _attend_all(self, int64_t l, float *q, int64_t H, float *out) except -1:
         """Every sequence b: out[b] = attention of q[b] ([H, head_dim]) over its committed
         tokens of layer l (a cross-attention step: no positions, no mask)."""
         cdef kv_attn_params p
+        memset(&p, 0, sizeof(p))
         cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, b
         if H % Hkv:
             raise KVSimdValueError("%d query heads is not a multiple of %d KV heads" % (H, Hkv))
@@ -418,6 +419,7 @@ cdef class KVCache:
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
         ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place."""
         cdef kv_attn_params p
+        memset(&p, 0, sizeof(p))
         l, s = self._layer(layer), self._seq(seq)
         _need_array(q, "q", (_F32,), 2, "[H, head_dim]")
         cdef int64_t H = q.shape[0], D = self.head_dim

@@ -26,6 +26,11 @@ cdef extern from "kvsimd.h" nogil:
     uint32_t KV_FEAT_AVX, KV_FEAT_AVX2_ONLY, KV_FEAT_FMA, KV_FEAT_F16C, KV_FEAT_AVX512F
     uint32_t KV_FEAT_AVX512BW, KV_FEAT_AVX512VL, KV_FEAT_AVX512_FP16_ONLY
 
+    ctypedef struct kv_attn_range:
+        int64_t query
+        int64_t t0, t1
+        int64_t query_pos
+
     ctypedef struct kv_attn_params:
         const float *q
         const void *k
@@ -44,6 +49,9 @@ cdef extern from "kvsimd.h" nogil:
         int32_t dtype
         int32_t init
         int32_t finalize
+        const float *q_alt
+        const kv_attn_range *ranges
+        int64_t n_ranges
 
     ctypedef struct kv_rot_params:
         void *x

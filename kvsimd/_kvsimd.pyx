@@ -4,7 +4,7 @@
 One extension module holds all C code, so there is exactly one dispatch table per process."""
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libc.math cimport sqrtf, expf, erff, tanhf
 
 from kvsimd._capi cimport *

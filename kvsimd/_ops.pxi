@@ -59,7 +59,8 @@ def _rope_args(x, theta, style, rotary_dim):
     return theta, _STYLES[style], rd
 
 
-def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None):
+def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
+           ranges=None, q_alt=None):
     """Single-query attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]``; k, v: float16 or float32 ``[Hkv, N, D]`` (same dtype); H a multiple of
@@ -67,8 +68,15 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ``1/sqrt(D)``.  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
     ``[N]``) defaults to ``0..N-1`` and ``query_position`` to ``N-1``.  One pass over K/V, online
-    softmax, fp32 accumulation.  Returns float32 ``[H, D]`` (``out`` if given)."""
+    softmax, fp32 accumulation.  Returns float32 ``[H, D]`` (``out`` if given).
+
+    Several key ranges under one softmax (a ring cache with attention sinks): ``ranges`` lists
+    ``(t0, t1)``, ``(t0, t1, use_q_alt)`` or ``(t0, t1, use_q_alt, query_position)`` tuples,
+    non-empty and non-overlapping; only those keys are read, a range with ``use_q_alt`` is
+    scored with ``q_alt`` (float32 ``[H, D]``, e.g. the query rotated at another position) and
+    its ALiBi distances use its own ``query_position``.  One kernel call for all ranges."""
     cdef kv_attn_params p
+    memset(&p, 0, sizeof(p))
     _need_array(q, "q", (_F32,), 2, "[H, D]")
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]")
     _need_array(v, "v", _KV_DTYPES, 3, "[Hkv, N, D]")
@@ -119,6 +127,18 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         for name, a in (("q", q), ("k", k), ("v", v)):
             if _np.may_share_memory(out, a):
                 raise KVSimdValueError("out overlaps %s" % name)
+    if q_alt is not None:
+        _need_array(q_alt, "q_alt", (_F32,), 2, "[H, D]")
+        if q_alt.shape != q.shape:
+            raise KVSimdValueError("q_alt must have the shape of q %s, got %s" % (q.shape, q_alt.shape))
+        p.q_alt = <const float *>_ptr(q_alt)
+    rng = None
+    if ranges is not None:
+        rng = _attend_ranges(ranges, N, qpos, q_alt is not None)
+        p.ranges = <const kv_attn_range *>_ptr(rng)
+        p.n_ranges = rng.shape[0]
+    elif q_alt is not None:
+        raise KVSimdValueError("q_alt is only used by ranges that ask for it (ranges=...)")
     ml = _np.empty(2 * H, dtype=_np.float32)
     ws = _np.empty(kv_attend_workspace_bytes(H, Hkv, D), dtype=_np.uint8)
     cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
@@ -140,6 +160,31 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     with nogil:
         kv_attend(&p, <void *>wsp)
     return out
+
+
+def _attend_ranges(ranges, int64_t N, int64_t qpos, bint have_alt):
+    """int64 [n, 4] rows (use q_alt, t0, t1, query position) of kv_attn_range, validated."""
+    try:
+        items = [tuple(r) for r in ranges]
+    except TypeError:
+        raise KVSimdValueError("ranges must be a sequence of (t0, t1[, use_q_alt[, query_position]]) tuples") from None
+    if not items:
+        raise KVSimdValueError("ranges is empty: attention needs at least one key")
+    rng = _np.empty((len(items), 4), dtype=_np.int64)
+    for i, r in enumerate(items):
+        if not 2 <= len(r) <= 4:
+            raise KVSimdValueError("range %d must be (t0, t1[, use_q_alt[, query_position]]), got %r" % (i, r))
+        t0, t1 = _need_int(r[0], "t0"), _need_int(r[1], "t1")
+        if not 0 <= t0 < t1 <= N:
+            raise KVSimdValueError("range %d: keys %d..%d must be non-empty and within 0..%d" % (i, t0, t1, N))
+        alt = bool(r[2]) if len(r) > 2 else False
+        if alt and not have_alt:
+            raise KVSimdValueError("range %d uses q_alt, but q_alt was not given" % i)
+        rng[i] = (1 if alt else 0, t0, t1, _need_int(r[3], "query_position") if len(r) > 3 else qpos)
+    order = _np.argsort(rng[:, 1], kind="stable")
+    if (rng[order[1:], 1] < rng[order[:-1], 2]).any():
+        raise KVSimdValueError("ranges overlap: %s" % [(int(a), int(b)) for a, b in rng[:, 1:3]])
+    return rng
 
 
 def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):

@@ -126,7 +126,8 @@ def _kernel_addresses():
         "D": <size_t>&ap.D - base, "n_total": <size_t>&ap.n_total - base, "t0": <size_t>&ap.t0 - base,
         "t1": <size_t>&ap.t1 - base, "g0": <size_t>&ap.g0 - base, "g1": <size_t>&ap.g1 - base,
         "scale": <size_t>&ap.scale - base, "dtype": <size_t>&ap.dtype - base, "init": <size_t>&ap.init - base,
-        "finalize": <size_t>&ap.finalize - base,
+        "finalize": <size_t>&ap.finalize - base, "q_alt": <size_t>&ap.q_alt - base,
+        "ranges": <size_t>&ap.ranges - base, "n_ranges": <size_t>&ap.n_ranges - base,
     }
     base = <size_t>&rp
     rot_layout = {

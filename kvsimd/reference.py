@@ -10,18 +10,37 @@ import numpy as np
 __all__ = ["attend", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
 
 
-def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None):
-    """float64 softmax weights ``[H, N]`` of single-query attention (GQA/MQA, optional ALiBi)."""
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
+def _scores(q, k, scale, alibi_slopes, key_positions, query_position):
+    """float64 scores ``[H, N]`` of q against k (GQA: query head h reads KV head h // (H // Hkv))."""
     H, D = q.shape
     Hkv, N, _ = k.shape
-    kh = np.repeat(k, H // Hkv, axis=0)                  # query head h reads KV head h // (H // Hkv)
+    kh = np.repeat(k, H // Hkv, axis=0)
     s = np.einsum("hd,hnd->hn", q, kh) * float(1.0 / np.sqrt(D) if scale is None else scale)
     if alibi_slopes is not None:
-        kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
-        qp = float(N - 1 if query_position is None else query_position)
-        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (qp - kp)[None, :]
+        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (float(query_position) - key_positions)[None, :]
+    return s
+
+
+def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
+                      ranges=None, q_alt=None):
+    """float64 softmax weights ``[H, N]`` of single-query attention (GQA/MQA, optional ALiBi).
+
+    ``ranges`` (as :func:`kvsimd.ops.attend`): only the keys of the ranges get weight, one
+    softmax over all of them; a range with ``use_q_alt`` is scored with ``q_alt``, and its ALiBi
+    distances from its own query position.  Keys outside every range get weight 0."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    Hkv, N, _ = k.shape
+    kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
+    qp = N - 1 if query_position is None else query_position
+    if ranges is None:
+        s = _scores(q, k, scale, alibi_slopes, kp, qp)
+    else:
+        s = np.full((q.shape[0], N), -np.inf)
+        for r in ranges:
+            t0, t1 = int(r[0]), int(r[1])
+            qq = np.asarray(q_alt, np.float64) if len(r) > 2 and r[2] else q
+            s[:, t0:t1] = _scores(qq, k[:, t0:t1], scale, alibi_slopes, kp[t0:t1], r[3] if len(r) > 3 else qp)
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True)

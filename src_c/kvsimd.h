@@ -73,7 +73,18 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
  *   key_pos == NULL means key_pos[t] = t.
  *   Query heads h in [g*G, (g+1)*G) use KV head g, G = H / Hkv; each K/V row is read once
  *   per group.  Only KV heads g0..g1-1 are processed (lets callers split work across threads).
+ *   Several ranges under one softmax: ranges != NULL lists n_ranges ranges (t0, t1 and
+ *   query_pos of the params are then unused), each scored with q or with q_alt (the
+ *   attention-sink query of a ring cache, rotated at another position); every KV head reads
+ *   its ranges in order before the next head starts.
  */
+/* Four int64s, the layout a KVCache step plan keeps per range. */
+typedef struct kv_attn_range {
+    int64_t query;          /* 0: q, 1: q_alt */
+    int64_t t0, t1;
+    int64_t query_pos;      /* ALiBi distances of this range */
+} kv_attn_range;
+
 typedef struct kv_attn_params {
     const float *q;
     const void *k;
@@ -92,6 +103,9 @@ typedef struct kv_attn_params {
     int32_t dtype;          /* kv_dtype of k and v */
     int32_t init;
     int32_t finalize;
+    const float *q_alt;     /* [H, D], or NULL */
+    const kv_attn_range *ranges;
+    int64_t n_ranges;
 } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.

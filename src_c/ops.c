@@ -14,8 +14,8 @@
 size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
 {
     const int64_t G = H / Hkv, Dp = (D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH;
-    /* qbuf, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk] */
-    return sizeof(float) * (size_t)(2 * G * Dp + 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH +
+    /* qbuf, qalt, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk] */
+    return sizeof(float) * (size_t)(3 * G * Dp + 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH +
                                     G * KV_MAX_CHUNK) + 64;
 }
 

@@ -316,7 +316,8 @@ def pack_struct(layout, values, types):
 
 ATTN_TYPES = {"q": "Q", "k": "Q", "v": "Q", "out": "Q", "m": "Q", "l": "Q", "alibi": "Q", "key_pos": "Q",
               "query_pos": "q", "H": "q", "Hkv": "q", "D": "q", "n_total": "q", "t0": "q", "t1": "q",
-              "g0": "q", "g1": "q", "scale": "f", "dtype": "i", "init": "i", "finalize": "i"}
+              "g0": "q", "g1": "q", "scale": "f", "dtype": "i", "init": "i", "finalize": "i",
+              "q_alt": "Q", "ranges": "Q", "n_ranges": "q"}
 ROT_TYPES = {"x": "Q", "cs": "Q", "H": "q", "D": "q", "R": "q", "n_total": "q", "t0": "q", "t1": "q",
              "cs_stride": "q", "dtype": "i", "style": "i"}
 

@@ -120,3 +120,51 @@ def test_gqa_uses_the_right_kv_head(isa, rng):
     v = np.broadcast_to(np.arange(Hkv, dtype=np.float32)[:, None, None], (Hkv, N, D)).copy()
     out = ops.attend(q, k, v)
     np.testing.assert_allclose(out[:, 0], np.arange(H) // (H // Hkv), atol=1e-6)
+
+
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       alibi=st.booleans())
+def test_attend_ranges_with_alternate_query(isa, hkv, ratio, N, D, dtype, seed, alibi):
+    """Several key ranges (with gaps, in any order) under one softmax, some scored with q_alt and
+    their own ALiBi query position: what a ring cache with attention sinks reads in one call."""
+    rng = np.random.default_rng(seed)
+    H = hkv * ratio
+    q, k, v = make(rng, H, hkv, N, D, dtype)
+    q_alt = rng.standard_normal((H, D)).astype(np.float32)
+    cuts = np.unique(np.concatenate([[0, N], rng.integers(0, N + 1, 4)]))
+    pieces = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    keep = [p for p in pieces if rng.random() < 0.7] or pieces[:1]
+    ranges = [(a, b, bool(rng.random() < 0.5), int(rng.integers(N, 3 * N))) for a, b in keep]
+    ranges = [ranges[i] for i in rng.permutation(len(ranges))]
+    kw = {}
+    if alibi:
+        kw = {"alibi_slopes": (2.0 ** -np.arange(1, H + 1, dtype=np.float32)).astype(np.float32),
+              "key_positions": rng.permutation(N).astype(np.int64)}
+    out = ops.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
+    ref = reference.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
+    scale = weighted_scale(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
+    assert_close(out, ref, scale, TOL[dtype], isa)
+
+
+def test_attend_ranges_equal_the_single_range(isa, rng):
+    """Splitting [0, N) into pieces without q_alt changes nothing but rounding."""
+    q, k, v = make(rng, 8, 2, 300, 64, "float16")
+    whole = ops.attend(q, k, v)
+    split = ops.attend(q, k, v, ranges=[(200, 300), (0, 4), (4, 200)])
+    np.testing.assert_allclose(split, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
+@pytest.mark.parametrize("ranges,q_alt,msg", [
+    ([], False, "ranges is empty"),
+    ([(0, 0)], False, "non-empty"),
+    ([(5, 3)], False, "non-empty"),
+    ([(0, 11)], False, "within 0..10"),
+    ([(0, 5), (4, 8)], False, "overlap"),
+    ([(0, 5, True)], False, "q_alt was not given"),
+    ([(0, 5, False, 1, 2)], False, "must be (t0, t1"),
+    (None, True, "q_alt is only used"),
+])
+def test_attend_ranges_bad_input(rng, ranges, q_alt, msg):
+    q, k, v = make(rng, 4, 2, 10, 16, "float32")
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        ops.attend(q, k, v, ranges=ranges, q_alt=q if q_alt else None)

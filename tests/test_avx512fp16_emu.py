@@ -244,13 +244,17 @@ def test_rotation_special_values(guest):
 
 
 # ------------------------------------------------------------------------------ attention
-def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0):
+def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_alt=None):
     H, D = q.shape
     Hkv, N, _ = k.shape
     out = guest.alloc(4 * H * D)
     ml = guest.alloc(8 * H)
     ws = guest.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
-    prm = pack_struct(INFO["attn_params"], {
+    extra = {}
+    if ranges is not None:   # kv_attn_range rows: (use q_alt, t0, t1, query position)
+        rows = np.array([(int(r[2]), r[0], r[1], r[3]) for r in ranges], dtype=np.int64)
+        extra = {"ranges": guest.put(rows), "n_ranges": len(ranges), "q_alt": guest.put(q_alt)}
+    prm = pack_struct(INFO["attn_params"], {**extra,
         "q": guest.put(q), "k": guest.put(k, offset=2), "v": guest.put(v, offset=2), "out": out,
         "m": ml, "l": ml + 4 * H, "alibi": guest.put(alibi) if alibi is not None else 0,
         "key_pos": guest.put(kpos) if kpos is not None else 0, "query_pos": qpos,
@@ -280,6 +284,22 @@ def test_attention_against_scalar_row(guest, rng, H, Hkv, N, D, dtype):
     assert_close(got, want.astype(np.float64), ws, tol, "avx512fp16 vs scalar")
     ref = reference.attend(q, k, v, alibi_slopes=slopes, key_positions=kpos, query_position=500 + N)
     assert_close(got, ref, ws, tol, "avx512fp16 vs float64")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_attention_ranges_with_alternate_query(guest, rng, dtype):
+    """A ring cache's read: sinks scored with q_alt at their own ALiBi query position, the
+    window in two pieces (wrapped), one softmax; against the float64 reference."""
+    from test_attend import assert_close, make, weighted_scale
+    q, k, v = make(rng, 8, 2, 90, 64, dtype)
+    q_alt = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = rng.uniform(0, 0.3, 8).astype(np.float32)
+    kpos = rng.permutation(90).astype(np.int64)
+    ranges = [(0, 4, True, 40), (57, 90, False, 95), (4, 50, False, 95)]
+    kw = dict(alibi_slopes=slopes, key_positions=kpos, ranges=ranges, q_alt=q_alt)
+    got = guest_attend(guest, q, k, v, slopes, kpos, 0, ranges=ranges, q_alt=q_alt)
+    tol = 1e-5 if dtype == "float32" else 1e-4
+    assert_close(got, reference.attend(q, k, v, **kw), weighted_scale(q, k, v, **kw), tol, "avx512fp16 vs float64")
 
 
 def test_attention_without_alibi(guest, rng):

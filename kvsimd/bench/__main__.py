@@ -128,7 +128,7 @@ def run_streaming(args, roof):
                                       + ((far,) if far not in (10**3, 10**4, 10**5) else ()), progress=lambda r: print(
             "streaming  drift    %-10s %s after %6d tokens: logits within %.2e of a fresh prefill (max %d rotations)"
             % (r["policy"], r["dtype"], r["tokens"], r["rel_err"], r["max_rotations"]), flush=True))
-    rows += streaming.bench_overhead((256,) if args.quick else (256, 2048, 8192), steps=6 if args.quick else 64,
+    rows += streaming.bench_overhead((256,) if args.quick else (256, 2048, 8192), steps=6 if args.quick else 200,
                                      progress=lambda r: print(
         "streaming  overhead capacity=%-5d %-10s %6.1f tok/s  %+6.2f%% vs fixed%s"
         % (r["capacity"], r["policy"], r["tok_per_s"], r["overhead_pct"],

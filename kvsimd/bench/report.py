@@ -142,11 +142,18 @@ def streaming_md(rows):
             line = [p]
             for c in caps:
                 hit = [r for r in ov if r["policy"] == p and r["capacity"] == c]
-                line.append("%s tok/s (%+.2f%%)" % (_f(hit[0]["tok_per_s"]), hit[0]["overhead_pct"]) if hit else "-")
+                if not hit:
+                    line.append("-")
+                    continue
+                r = hit[0]
+                ci = (" [%+.2f, %+.2f]" % tuple(r["overhead_ci95_pct"])) if "overhead_ci95_pct" in r and p != "fixed" else ""
+                line.append("%s tok/s (%+.2f%%%s)" % (_f(r["tok_per_s"]), r["overhead_pct"], ci))
             body.append(line)
         out.append(_table(["policy (SmolLM2-shaped, 1 thread)"] + ["capacity %d" % c for c in caps], body))
         out.append("Targets: sink_query < 1%, shift < 3% overhead against the fixed cache of the same size "
-                   "(timed step by step, interleaved; shift and reevaluate include their discard events amortized).")
+                   "(timed step by step, interleaved, the fixed cache attending over exactly `capacity` tokens at every "
+                   "step; median of per-round ratios, with its 95% bootstrap interval in brackets; shift and "
+                   "reevaluate include their discard events amortized).")
     return "\n\n".join(out)
 
 

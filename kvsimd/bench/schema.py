@@ -19,7 +19,8 @@ Sections and the keys every row has (figures are positive and finite):
                 time_exponent, positions_exponent) or "complexity-seed003" (regime, token_positions,
                 expected)
 * streaming  -- op "streaming-memory" (policy, tokens, growth_pct), "streaming-drift" (policy,
-                tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct)
+                tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct,
+                overhead_ci95_pct [low, high], rounds)
 * quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results")
 """
 import math
@@ -38,7 +39,8 @@ ROW_KEYS = {
                    "complexity-seed003": ["regime", "token_positions", "expected"]},
     "streaming": {"streaming-memory": ["policy", "tokens", "growth_pct"],
                   "streaming-drift": ["policy", "tokens", "rel_err"],
-                  "streaming-overhead": ["policy", "capacity", "tok_per_s", "overhead_pct"]},
+                  "streaming-overhead": ["policy", "capacity", "tok_per_s", "overhead_pct", "overhead_ci95_pct",
+                                         "rounds"]},
     "quality": {None: ["config", "scored", "ppl_all", "ppl_oracle_positions"]},
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",

@@ -55,13 +55,27 @@ def bench_memory(policy, n_tokens=10**6, checkpoints=(10**4,), capacity=256, pro
             "growth_pct": 100.0 * (rss[n_tokens] - rss[first]) / rss[first]}
 
 
-def _step_times(dec, cache, n):
+def _step_times(dec, cache, n, hold=False):
+    """n timed steps; hold=True undoes each step's token afterwards (untimed), so a fixed
+    cache attends over the same number of tokens at every step."""
     times, tok = [], [1]
     for _ in range(n):
         t0 = time.perf_counter()
         dec.step(tok, cache=cache)
         times.append(time.perf_counter() - t0)
+        if hold:
+            cache._forget(0, 1)
+            cache.seen[0] -= 1
+            cache.tokens[0].pop()
     return times
+
+
+def _median_ci(x, n_boot=2000, seed=0):
+    """Median of x and a 95% bootstrap interval for it."""
+    x = np.asarray(x)
+    rng = np.random.default_rng(seed)
+    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+    return float(np.median(x)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
 
 
 def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
@@ -87,35 +101,37 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
             return c
 
         res = {}
-        # the fixed cache grows from cap - steps/2 to cap + steps/2 tokens while timed: on
-        # average it holds exactly the ring's cap tokens
-        caches = {"fixed": filled("fixed", cap - steps // 2 - 2, capacity=cap + steps)}
+        # fixed: cap - 1 tokens, each timed step adds the cap-th and is then undone, so every
+        # step attends over exactly the cap tokens that a full ring holds
+        caches = {"fixed": filled("fixed", cap - 1)}
         for pol in ("sink_query", "shift", "reevaluate"):
             caches[pol] = filled(pol, cap)
         # shift/reevaluate: the step that finds the window full discards (and rotates, or
         # recomputes); time it alone, then amortize it over the n_discard steps it buys
         events = {pol: _step_times(dec, caches[pol], 1)[0] for pol in ("shift", "reevaluate")}
         _step_times(dec, caches["sink_query"], 1)   # warm-up
-        _step_times(dec, caches["fixed"], 1)
+        _step_times(dec, caches["fixed"], 1, hold=True)
         # steady state, interleaved step by step so that drift of this shared machine cancels
         times = {pol: [] for pol in caches}
         order = list(caches)
         for i in range(steps):
             for pol in order[i % len(order):] + order[:i % len(order)]:   # rotate who goes first
-                times[pol] += _step_times(dec, caches[pol], 1)
+                times[pol] += _step_times(dec, caches[pol], 1, hold=pol == "fixed")
         # per-round ratios to the fixed cache's step of the same round: drift of this shared
         # machine between rounds cancels; the median of the ratios is the steady-state overhead
-        ratio = {pol: statistics.median(t / f for t, f in zip(times[pol], times["fixed"])) for pol in caches}
+        ratio = {pol: _median_ci([t / f for t, f in zip(times[pol], times["fixed"])]) for pol in caches}
         for pol in caches:
             res[pol] = statistics.median(times[pol])
         for pol, ev in events.items():
             amort = max(0.0, ev - res[pol]) / caches[pol].n_discard
-            ratio[pol] += amort / res["fixed"]
+            ratio[pol] = tuple(x + amort / res["fixed"] for x in ratio[pol])
             res[pol] += amort
         res["shift_event_s"] = events["shift"]
         for pol in ("fixed", "sink_query", "shift", "reevaluate"):
+            med, lo, hi = ratio[pol]
             rows.append({"op": "streaming-overhead", "policy": pol, "capacity": cap, "tok_per_s": 1.0 / res[pol],
-                         "overhead_pct": 100.0 * (ratio[pol] - 1.0),
+                         "overhead_pct": 100.0 * (med - 1.0), "overhead_ci95_pct": [100.0 * (lo - 1.0), 100.0 * (hi - 1.0)],
+                         "rounds": steps,
                          **({"event_ms": res["shift_event_s"] * 1e3} if pol == "shift" else {})})
             if progress:
                 progress(rows[-1])

@@ -257,7 +257,8 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
     const size_t esize = p->dtype == KV_F16 ? 2 : 4;
     /* workspace: every array starts on a 64-byte boundary (offsets are multiples of 16 floats) */
     float *qbuf = (float *)workspace;                 /* [G, Dp] scaled queries */
-    float *acc = qbuf + G * Dp;                       /* [G, Dp] running outputs */
+    float *qalt = qbuf + G * Dp;                      /* [G, Dp] scaled q_alt */
+    float *acc = qalt + G * Dp;                       /* [G, Dp] running outputs */
     float *kblk = acc + G * Dp;                       /* [KV_B, Dp] padded block (tails only) */
     float *vblk = kblk + KV_B * Dp;                   /* [KV_B, Dp] */
     vf *red = (vf *)(vblk + KV_B * Dp);               /* [KV_GS, KV_B] partial dot products */
@@ -270,22 +271,30 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
        fp32 copy so that the inner loops never have tails. */
     const int aligned = (D % KV_W) == 0;
     const size_t row_bytes = (size_t)D * esize;
+    const kv_attn_range one_range = {0, p->t0, p->t1, p->query_pos};
+    const kv_attn_range *ranges = p->ranges ? p->ranges : &one_range;
+    const int64_t n_ranges = p->ranges ? p->n_ranges : 1;
 
     for (int64_t g = p->g0; g < p->g1; g++) {
         const int64_t h0 = g * G;
         const char *kbase = (const char *)p->k + (size_t)(g * N) * (size_t)D * esize;
         const char *vbase = (const char *)p->v + (size_t)(g * N) * (size_t)D * esize;
+        const vf scv = vf_set1(p->scale);
         for (int64_t i = 0; i < G; i++) {
             const float *qi = p->q + (h0 + i) * D;
+            const float *qa = p->q_alt ? p->q_alt + (h0 + i) * D : qi;
             float *o = p->out + (h0 + i) * D;
-            const vf scv = vf_set1(p->scale);
             int64_t c = 0;
             for (; c + KV_W <= D; c += KV_W) {
                 vf_store(qbuf + i * Dp + c, vf_mul(vf_load(qi + c), scv));
+                if (p->q_alt)
+                    vf_store(qalt + i * Dp + c, vf_mul(vf_load(qa + c), scv));
                 vf_store(acc + i * Dp + c, p->init ? vf_zero() : vf_load(o + c));
             }
             if (c < D) {
                 vf_store(qbuf + i * Dp + c, vf_mul(vf_load_part(qi + c, D - c), scv));
+                if (p->q_alt)
+                    vf_store(qalt + i * Dp + c, vf_mul(vf_load_part(qa + c, D - c), scv));
                 vf_store(acc + i * Dp + c, p->init ? vf_zero() : vf_load_part(o + c, D - c));
             }
             if (p->init) {
@@ -293,81 +302,86 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 p->l[h0 + i] = 0.0f;
             }
         }
-        /* Chunks of KV_CHUNK tokens, in two passes: all scores of the chunk (reading only K),
-           one softmax update, then the weighted sum (reading only V).  Each pass reads one
-           sequential stream: alternating K and V blocks measured ~15% slower from DRAM. */
-        for (int64_t c0 = p->t0; c0 < p->t1; c0 += KV_CHUNK) {
-            const int64_t c1 = p->t1 - c0 < KV_CHUNK ? p->t1 : c0 + KV_CHUNK;
-            const int64_t cn = c1 - c0, cpad = (cn + KV_B - 1) / KV_B * KV_B;
-            /* pass 1: scores */
-            for (int64_t t = c0; t < c1; t += KV_B) {
-                const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
-                const char *kpf = kv_ahead(kbase, t, c1, D, esize);
-                int64_t ks;
-                int rmode;
-                const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
-                for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-                    const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
-                    KV_FN(scores_n)(qbuf + i0 * Dp, kb, rmode, ks, Dp, red, nh, i0 ? NULL : kpf, row_bytes);
-                    for (int i = 0; i < nh; i++) {
-                        float *s = sc + (i0 + i) * KV_CHUNK + (t - c0);
-                        for (int jj = 0; jj < KV_B; jj += KV_W)
-                            vf_reduce_block(red + i * KV_B + jj, s + jj);
-                        for (int64_t j = nb; j < KV_B; j++)
-                            s[j] = KV_NEG_INF;
-                        if (p->alibi) {
-                            const float slope = p->alibi[h0 + i0 + i];
-                            for (int64_t j = 0; j < nb; j++) {
-                                const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
-                                s[j] -= slope * (float)(p->query_pos - kp);
+        /* Each range in chunks of KV_CHUNK tokens, in two passes: all scores of the chunk
+           (reading only K), one softmax update, then the weighted sum (reading only V).  Each
+           pass reads one sequential stream: alternating K and V blocks measured ~15% slower
+           from DRAM. */
+        for (int64_t ri = 0; ri < n_ranges; ri++) {
+            const float *qs = ranges[ri].query && p->q_alt ? qalt : qbuf;
+            const int64_t r1 = ranges[ri].t1, query_pos = ranges[ri].query_pos;
+            for (int64_t c0 = ranges[ri].t0; c0 < r1; c0 += KV_CHUNK) {
+                const int64_t c1 = r1 - c0 < KV_CHUNK ? r1 : c0 + KV_CHUNK;
+                const int64_t cn = c1 - c0, cpad = (cn + KV_B - 1) / KV_B * KV_B;
+                /* pass 1: scores */
+                for (int64_t t = c0; t < c1; t += KV_B) {
+                    const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
+                    const char *kpf = kv_ahead(kbase, t, c1, D, esize);
+                    int64_t ks;
+                    int rmode;
+                    const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
+                    for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
+                        const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+                        KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, Dp, red, nh, i0 ? NULL : kpf, row_bytes);
+                        for (int i = 0; i < nh; i++) {
+                            float *s = sc + (i0 + i) * KV_CHUNK + (t - c0);
+                            for (int jj = 0; jj < KV_B; jj += KV_W)
+                                vf_reduce_block(red + i * KV_B + jj, s + jj);
+                            for (int64_t j = nb; j < KV_B; j++)
+                                s[j] = KV_NEG_INF;
+                            if (p->alibi) {
+                                const float slope = p->alibi[h0 + i0 + i];
+                                for (int64_t j = 0; j < nb; j++) {
+                                    const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
+                                    s[j] -= slope * (float)(query_pos - kp);
+                                }
                             }
                         }
                     }
                 }
-            }
-            /* online softmax update, once per chunk and head */
-            for (int64_t i = 0; i < G; i++) {
-                float *s = sc + i * KV_CHUNK;
-                float *m = p->m + h0 + i, *l = p->l + h0 + i;
-                vf mx = vf_load(s);
-                for (int64_t j = KV_W; j < cpad; j += KV_W)
-                    mx = vf_max(mx, vf_load(s + j));
-                const float bmax = vf_hmax(mx);
-                const float m_new = bmax > *m ? bmax : *m;
-                const vf mv = vf_set1(m_new);
-                vf sum = vf_zero();
-                for (int64_t j = 0; j < cpad; j += KV_W) {
-                    const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
-                    vf_store(s + j, e);
-                    sum = vf_add(sum, e);
+                /* online softmax update, once per chunk and head */
+                for (int64_t i = 0; i < G; i++) {
+                    float *s = sc + i * KV_CHUNK;
+                    float *m = p->m + h0 + i, *l = p->l + h0 + i;
+                    vf mx = vf_load(s);
+                    for (int64_t j = KV_W; j < cpad; j += KV_W)
+                        mx = vf_max(mx, vf_load(s + j));
+                    const float bmax = vf_hmax(mx);
+                    const float m_new = bmax > *m ? bmax : *m;
+                    const vf mv = vf_set1(m_new);
+                    vf sum = vf_zero();
+                    for (int64_t j = 0; j < cpad; j += KV_W) {
+                        const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
+                        vf_store(s + j, e);
+                        sum = vf_add(sum, e);
+                    }
+                    float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
+                    for (int64_t j = cn; j < cpad; j++) {
+                        tail += s[j];
+                        s[j] = 0.0f;
+                    }
+                    const float cr = KV_FN(expf1)(*m - m_new);
+                    *l = *l * cr + (vf_hsum(sum) - tail);
+                    *m = m_new;
+                    if (i < KV_GS)
+                        corr[i] = cr;
+                    else  /* heads beyond the first group: rescale their accumulators here */
+                        for (int64_t c = 0; c < Dp; c += KV_W)
+                            vf_store(acc + i * Dp + c, vf_mul(vf_load(acc + i * Dp + c), vf_set1(cr)));
                 }
-                float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
-                for (int64_t j = cn; j < cpad; j++) {
-                    tail += s[j];
-                    s[j] = 0.0f;
+                /* pass 2: weighted sum of V */
+                for (int64_t t = c0; t < c1; t += KV_B) {
+                    const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
+                    const char *vpf = kv_ahead(vbase, t, c1, D, esize);
+                    int64_t vs;
+                    int rmode;
+                    const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
+                    for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
+                        const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+                        KV_FN(accumulate_n)(acc + i0 * Dp, (t == c0 && i0 == 0) ? corr : one, sc + i0 * KV_CHUNK + (t - c0),
+                                            KV_CHUNK, vb, rmode, vs, Dp, nh, i0 ? NULL : vpf, row_bytes);
+                    }
                 }
-                const float cr = KV_FN(expf1)(*m - m_new);
-                *l = *l * cr + (vf_hsum(sum) - tail);
-                *m = m_new;
-                if (i < KV_GS)
-                    corr[i] = cr;
-                else  /* heads beyond the first group: rescale their accumulators here */
-                    for (int64_t c = 0; c < Dp; c += KV_W)
-                        vf_store(acc + i * Dp + c, vf_mul(vf_load(acc + i * Dp + c), vf_set1(cr)));
-            }
-            /* pass 2: weighted sum of V */
-            for (int64_t t = c0; t < c1; t += KV_B) {
-                const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
-                const char *vpf = kv_ahead(vbase, t, c1, D, esize);
-                int64_t vs;
-                int rmode;
-                const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
-                for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-                    const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
-                    KV_FN(accumulate_n)(acc + i0 * Dp, (t == c0 && i0 == 0) ? corr : one, sc + i0 * KV_CHUNK + (t - c0),
-                                        KV_CHUNK, vb, rmode, vs, Dp, nh, i0 ? NULL : vpf, row_bytes);
-                }
-            }
+        }
         }
         for (int64_t i = 0; i < G; i++) {
             float *o = p->out + (h0 + i) * D;
