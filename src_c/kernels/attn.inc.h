@@ -309,12 +309,19 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
         for (int64_t ri = 0; ri < n_ranges; ri++) {
             const float *qs = ranges[ri].query && p->q_alt ? qalt : qbuf;
             const int64_t r1 = ranges[ri].t1, query_pos = ranges[ri].query_pos;
-            for (int64_t c0 = ranges[ri].t0; c0 < r1; c0 += KV_CHUNK) {
-                const int64_t c1 = r1 - c0 < KV_CHUNK ? r1 : c0 + KV_CHUNK;
-                const int64_t cn = c1 - c0, cpad = (cn + KV_B - 1) / KV_B * KV_B;
+            /* Chunks and blocks sit on multiples of KV_CHUNK and KV_B tokens, whatever the
+               range's start: a range from token 4 reads a 12-row block, then whole blocks that
+               never straddle a 2 KiB boundary (misaligned blocks measured ~4% slower from DRAM).
+               Blocks write KV_B scores at (t - c0): a short first block's tail is overwritten by
+               the next block, and the chunk's scores end at the padded end of its last block. */
+            for (int64_t c0 = ranges[ri].t0, c1; c0 < r1; c0 = c1) {
+                c1 = (c0 / KV_CHUNK + 1) * KV_CHUNK < r1 ? (c0 / KV_CHUNK + 1) * KV_CHUNK : r1;
+                const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
+                const int64_t cn = c1 - c0, cend = last - c0 + KV_B, cpad = (cend + KV_B - 1) / KV_B * KV_B;
                 /* pass 1: scores */
-                for (int64_t t = c0; t < c1; t += KV_B) {
-                    const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
+                for (int64_t t = c0, tn; t < c1; t = tn) {
+                    tn = (t / KV_B + 1) * KV_B < c1 ? (t / KV_B + 1) * KV_B : c1;
+                    const int64_t nb = tn - t;
                     const char *kpf = kv_ahead(kbase, t, c1, D, esize);
                     int64_t ks;
                     int rmode;
@@ -342,6 +349,8 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 for (int64_t i = 0; i < G; i++) {
                     float *s = sc + i * KV_CHUNK;
                     float *m = p->m + h0 + i, *l = p->l + h0 + i;
+                    for (int64_t j = cend; j < cpad; j++)   /* past the last block's padding */
+                        s[j] = KV_NEG_INF;
                     vf mx = vf_load(s);
                     for (int64_t j = KV_W; j < cpad; j += KV_W)
                         mx = vf_max(mx, vf_load(s + j));
@@ -369,8 +378,9 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                             vf_store(acc + i * Dp + c, vf_mul(vf_load(acc + i * Dp + c), vf_set1(cr)));
                 }
                 /* pass 2: weighted sum of V */
-                for (int64_t t = c0; t < c1; t += KV_B) {
-                    const int64_t nb = c1 - t < KV_B ? c1 - t : KV_B;
+                for (int64_t t = c0, tn; t < c1; t = tn) {
+                    tn = (t / KV_B + 1) * KV_B < c1 ? (t / KV_B + 1) * KV_B : c1;
+                    const int64_t nb = tn - t;
                     const char *vpf = kv_ahead(vbase, t, c1, D, esize);
                     int64_t vs;
                     int rmode;
