@@ -2,8 +2,12 @@
  * attention reads each (layer, sequence, KV head) as one contiguous [capacity, D] run:
  *     [layer][K | V][sequence][kv head][slot][d]
  * Lengths and positions live with the Python object; C owns only the memory. */
+#define _DEFAULT_SOURCE   /* posix_memalign, madvise */
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "kvsimd.h"
 
@@ -19,8 +23,16 @@ kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t 
     if (total / head != (size_t)n_layers * 2 * (size_t)batch * (size_t)n_kv_heads)
         return KV_ERR_NOMEM;
     void *p = NULL;
-    if (posix_memalign(&p, 64, total ? total : 64) != 0)
+    /* Large caches on 2 MiB boundaries, and asking Linux for transparent huge pages: attention
+       streams the whole cache every step, and 4 KiB pages cost a TLB miss every 4 KiB. */
+    const size_t huge = (size_t)2 << 20;
+    const size_t align = total >= 4 * huge ? huge : 64;
+    if (posix_memalign(&p, align, total ? total : 64) != 0)
         return KV_ERR_NOMEM;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == huge)
+        madvise(p, total / huge * huge, MADV_HUGEPAGE);   /* advice only: failure is harmless */
+#endif
     memset(p, 0, total);
     c->data = p;
     c->nbytes = total;
