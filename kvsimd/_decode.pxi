@@ -20,6 +20,20 @@ cdef inline float _act1(float v, int kind) noexcept nogil:
     return v if v > 0 else 0
 
 
+cdef void _act_rows(float *y, const float *x, const float *mul, int64_t n, int kind) noexcept nogil:
+    """y = act(x) (* mul), one activation per loop so that each loop is a single simple body."""
+    cdef int64_t i
+    if kind == 0:
+        for i in range(n):
+            y[i] = x[i] / (1.0 + expf(-x[i]))
+    else:
+        for i in range(n):
+            y[i] = _act1(x[i], kind)
+    if mul != NULL:
+        for i in range(n):
+            y[i] *= mul[i]
+
+
 cdef void _norm_rows(float *y, const float *x, int64_t B, int64_t d, const float *w, const float *bias, float eps,
                      bint rms) noexcept nogil:
     cdef int64_t b, i
@@ -59,7 +73,7 @@ def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bin
     cross wo, bo), w_in = [w1 | w3] when gated; the cross entries are None without ``cross``.
     Pre-norm: x += attn(norm1 x) [+= cross(norm_c x)] += ffn(norm2 x) (parallel: both from x);
     post-norm: x = norm1(x + attn x) [= norm_c(x + cross x)] = norm2(x + ffn x)."""
-    cdef int64_t B = x.shape[0], d = x.shape[1], HD = plan.HD, l, i, n, nq
+    cdef int64_t B = x.shape[0], d = x.shape[1], HD = plan.HD, l, i, n, nq, b
     cdef int kind = _ACTS[act]
     _need_array(x, "x", (_F32,), 2, "[batch, d_model]", writeable=True)
     if B != cache.batch or (cross is not None and cross.batch != B):
@@ -137,11 +151,11 @@ def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bin
         u = _np.empty((B, n), _np.float32)
         up = <float *>_ptr(u)
         with nogil:
-            for i in range(B * n):
-                if gated:
-                    up[i] = _act1(gp[(i // n) * 2 * n + i % n], kind) * gp[(i // n) * 2 * n + n + i % n]
-                else:
-                    up[i] = _act1(gp[i], kind)
+            if gated:    # rows of g are [gate | up]
+                for b in range(B):
+                    _act_rows(up + b * n, gp + b * 2 * n, gp + b * 2 * n + n, n, kind)
+            else:
+                _act_rows(up, gp, NULL, B * n, kind)
         _np.matmul(u, w2, out=f)
         _add_bias(fp, _fptr(b2), B, d)
         with nogil:

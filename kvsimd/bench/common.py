@@ -199,3 +199,11 @@ def versions():
 def write_json(path, payload):
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=1)
+
+
+def median_ci(x, n_boot=2000, seed=0):
+    """Median of x and a 95% bootstrap interval for it."""
+    x = np.asarray(x)
+    rng = np.random.default_rng(seed)
+    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+    return float(np.median(x)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 import kvsimd
+from kvsimd.bench.common import median_ci
 
 SHAPES = {
     # SmolLM2-135M: 30 layers, hidden 576, 9 heads / 3 KV heads, head_dim 64, FFN 1536, vocab 49152
@@ -40,8 +41,8 @@ def _median_step(fn, steps, warmup=2):
     return _median_steps({"f": fn}, steps, warmup)["f"]
 
 
-def _median_steps(fns, steps, warmup=2):
-    """Median seconds per call of each function, timed in turn step by step (round robin, the
+def _round_robin(fns, steps, warmup=2):
+    """Seconds of every call of each function, timed in turn step by step (round robin, the
     order rotated every round), so that drift of a shared machine hits every implementation alike."""
     for _ in range(warmup):
         for fn in fns.values():
@@ -54,7 +55,17 @@ def _median_steps(fns, steps, warmup=2):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _median_steps(fns, steps, warmup=2):
+    """Median seconds per call of each function (see _round_robin)."""
+    return {name: statistics.median(t) for name, t in _round_robin(fns, steps, warmup).items()}
+
+
+def _paired_ratio(num, den):
+    """Median over rounds of num[i] / den[i] (times of the same round), with a 95% bootstrap interval."""
+    return median_ci([a / b for a, b in zip(num, den)])
 
 
 def step_matrices(stack):
@@ -81,14 +92,21 @@ def weight_floor_fn(stack):
     return run, sum(m.nbytes for m in mats)
 
 
-def _rows(model, context, nt, times, nbytes, progress):
+def _rows(model, context, nt, all_times, nbytes, progress):
+    """Rows of one configuration.  ``speedup`` on a peer's row: how many times kvsimd's step is
+    faster, the median of per-round ratios (drift between rounds cancels), with its interval."""
+    times = {impl: statistics.median(t) for impl, t in all_times.items()}
     extra = {"kvsimd": {"isa": kvsimd.active_isa(), "cache": "float16"},
              "weights floor": {"weight_bytes": nbytes, "GBps": nbytes / times.get("weights floor", 1) / 1e9},
              "transformers": {"cache": "fp32 (DynamicCache)"}}
     rows = []
     for impl, t in times.items():
-        rows.append(dict({"model": model, "impl": impl, "context": context, "threads": nt, "tok_per_s": 1.0 / t},
-                         **extra[impl]))
+        row = dict({"model": model, "impl": impl, "context": context, "threads": nt, "tok_per_s": 1.0 / t},
+                   **extra[impl])
+        if impl != "kvsimd" and "kvsimd" in all_times:
+            med, lo, hi = _paired_ratio(all_times[impl], all_times["kvsimd"])
+            row.update(speedup=med, speedup_ci95=[lo, hi])
+        rows.append(row)
         if progress:
             progress(rows[-1])
     return rows
@@ -126,7 +144,7 @@ def bench_decoder_only(spec, contexts, threads, steps, with_hf=True, progress=No
                     with torch.no_grad():
                         hf(input_ids=ids, past_key_values=pkv, use_cache=True)
                 fns["transformers"] = hf_step
-            rows += _rows(spec["name"], n_ctx, nt, _median_steps(fns, steps), nbytes, progress)
+            rows += _rows(spec["name"], n_ctx, nt, _round_robin(fns, steps), nbytes, progress)
     return rows
 
 
@@ -160,7 +178,7 @@ def bench_encoder_decoder(spec, threads, steps, with_hf=True, progress=None):
                 with torch.no_grad():
                     hf(encoder_outputs=enc, decoder_input_ids=ids, past_key_values=pkv, use_cache=True)
             fns["transformers"] = hf_step
-        rows += _rows(spec["name"], spec["src"], nt, _median_steps(fns, steps), nbytes, progress)
+        rows += _rows(spec["name"], spec["src"], nt, _round_robin(fns, steps), nbytes, progress)
     return rows
 
 

@@ -114,12 +114,23 @@ def decode_md(rows):
     for k in keys:
         v = {r["impl"]: r for r in rows if (r["model"], r["context"], r["threads"]) == k}
         ours, hf, floor = v.get("kvsimd"), v.get("transformers"), v.get("weights floor")
+
+        def ratio(peer, pct=False):
+            if not (ours and peer):
+                return "-"
+            if "speedup" not in peer:    # older result files: ratio of the medians
+                r = ours["tok_per_s"] / peer["tok_per_s"]
+                return "%s%%" % _f(100 * r, 0) if pct else "**%sx**" % _f(r, 2)
+            lo, hi = peer["speedup_ci95"]
+            if pct:
+                return "%s%% [%s, %s]" % (_f(100 * peer["speedup"], 0), _f(100 * lo, 0), _f(100 * hi, 0))
+            return "**%sx** [%s, %s]" % (_f(peer["speedup"], 2), _f(lo, 2), _f(hi, 2))
         body.append([k[0], k[1], k[2], _f(ours["tok_per_s"]) if ours else "-", _f(hf["tok_per_s"]) if hf else "-",
-                     "**%sx**" % _f(ours["tok_per_s"] / hf["tok_per_s"], 2) if ours and hf else "-",
-                     _f(floor["tok_per_s"]) if floor else "-",
-                     "%s%%" % _f(100 * ours["tok_per_s"] / floor["tok_per_s"], 0) if ours and floor else "-"])
+                     ratio(hf), _f(floor["tok_per_s"]) if floor else "-", ratio(floor, pct=True)])
     return _table(["model", "context", "threads", "kvsimd tok/s", "transformers tok/s", "kvsimd / transformers",
-                   "weight-streaming floor tok/s", "kvsimd % of floor"], body)
+                   "weight-streaming floor tok/s", "kvsimd % of floor"], body) + (
+        "\n\nRatios: median over rounds of the two step times of the same round (drift of the machine between "
+        "rounds cancels), 95% bootstrap interval in brackets." if any("speedup" in r for r in rows) else "")
 
 
 def streaming_md(rows):

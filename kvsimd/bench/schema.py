@@ -14,7 +14,8 @@ Sections and the keys every row has (figures are positive and finite):
                 median_s, GBps, pct_read_roofline (kvsimd rows: isa)
 * rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
                 median_s, GBps, pct_copy_roofline
-* decode     -- model, impl ("kvsimd" | "transformers" | "weights floor"), context, threads, tok_per_s
+* decode     -- model, impl ("kvsimd" | "transformers" | "weights floor"), context, threads, tok_per_s;
+                peers also speedup (median per-round ratio of their step to kvsimd's) and speedup_ci95
 * complexity -- op "complexity" (regime, N, M, seconds, token_positions), "complexity-fit" (regime,
                 time_exponent, positions_exponent) or "complexity-seed003" (regime, token_positions,
                 expected)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import kvsimd
+from kvsimd.bench.common import median_ci
 from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 
@@ -70,14 +71,6 @@ def _step_times(dec, cache, n, hold=False):
     return times
 
 
-def _median_ci(x, n_boot=2000, seed=0):
-    """Median of x and a 95% bootstrap interval for it."""
-    x = np.asarray(x)
-    rng = np.random.default_rng(seed)
-    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
-    return float(np.median(x)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
-
-
 def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
     from kvsimd.bench.decode import SHAPES, _hf_model
     spec = dict(SHAPES["smollm2-shaped"], name="smollm2-shaped")
@@ -119,7 +112,7 @@ def bench_overhead(capacities=(256, 2048, 8192), steps=24, progress=None):
                 times[pol] += _step_times(dec, caches[pol], 1, hold=pol == "fixed")
         # per-round ratios to the fixed cache's step of the same round: drift of this shared
         # machine between rounds cancels; the median of the ratios is the steady-state overhead
-        ratio = {pol: _median_ci([t / f for t, f in zip(times[pol], times["fixed"])]) for pol in caches}
+        ratio = {pol: median_ci([t / f for t, f in zip(times[pol], times["fixed"])]) for pol in caches}
         for pol in caches:
             res[pol] = statistics.median(times[pol])
         for pol, ev in events.items():
