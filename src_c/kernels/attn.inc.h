@@ -62,6 +62,13 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
+/* End of the block that holds token t: the next multiple of KV_B, or the chunk's end c1. */
+KV_AINLINE int64_t kv_block_end(int64_t t, int64_t c1)
+{
+    const int64_t e = (t / KV_B + 1) * KV_B;
+    return e < c1 ? e : c1;
+}
+
 /* Rows of the block KV_PF blocks after token t of a pass ending at c1 (NULL: none to prefetch). */
 KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize)
 {
@@ -320,7 +327,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 const int64_t cn = c1 - c0, cend = last - c0 + KV_B, cpad = (cend + KV_B - 1) / KV_B * KV_B;
                 /* pass 1: scores */
                 for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = (t / KV_B + 1) * KV_B < c1 ? (t / KV_B + 1) * KV_B : c1;
+                    tn = kv_block_end(t, c1);
                     const int64_t nb = tn - t;
                     const char *kpf = kv_ahead(kbase, t, c1, D, esize);
                     int64_t ks;
@@ -379,7 +386,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 }
                 /* pass 2: weighted sum of V */
                 for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = (t / KV_B + 1) * KV_B < c1 ? (t / KV_B + 1) * KV_B : c1;
+                    tn = kv_block_end(t, c1);
                     const int64_t nb = tn - t;
                     const char *vpf = kv_ahead(vbase, t, c1, D, esize);
                     int64_t vs;
