@@ -7,7 +7,7 @@ import numpy as np
 from kvsimd import ops
 from kvsimd.testing import use_isa
 
-from kvsimd.bench.common import Evictor, fill, llc_bytes
+from kvsimd.bench.common import Evictor, fill, llc_bytes, median_ci
 
 
 def paired_roofline(kind, nbytes):
@@ -22,7 +22,8 @@ def paired_roofline(kind, nbytes):
 
 
 def time_paired(call, ref, repeat, evict):
-    """Median seconds of ``call`` and of ``ref``, alternated repeat by repeat, each cold."""
+    """Times of ``call`` and of ``ref``, alternated repeat by repeat, each cold: (median call
+    seconds, best call seconds, median ref seconds, per-repeat ratios ref / call)."""
     tc, tr = [], []
     for _ in range(repeat):
         for fn, acc in ((call, tc), (ref, tr)):
@@ -30,16 +31,21 @@ def time_paired(call, ref, repeat, evict):
             t0 = time.perf_counter()
             fn()
             acc.append(time.perf_counter() - t0)
-    return statistics.median(tc), min(tc), statistics.median(tr)
+    return statistics.median(tc), min(tc), statistics.median(tr), [r / c for r, c in zip(tr, tc)]
 
 
-def _row(op, impl, name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof, roof_key, llc, resident):
+def _row(op, impl, name, H, Hkv, D, N, dtype, timing, moved, roof, roof_key, llc, resident):
+    """One result row; the % of roofline is the median over repeats of (paired plain read or
+    copy time) / (kernel time), with a 95% bootstrap interval: drift between repeats cancels."""
+    med, best, ref_s, ratios = timing
     gbps = moved / med / 1e9
     kind = roof_key.split("_")[0]
+    pct, lo, hi = median_ci(ratios)
     return {"op": op, "impl": impl, "shape": name, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": dtype,
             "median_s": med, "min_s": best, "bytes": moved, "GBps": gbps,
             "paired_%s_GBps" % kind: moved / ref_s / 1e9,
-            "pct_%s_roofline" % kind: 100.0 * gbps / (moved / ref_s / 1e9),
+            "pct_%s_roofline" % kind: 100.0 * pct,
+            "pct_%s_roofline_ci95" % kind: [100.0 * lo, 100.0 * hi],
             "pct_global_%s_roofline" % kind: 100.0 * gbps / roof[roof_key],
             "beyond_llc": resident > llc}
 
@@ -59,8 +65,8 @@ def _sweep(op, isas, shapes, contexts, dtypes, repeat, roof, make, progress):
                 for isa in isas:
                     with use_isa(isa):
                         call()
-                        med, best, ref_s = time_paired(call, ref, repeat, evict)
-                    rows.append(dict(_row(op, "kvsimd", name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof,
+                        timing = time_paired(call, ref, repeat, evict)
+                    rows.append(dict(_row(op, "kvsimd", name, H, Hkv, D, N, dtype, timing, moved, roof,
                                           roof_key, llc, resident), isa=isa))
                     if progress:
                         progress(rows[-1])
@@ -170,8 +176,8 @@ def bench_peers(kind, shapes, contexts, repeat, roof, threads=1, progress=None):
             for impl, dtype, call, moved in peers:
                 call()
                 ref = paired_roofline(key.split("_")[0], moved)
-                med, best, ref_s = time_paired(call, ref, repeat, evict)
-                rows.append(_row(kind, impl, name, H, Hkv, D, N, dtype, med, best, moved, ref_s, roof, key, llc,
+                timing = time_paired(call, ref, repeat, evict)
+                rows.append(_row(kind, impl, name, H, Hkv, D, N, dtype, timing, moved, roof, key, llc,
                                  moved if kind == "attend" else moved // 2))
                 if progress:
                     progress(rows[-1])

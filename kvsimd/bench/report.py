@@ -88,6 +88,20 @@ def _kernel_md(rows, kind):
     return _table(["shape H/Hkv/D", "N"] + ["%s %s" % c for c in cols] + [ratio], body)
 
 
+def _targets_md(rows, kind):
+    """The rows the targets are about: fp16, best path, beyond the LLC; % with its interval."""
+    key = "pct_%s_roofline" % kind
+    ours = [r for r in rows if r["impl"] == "kvsimd" and r["dtype"] == "float16" and r.get("beyond_llc")]
+    if not ours:
+        return ""
+    best = [r for r in ours if r["isa"] == ours[-1]["isa"]]
+    return "On the targets' cases (float16, %s, beyond the LLC), median over repeats of the paired ratio with its " \
+        "95%% bootstrap interval: " % best[0]["isa"] + "; ".join(
+            "%d/%d/%d N=%d %s%%%s" % (r["H"], r["Hkv"], r["D"], r["N"], _f(r[key], 1),
+                                       " [%s, %s]" % tuple(_f(x, 1) for x in r[key + "_ci95"]) if key + "_ci95" in r
+                                       else "") for r in best) + "."
+
+
 def _behind(rows):
     """Peers that beat kvsimd's best row on the same case."""
     notes = []
@@ -221,6 +235,7 @@ def render(doc, quality=None, images=None):
                   "GB/s of K+V read per call, cold caches, 1 thread, median of repeats; in brackets the % of a "
                   "plain streaming read of the same bytes timed beside it.  Targets beyond the LLC (fp16): "
                   "MHA >= 80%, GQA >= 70%.", _kernel_md(res["attention"], "read")]
+        parts.append(_targets_md(res["attention"], "read"))
         b = _behind(res["attention"])
         parts.append("Where a peer is faster: " + ("; ".join(b) if b else "nowhere in this run") + ".")
     if "rope" in res:
@@ -228,6 +243,7 @@ def render(doc, quality=None, images=None):
                   "GB/s read + written (in place), in brackets the % of a plain copy of the same bytes timed beside "
                   "it (target >= 60%).  Peers apply the same rotation with the usual rotate_half formula.",
                   _kernel_md(res["rope"], "copy")]
+        parts.append(_targets_md(res["rope"], "copy"))
         b = _behind(res["rope"])
         parts.append("Where a peer is faster: " + ("; ".join(b) if b else "nowhere in this run") + ".")
     if "decode" in res:
@@ -250,7 +266,7 @@ def render(doc, quality=None, images=None):
                   "tokens at %s; each policy is compared with the oracle of its window." % every, quality_md(quality)]
     if images:
         parts += ["![%s](%s)" % (alt, path) for alt, path in images]
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def main(argv=None):
