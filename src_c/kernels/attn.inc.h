@@ -57,6 +57,9 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #ifndef KV_CHUNK
 #define KV_CHUNK KV_MAX_CHUNK   /* tokens per two-pass chunk (a multiple of every KV_B) */
 #endif
+#ifndef KV_NEXT_PASS
+#define KV_NEXT_PASS 1
+#endif
 #ifndef KV_PF
 #define KV_PF 1   /* prefetch distance, in blocks */
 #endif
@@ -69,10 +72,16 @@ KV_AINLINE int64_t kv_block_end(int64_t t, int64_t c1)
     return e < c1 ? e : c1;
 }
 
-/* Rows of the block KV_PF blocks after token t of a pass ending at c1 (NULL: none to prefetch). */
-KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize)
+/* What to prefetch while working on the block at token t of a pass ending at c1: the block
+   KV_PF blocks ahead; in the pass's last block, the first rows of the pass that follows
+   (``next``, may be NULL), so that no pass starts on a cold stream.  NULL: nothing. */
+KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize, const char *next)
 {
-    return KV_PF > 0 && t + (KV_PF + 1) * KV_B <= c1 ? base + (size_t)((t + KV_PF * KV_B) * D) * esize : NULL;
+    if (KV_PF <= 0)
+        return NULL;
+    if (t + (KV_PF + 1) * KV_B <= c1)
+        return base + (size_t)((t + KV_PF * KV_B) * D) * esize;
+    return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
 /* Prefetch one row (for the block KV_PF ahead). */
@@ -325,11 +334,15 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 c1 = (c0 / KV_CHUNK + 1) * KV_CHUNK < r1 ? (c0 / KV_CHUNK + 1) * KV_CHUNK : r1;
                 const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
                 const int64_t cn = c1 - c0, cend = last - c0 + KV_B, cpad = (cend + KV_B - 1) / KV_B * KV_B;
+                /* the K rows read after this chunk: the next chunk, range or KV head */
+                const char *next_k = c1 < r1 ? kbase + (size_t)(c1 * D) * esize
+                                   : ri + 1 < n_ranges ? kbase + (size_t)(ranges[ri + 1].t0 * D) * esize
+                                   : g + 1 < p->g1 ? kbase + (size_t)((N + ranges[0].t0) * D) * esize : NULL;
                 /* pass 1: scores */
                 for (int64_t t = c0, tn; t < c1; t = tn) {
                     tn = kv_block_end(t, c1);
                     const int64_t nb = tn - t;
-                    const char *kpf = kv_ahead(kbase, t, c1, D, esize);
+                    const char *kpf = kv_ahead(kbase, t, c1, D, esize, vbase + (size_t)(c0 * D) * esize);
                     int64_t ks;
                     int rmode;
                     const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
@@ -388,7 +401,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 for (int64_t t = c0, tn; t < c1; t = tn) {
                     tn = kv_block_end(t, c1);
                     const int64_t nb = tn - t;
-                    const char *vpf = kv_ahead(vbase, t, c1, D, esize);
+                    const char *vpf = kv_ahead(vbase, t, c1, D, esize, next_k);
                     int64_t vs;
                     int rmode;
                     const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
