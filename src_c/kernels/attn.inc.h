@@ -84,26 +84,21 @@ KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
-/* Prefetch one row (for the block KV_PF ahead). */
-KV_AINLINE void kv_prefetch_row(const char *row, size_t bytes)
-{
-    if (row)
-        for (size_t off = 0; off < bytes; off += 64)
-            __builtin_prefetch(row + off, 0, 3);
-}
-
 /* R rows from j0: per column chunk, NH query loads and R key loads feed R * NH FMAs. */
 KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red,
                                const int NH, const int j0, const int R, const char *pf, size_t pf_row)
 {
-    /* spread over the block: prefetch the rows KV_PF blocks ahead that this pass mirrors */
-    for (int r = 0; r < R && pf; r++)
-        kv_prefetch_row(pf + (size_t)(j0 + r) * pf_row, pf_row);
+    /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column chunk:
+       prefetches issued in bursts measured far slower from DRAM than spread ones */
+    const char *pl = pf ? pf + (size_t)j0 * pf_row : NULL;
+    const int64_t nl = pf ? (int64_t)((R * pf_row + 63) / 64) : 0;
     vf a[KV_ACC];
 #pragma GCC unroll 16
     for (int x = 0; x < R * NH; x++)
         a[x] = vf_zero();
     for (int64_t c = 0; c < Dp; c += KV_W) {
+        if (c / KV_W < nl)
+            __builtin_prefetch(pl + (c / KV_W) * 64, 0, 3);
         vf qc[KV_GS];
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
@@ -121,6 +116,8 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
             red[i * KV_B + j0 + r] = a[r * NH + i];
+    for (int64_t m = Dp / KV_W; m < nl; m++)   /* lines beyond one per column chunk (wide rows) */
+        __builtin_prefetch(pl + m * 64, 0, 3);
 }
 
 /* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
@@ -144,9 +141,9 @@ KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, 
 KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
                               int64_t vs, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
-    for (int j = 0; pf && j < KV_B; j++)
-        kv_prefetch_row(pf + (size_t)j * pf_row, pf_row);
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
+    /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
+    const int64_t nl = pf ? (int64_t)((KV_B * pf_row + 63) / 64) : 0;
     int64_t c = 0;
     for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
         vf x[KV_ACC];
@@ -158,6 +155,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
                 x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
         }
         for (int j = 0; j < KV_B; j++) {
+            if ((c / (CG * KV_W)) * KV_B + j < nl)
+                __builtin_prefetch(pf + ((c / (CG * KV_W)) * KV_B + j) * 64, 0, 3);
             vf w[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
@@ -191,6 +190,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
         for (int i = 0; i < NH; i++)
             vf_store(acc + i * Dp + c, x0[i]);
     }
+    for (int64_t m = (Dp / (CG * KV_W)) * KV_B; m < nl; m++)   /* lines beyond one per row step */
+        __builtin_prefetch(pf + m * 64, 0, 3);
 }
 
 /* Instantiate the two helpers for a compile-time head count and row mode. */
