@@ -84,14 +84,19 @@ KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
+/* The 64-byte line that holds p, and the number of lines from line-aligned p to end: rows
+   need not start on a line (NumPy's large arrays start 16 bytes into a page). */
+KV_AINLINE const char *kv_line_floor(const char *p) { return (const char *)((uintptr_t)p & ~(uintptr_t)63); }
+KV_AINLINE int64_t kv_lines(const char *p, const char *end) { return (int64_t)((end - p + 63) / 64); }
+
 /* R rows from j0: per column chunk, NH query loads and R key loads feed R * NH FMAs. */
 KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red,
                                const int NH, const int j0, const int R, const char *pf, size_t pf_row)
 {
     /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column chunk:
        prefetches issued in bursts measured far slower from DRAM than spread ones */
-    const char *pl = pf ? pf + (size_t)j0 * pf_row : NULL;
-    const int64_t nl = pf ? (int64_t)((R * pf_row + 63) / 64) : 0;
+    const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
+    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + R) * pf_row) : 0;
     vf a[KV_ACC];
 #pragma GCC unroll 16
     for (int x = 0; x < R * NH; x++)
@@ -143,7 +148,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
 {
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
     /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
-    const int64_t nl = pf ? (int64_t)((KV_B * pf_row + 63) / 64) : 0;
+    const char *pl = pf ? kv_line_floor(pf) : NULL;
+    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)KV_B * pf_row) : 0;
     int64_t c = 0;
     for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
         vf x[KV_ACC];
@@ -156,7 +162,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
         }
         for (int j = 0; j < KV_B; j++) {
             if ((c / (CG * KV_W)) * KV_B + j < nl)
-                __builtin_prefetch(pf + ((c / (CG * KV_W)) * KV_B + j) * 64, 0, 3);
+                __builtin_prefetch(pl + ((c / (CG * KV_W)) * KV_B + j) * 64, 0, 3);
             vf w[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
@@ -191,7 +197,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
             vf_store(acc + i * Dp + c, x0[i]);
     }
     for (int64_t m = (Dp / (CG * KV_W)) * KV_B; m < nl; m++)   /* lines beyond one per row step */
-        __builtin_prefetch(pf + m * 64, 0, 3);
+        __builtin_prefetch(pl + m * 64, 0, 3);
 }
 
 /* Instantiate the two helpers for a compile-time head count and row mode. */
