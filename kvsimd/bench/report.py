@@ -232,8 +232,9 @@ def render(doc, quality=None, images=None):
         parts += ["### Roofline", roofline_md(res["roofline"])]
     if "attention" in res:
         parts += ["### Decode attention (`attend`)",
-                  "GB/s of K+V read per call, cold caches, 1 thread, median of repeats; in brackets the % of a "
-                  "plain streaming read of the same bytes timed beside it.  Targets beyond the LLC (fp16): "
+                  "GB/s of K+V read per call, cold caches, 1 thread, median of repeats, K/V arrays 64-byte aligned "
+                  "(as a KVCache stores them); in brackets the % of a plain streaming read of the same bytes timed "
+                  "beside it.  Targets beyond the LLC (fp16): "
                   "MHA >= 80%, GQA >= 70%.", _kernel_md(res["attention"], "read")]
         parts.append(_targets_md(res["attention"], "read"))
         b = _behind(res["attention"])
