@@ -6,6 +6,9 @@
  *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, one add-tree reduction)
  *   2. ALiBi bias, then an online-softmax update  (running max m_i, running sum l_i)
  *   3. acc_i = acc_i * exp(m_old - m_new) + sum_j p_ij v_j
+ * A call may read several key ranges (kv_attn_range), each with q or q_alt, under the same
+ * softmax.  Tokens are taken in chunks and blocks on the absolute token grid, and the rows of
+ * the block ahead are prefetched spread over the work on the current block.
  * Head dims are padded with zeros to a multiple of KV_W in the workspace, so the inner
  * loops have no tails.  fp16 rows are widened to fp32 as they are loaded; all arithmetic
  * and accumulation is fp32.
@@ -58,7 +61,7 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #define KV_CHUNK KV_MAX_CHUNK   /* tokens per two-pass chunk (a multiple of every KV_B) */
 #endif
 #ifndef KV_NEXT_PASS
-#define KV_NEXT_PASS 1
+#define KV_NEXT_PASS 1   /* a pass's last block prefetches the first rows of the next pass */
 #endif
 #ifndef KV_PF
 #define KV_PF 1   /* prefetch distance, in blocks */
