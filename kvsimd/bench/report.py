@@ -102,6 +102,13 @@ def _targets_md(rows, kind):
                                        else "") for r in best) + "."
 
 
+def _kernel_section(rows, kind, title, intro):
+    """Title, intro, the table, the targets' cases and where a peer is faster."""
+    b = _behind(rows)
+    return [title, intro, _kernel_md(rows, kind), _targets_md(rows, kind),
+            "Where a peer is faster: " + ("; ".join(b) if b else "nowhere in this run") + "."]
+
+
 def _behind(rows):
     """Peers that beat kvsimd's best row on the same case."""
     notes = []
@@ -231,22 +238,16 @@ def render(doc, quality=None, images=None):
     if "roofline" in res:
         parts += ["### Roofline", roofline_md(res["roofline"])]
     if "attention" in res:
-        parts += ["### Decode attention (`attend`)",
-                  "GB/s of K+V read per call, cold caches, 1 thread, median of repeats, K/V arrays 64-byte aligned "
-                  "(as a KVCache stores them); in brackets the % of a plain streaming read of the same bytes timed "
-                  "beside it.  Targets beyond the LLC (fp16): "
-                  "MHA >= 80%, GQA >= 70%.", _kernel_md(res["attention"], "read")]
-        parts.append(_targets_md(res["attention"], "read"))
-        b = _behind(res["attention"])
-        parts.append("Where a peer is faster: " + ("; ".join(b) if b else "nowhere in this run") + ".")
+        parts += _kernel_section(res["attention"], "read", "### Decode attention (`attend`)",
+                                 "GB/s of K+V read per call, cold caches, 1 thread, median of repeats, K/V arrays "
+                                 "64-byte aligned (as a KVCache stores them); in brackets the % of a plain streaming "
+                                 "read of the same bytes timed beside it.  Targets beyond the LLC (fp16): "
+                                 "MHA >= 80%, GQA >= 70%.")
     if "rope" in res:
-        parts += ["### K-cache shift (`shift_keys`, shift-RoPE-K)",
-                  "GB/s read + written (in place), in brackets the % of a plain copy of the same bytes timed beside "
-                  "it (target >= 60%).  Peers apply the same rotation with the usual rotate_half formula.",
-                  _kernel_md(res["rope"], "copy")]
-        parts.append(_targets_md(res["rope"], "copy"))
-        b = _behind(res["rope"])
-        parts.append("Where a peer is faster: " + ("; ".join(b) if b else "nowhere in this run") + ".")
+        parts += _kernel_section(res["rope"], "copy", "### K-cache shift (`shift_keys`, shift-RoPE-K)",
+                                 "GB/s read + written (in place), in brackets the % of a plain copy of the same bytes "
+                                 "timed beside it (target >= 60%).  Peers apply the same rotation with the usual "
+                                 "rotate_half formula.")
     if "decode" in res:
         parts += ["### Decode (tokens/s, float32 weights, same weights for both)",
                   "Implementations timed round robin, step by step.  The weight-streaming floor is the step's "

@@ -68,11 +68,12 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
-/* End of the block that holds token t: the next multiple of KV_B, or the chunk's end c1. */
-KV_AINLINE int64_t kv_block_end(int64_t t, int64_t c1)
+/* End of the grid cell of ``step`` tokens that holds token t (the next multiple of step),
+   or ``end`` if that comes first: blocks (KV_B) and chunks (KV_CHUNK) of a range. */
+KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
 {
-    const int64_t e = (t / KV_B + 1) * KV_B;
-    return e < c1 ? e : c1;
+    const int64_t e = (t / step + 1) * step;
+    return e < end ? e : end;
 }
 
 /* What to prefetch while working on the block at token t of a pass ending at c1: the block
@@ -163,9 +164,10 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
             for (int u = 0; u < CG; u++)
                 x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
         }
+        const int64_t slot0 = (c / (CG * KV_W)) * KV_B;   /* one prefetch slot per row step */
         for (int j = 0; j < KV_B; j++) {
-            if ((c / (CG * KV_W)) * KV_B + j < nl)
-                __builtin_prefetch(pl + ((c / (CG * KV_W)) * KV_B + j) * 64, 0, 3);
+            if (slot0 + j < nl)
+                __builtin_prefetch(pl + (slot0 + j) * 64, 0, 3);
             vf w[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
@@ -341,7 +343,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                Blocks write KV_B scores at (t - c0): a short first block's tail is overwritten by
                the next block, and the chunk's scores end at the padded end of its last block. */
             for (int64_t c0 = ranges[ri].t0, c1; c0 < r1; c0 = c1) {
-                c1 = (c0 / KV_CHUNK + 1) * KV_CHUNK < r1 ? (c0 / KV_CHUNK + 1) * KV_CHUNK : r1;
+                c1 = kv_grid_end(c0, KV_CHUNK, r1);
                 const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
                 const int64_t cn = c1 - c0, cend = last - c0 + KV_B, cpad = (cend + KV_B - 1) / KV_B * KV_B;
                 /* the K rows read after this chunk: the next chunk, range or KV head */
@@ -350,7 +352,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                                    : g + 1 < p->g1 ? kbase + (size_t)((N + ranges[0].t0) * D) * esize : NULL;
                 /* pass 1: scores */
                 for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = kv_block_end(t, c1);
+                    tn = kv_grid_end(t, KV_B, c1);
                     const int64_t nb = tn - t;
                     const char *kpf = kv_ahead(kbase, t, c1, D, esize, vbase + (size_t)(c0 * D) * esize);
                     int64_t ks;
@@ -409,7 +411,7 @@ static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
                 }
                 /* pass 2: weighted sum of V */
                 for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = kv_block_end(t, c1);
+                    tn = kv_grid_end(t, KV_B, c1);
                     const int64_t nb = tn - t;
                     const char *vpf = kv_ahead(vbase, t, c1, D, esize, next_k);
                     int64_t vs;
