@@ -17,13 +17,13 @@ from kvsimd.decoder import CrossAttentionCache, Decoder, EncoderDecoder
 from kvsimd.layers import ModelConfig
 from kvsimd.threads import get_num_threads, set_num_threads
 from kvsimd.threads import _init_from_env as _threads_from_env
-from kvsimd.errors import (KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdPositionError,
+from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdPositionError,
                            KVSimdTypeError, KVSimdValueError)
 
 __all__ = [
     "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "set_num_threads", "get_num_threads", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
     "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
-    "KVSimdPositionError",
+    "KVSimdPositionError", "KVSimdBusyError",
 ]
 
 _threads_from_env()

@@ -27,3 +27,8 @@ class KVSimdCapacityError(KVSimdValueError):
 
 class KVSimdPositionError(KVSimdValueError):
     """A token position is out of the range an operation accepts."""
+
+
+class KVSimdBusyError(KVSimdError, RuntimeError):
+    """An object that allows one user at a time (a KVCache during a call or a decode step)
+    is in use by another thread.  Share a model between threads, never a cache."""

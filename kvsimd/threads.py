@@ -22,6 +22,15 @@ def set_num_threads(n):
         pass
 
 
+def available_cores():
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow),
+    not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def get_num_threads():
     return _kvsimd._get_kernel_threads()
 
