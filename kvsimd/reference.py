@@ -7,18 +7,36 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["attend", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
+__all__ = ["attend", "alibi_distances", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
 
 
-def _scores(q, k, scale, alibi_slopes, key_positions, query_position):
-    """float64 scores ``[H, N]`` of q against k (GQA: query head h reads KV head h // (H // Hkv))."""
+def _scores(q, k, scale, alibi_slopes, distances):
+    """float64 scores ``[H, N]`` of q against k (GQA: query head h reads KV head h // (H // Hkv));
+    ALiBi subtracts ``slope * distance`` (distance = query position - key position)."""
     H, D = q.shape
     Hkv, N, _ = k.shape
     kh = np.repeat(k, H // Hkv, axis=0)
     s = np.einsum("hd,hnd->hn", q, kh) * float(1.0 / np.sqrt(D) if scale is None else scale)
     if alibi_slopes is not None:
-        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * (float(query_position) - key_positions)[None, :]
+        s = s - np.asarray(alibi_slopes, np.float64)[:, None] * distances[None, :]
     return s
+
+
+def alibi_distances(n_keys, key_positions=None, query_position=None, ranges=None):
+    """float64 ``query position - key position`` of every key ``[N]``, as :func:`attention_weights`
+    reads them: key positions default to the slots, the query position to N - 1, and a range
+    ``(t0, t1, use_q_alt, query_position)`` has its own query position (keys outside every
+    range: 0)."""
+    N = int(n_keys)
+    kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
+    qp = N - 1 if query_position is None else query_position
+    if ranges is None:
+        return float(qp) - kp
+    d = np.zeros(N)
+    for r in ranges:
+        t0, t1 = int(r[0]), int(r[1])
+        d[t0:t1] = float(r[3] if len(r) > 3 else qp) - kp[t0:t1]
+    return d
 
 
 def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
@@ -31,16 +49,15 @@ def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     Hkv, N, _ = k.shape
-    kp = np.arange(N, dtype=np.float64) if key_positions is None else np.asarray(key_positions, np.float64)
-    qp = N - 1 if query_position is None else query_position
+    dist = alibi_distances(N, key_positions, query_position, ranges)
     if ranges is None:
-        s = _scores(q, k, scale, alibi_slopes, kp, qp)
+        s = _scores(q, k, scale, alibi_slopes, dist)
     else:
         s = np.full((q.shape[0], N), -np.inf)
         for r in ranges:
             t0, t1 = int(r[0]), int(r[1])
             qq = np.asarray(q_alt, np.float64) if len(r) > 2 and r[2] else q
-            s[:, t0:t1] = _scores(qq, k[:, t0:t1], scale, alibi_slopes, kp[t0:t1], r[3] if len(r) > 3 else qp)
+            s[:, t0:t1] = _scores(qq, k[:, t0:t1], scale, alibi_slopes, dist[t0:t1])
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True)

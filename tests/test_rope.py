@@ -1,10 +1,10 @@
-"""apply_rope and shift_keys on every native ISA path.
+"""apply_rope and shift_keys on every native ISA path, against the float64 reference.
 
-Bounds, per output component, with |pair| the Euclidean norm of the rotated (x, y) pair:
-  float32: |out - ref| <= 1e-5 * |pair|                       (fp32 arithmetic, cos/sin in fp32)
-  float16: |out - ref| <= 2^-11 * |ref| + 2^-20 * |pair| + 2^-25
-           one rounding to fp16 (half an ulp, 2^-11 relative) plus fp32 arithmetic
-where ref is float64 math on the (fp16-rounded) input.  Chained calls add one such term per call.
+The bounds come from :mod:`kvsimd.bounds` (``rope_bound``), keyed by the ISA row that runs:
+one rounding per fp16 call on scalar/avx2, the hi + lo complex multiply on avx512fp16.  The
+case bodies (``case_*``) take the rotation functions as an argument, so that
+tests/test_avx512fp16_emu.py runs the very same checks, with the same bounds, on the
+avx512fp16 row executed in the emulator: what a CPU with AVX512-FP16 runs natively here.
 """
 import numpy as np
 import pytest
@@ -12,34 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsimd import ops, reference
+from kvsimd.bounds import pair_norm, rope_bound
 from kvsimd.testing import use_isa
 
 from conftest import SIMD_ISAS
 from strategies import kv_dtypes, positions_near_limit, rope_shapes, seeds, styles
-
-U16 = 2.0 ** -11
-
-
-def pair_norm(x, style, rd):
-    """|pair| broadcast back to every component of the pair (0 for unrotated dims)."""
-    x = np.asarray(x, np.float64)
-    n = np.zeros_like(x)
-    R = rd // 2
-    if style == "gptj":
-        m = np.hypot(x[..., 0:rd:2], x[..., 1:rd:2])
-        n[..., 0:rd:2] = m
-        n[..., 1:rd:2] = m
-    else:
-        m = np.hypot(x[..., :R], x[..., R:rd])
-        n[..., :R] = m
-        n[..., R:rd] = m
-    return n
-
-
-def bound(dtype, ref, norm, calls=1):
-    if dtype == "float32":
-        return calls * 1e-5 * norm + 1e-30
-    return calls * (U16 * np.abs(ref) + 2.0 ** -20 * norm + 2.0 ** -25) + U16 * norm * (calls - 1)
 
 
 def check(out, ref, tol, what):
@@ -47,9 +24,8 @@ def check(out, ref, tol, what):
     assert err.max() <= 0, f"{what}: exceeds the bound by {err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}"
 
 
-@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds,
-       pos_kind=st.sampled_from(["small", "random", "limit"]))
-def test_apply_rope_matches_reference(isa, shape, dtype, style, seed, pos_kind):
+# ---------------------------------------------------------------- case bodies (native and emulated)
+def case_apply_rope(rot, isa, shape, dtype, style, seed, pos_kind):
     H, N, D, rd = shape
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((H, N, D)).astype(dtype)
@@ -60,49 +36,70 @@ def test_apply_rope_matches_reference(isa, shape, dtype, style, seed, pos_kind):
     else:
         pos = 2**31 - rng.integers(0, 10_000, N).astype(np.int64)
     y = x.copy()
-    ops.apply_rope(y, pos, style=style, rotary_dim=rd, theta=10000.0)
+    rot.apply_rope(y, pos, style=style, rotary_dim=rd, theta=10000.0)
     ref = reference.apply_rope(x, pos, style=style, rotary_dim=rd)
-    check(y, ref, bound(dtype, ref, pair_norm(x, style, rd)), f"{isa} {dtype} {style}")
+    check(y, ref, rope_bound(isa, dtype, pair_norm(x, style, rd), ref), f"{isa} {dtype} {style}")
     # dims beyond rotary_dim are untouched, bit for bit
     assert np.array_equal(y[..., rd:].view(np.uint8), x[..., rd:].view(np.uint8))
 
 
-@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds,
-       delta=st.one_of(st.integers(-2**20, 2**20), st.sampled_from([-1, 1, -(2**20), 2**20])),
-       theta=st.sampled_from([10000.0, 1e5, 500000.0]))
-def test_rope_then_shift_equals_rope_at_shifted_position(isa, shape, dtype, style, seed, delta, theta):
+def case_rope_then_shift(rot, isa, shape, dtype, style, seed, delta, theta):
     H, N, D, rd = shape
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((H, N, D)).astype(dtype)
     pos = rng.integers(0, 2**21, N, dtype=np.int64)
     a = x.copy()
-    ops.apply_rope(a, pos, style=style, rotary_dim=rd, theta=theta)
-    ops.shift_keys(a, delta, style=style, rotary_dim=rd, theta=theta)
+    rot.apply_rope(a, pos, style=style, rotary_dim=rd, theta=theta)
+    rot.shift_keys(a, delta, style=style, rotary_dim=rd, theta=theta)
     ref = reference.apply_rope(x, pos + delta, style=style, rotary_dim=rd, theta=theta)
-    check(a, ref, bound(dtype, ref, pair_norm(x, style, rd), calls=2), f"{isa} {dtype} {style}")
+    check(a, ref, rope_bound(isa, dtype, pair_norm(x, style, rd), ref, calls=2), f"{isa} {dtype} {style}")
 
 
-@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, delta=st.integers(-2**20, 2**20))
-def test_shift_there_and_back(isa, shape, dtype, style, seed, delta):
+def case_shift_there_and_back(rot, isa, shape, dtype, style, seed, delta):
     H, N, D, rd = shape
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((H, N, D)).astype(dtype)
     y = x.copy()
-    ops.shift_keys(y, delta, style=style, rotary_dim=rd)
-    ops.shift_keys(y, -delta, style=style, rotary_dim=rd)
+    rot.shift_keys(y, delta, style=style, rotary_dim=rd)
+    rot.shift_keys(y, -delta, style=style, rotary_dim=rd)
     xr = x.astype(np.float64)
-    check(y, xr, bound(dtype, xr, pair_norm(x, style, rd), calls=2), f"{isa} {dtype} {style}")
+    check(y, xr, rope_bound(isa, dtype, pair_norm(x, style, rd), xr, calls=2), f"{isa} {dtype} {style}")
+
+
+def case_shift_range_only(rot, isa, rng, dtype, style):
+    k = rng.standard_normal((3, 40, 64)).astype(dtype)
+    y = k.copy()
+    rot.shift_keys(y, -7, style=style, start=10, stop=25)
+    assert np.array_equal(y[:, :10], k[:, :10]) and np.array_equal(y[:, 25:], k[:, 25:])
+    ref = reference.shift_keys(k, -7, style=style, start=10, stop=25)
+    check(y, ref, rope_bound(isa, dtype, pair_norm(k, style, 64), ref), f"{isa} {dtype} {style}")
+
+
+shift_deltas = st.one_of(st.integers(-2**20, 2**20), st.sampled_from([-1, 1, -(2**20), 2**20]))
+thetas = st.sampled_from([10000.0, 1e5, 500000.0])
+pos_kinds = st.sampled_from(["small", "random", "limit"])
+
+
+# ---------------------------------------------------------------- native rows
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, pos_kind=pos_kinds)
+def test_apply_rope_matches_reference(isa, shape, dtype, style, seed, pos_kind):
+    case_apply_rope(ops, isa, shape, dtype, style, seed, pos_kind)
+
+
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, delta=shift_deltas, theta=thetas)
+def test_rope_then_shift_equals_rope_at_shifted_position(isa, shape, dtype, style, seed, delta, theta):
+    case_rope_then_shift(ops, isa, shape, dtype, style, seed, delta, theta)
+
+
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, delta=st.integers(-2**20, 2**20))
+def test_shift_there_and_back(isa, shape, dtype, style, seed, delta):
+    case_shift_there_and_back(ops, isa, shape, dtype, style, seed, delta)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("style", ["gptj", "neox"])
 def test_shift_range_only(isa, rng, dtype, style):
-    k = rng.standard_normal((3, 40, 64)).astype(dtype)
-    y = k.copy()
-    ops.shift_keys(y, -7, style=style, start=10, stop=25)
-    assert np.array_equal(y[:, :10], k[:, :10]) and np.array_equal(y[:, 25:], k[:, 25:])
-    ref = reference.shift_keys(k, -7, style=style, start=10, stop=25)
-    check(y, ref, bound(dtype, ref, pair_norm(k, style, 64)), isa)
+    case_shift_range_only(ops, isa, rng, dtype, style)
 
 
 @given(pos=positions_near_limit, style=styles)
@@ -113,7 +110,7 @@ def test_positions_near_2_31_stay_exact(isa, pos, style):
     a = x.copy()
     ops.apply_rope(a, np.array([pos, pos + 1], np.int64), style=style)
     ref = reference.apply_rope(x, [pos, pos + 1], style=style)
-    check(a, ref, 1e-5 * pair_norm(x, style, 64) + 1e-30, isa)
+    check(a, ref, rope_bound(isa, "float32", pair_norm(x, style, 64), ref), isa)
 
 
 @pytest.mark.parametrize("simd", SIMD_ISAS)
@@ -128,9 +125,10 @@ def test_simd_agrees_with_scalar(simd, shape, dtype, style, seed):
         ops.apply_rope(a, pos, style=style, rotary_dim=rd)
     with use_isa(simd):
         ops.apply_rope(b, pos, style=style, rotary_dim=rd)
-    ar = a.astype(np.float64)
-    # both are within one rounding of the exact value, so within two of each other
-    check(b, ar, bound(dtype, ar, pair_norm(x, style, rd), calls=2), simd)
+    # each is within its own row's bound of the exact value
+    ref = reference.apply_rope(x, pos, style=style, rotary_dim=rd)
+    norm = pair_norm(x, style, rd)
+    check(b, a.astype(np.float64), rope_bound(simd, dtype, norm, ref) + rope_bound("scalar", dtype, norm, ref), simd)
 
 
 def test_fp16_special_values(isa):

@@ -1,0 +1,130 @@
+"""kvsimd's accuracy promises as functions: the one place that states each bound.
+
+Every test that checks a kernel against :mod:`kvsimd.reference` takes its tolerance from
+here, with the ISA row that actually ran (a native row, or ``"avx512fp16"`` when the row runs
+in the emulator), and the README's Accuracy table and :mod:`kvsimd.ops` state the same
+numbers.  Users can call these to check kvsimd on their own data.
+
+Notation: ``u = 2**-11`` is the unit roundoff of fp16 (half an ulp, relative), ``u32 = 2**-24``
+that of fp32.  For a rotation, ``|pair|`` is the Euclidean norm of the (x, y) pair being rotated
+(the input's), ``|out|`` the magnitude of the exact result component.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvsimd import reference
+
+__all__ = ["U16", "U32", "ISAS", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
+           "attend_bound", "alibi_score_error"]
+
+U16 = 2.0 ** -11
+U32 = 2.0 ** -24
+ISAS = ("scalar", "avx2", "avx512fp16")
+
+# Per call and per component:  |out - exact| <= a * |out| + b * |pair| + c.
+#
+# float32, every row: fp32 FMA arithmetic on fp32 (cos, sin); measured errors are ~1e-7 |pair|,
+#   the bound keeps the historical 1e-5.
+# float16, scalar and avx2: widened to fp32, rotated (<= 2 u32 |pair| + the fp32 cos/sin's
+#   u32 |pair|, below 2^-20 |pair|), rounded to fp16 once (u |out|).
+# float16, avx512fp16: the (cos, sin) multiplier m is split into fp16 hi + lo (m - hi - lo:
+#   <= u^2 |m| + 2^-25 per component, plus fp32 cos/sin's u32); p = VFMULCPH(x, lo) (|p| <= u|pair|,
+#   two roundings: <= 2 u^2 |pair| + 2 * 2^-25 with fp16 underflow), then VFMADDCPH(x, hi, p) rounds
+#   each component twice: first the fused x_k * hi_re + p (<= u (|x_k| |m| + |p|) <= u |pair| + u^2 |pair|),
+#   then the fused second product (<= u |out| + u * (the error so far)).  In all
+#   <= u |out| + u |pair| + (2^-22 + 2^-21 + 4 u^2 + 2 u^2) |pair| + 4 * 2^-25, stated as
+#   a = u, b = u + 2^-18, c = 2^-23.  (Before the hi + lo split: one VFMULCPH by the
+#   fp16-rounded multiplier, up to 3 u |pair|; the bound then stated was 4 u |pair| + 2^-24.)
+_ROPE = {
+    ("float32", "scalar"): (0.0, 1e-5, 1e-30),
+    ("float32", "avx2"): (0.0, 1e-5, 1e-30),
+    ("float32", "avx512fp16"): (0.0, 1e-5, 1e-30),
+    ("float16", "scalar"): (U16, 2.0 ** -20, 2.0 ** -25),
+    ("float16", "avx2"): (U16, 2.0 ** -20, 2.0 ** -25),
+    ("float16", "avx512fp16"): (U16, U16 + 2.0 ** -18, 2.0 ** -23),
+}
+
+
+def rope_coefficients(isa: str, dtype) -> tuple[float, float, float]:
+    """(a, b, c) of the per-call, per-component bound ``a |out| + b |pair| + c`` of
+    ``apply_rope`` / ``shift_keys`` on ISA row ``isa`` for ``dtype`` (float16 or float32)."""
+    key = (np.dtype(dtype).name, isa)
+    if key not in _ROPE:
+        raise ValueError("no rotation bound for isa=%r dtype=%r" % (isa, np.dtype(dtype).name))
+    return _ROPE[key]
+
+
+def pair_norm(x, style: str, rotary_dim: int):
+    """|pair| of every component of ``x [..., D]`` (0 for the dims beyond ``rotary_dim``)."""
+    x = np.asarray(x, np.float64)
+    n = np.zeros_like(x)
+    rd = rotary_dim
+    R = rd // 2
+    if style == "gptj":
+        m = np.hypot(x[..., 0:rd:2], x[..., 1:rd:2])
+        n[..., 0:rd:2] = m
+        n[..., 1:rd:2] = m
+    else:
+        m = np.hypot(x[..., :R], x[..., R:rd])
+        n[..., :R] = m
+        n[..., R:rd] = m
+    return n
+
+
+def rope_bound(isa: str, dtype, pair, out, calls: int = 1):
+    """Per-component bound on ``|result - exact|`` after ``calls`` successive rotations
+    (``apply_rope`` / ``shift_keys``) of one tensor on ISA row ``isa``.
+
+    ``pair``: |pair| of the input (:func:`pair_norm`); ``out``: the exact final result (its
+    magnitude is used).  The last call contributes ``a |out| + b |pair| + c``; every earlier
+    call's error vector is rotated by the later ones, which moves it between the two
+    components of its pair, so it contributes its pair-norm ``a |pair| + sqrt(2) (b |pair| + c)``.
+    A rotation keeps |pair| up to the errors so far (a factor 1 + 2^-8 covers up to 8 calls)."""
+    a, b, c = rope_coefficients(isa, dtype)
+    if not 1 <= calls <= 8:
+        raise ValueError("calls must be in 1..8, got %r" % (calls,))
+    pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0)
+    last = a * np.abs(np.asarray(out, np.float64)) + b * pair + c
+    return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
+
+
+# attend: |out - ref| <= TOL * sum_j p_j |v_jd|  (+ the ALiBi term below), per element.
+# fp32 accumulation with an online softmax; the tolerance of the dot-product and softmax
+# rounding is the measured envelope (float16 K/V: reference = float64 math on the fp16 values).
+ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4}
+
+
+def alibi_score_error(alibi_slopes, distances):
+    """Bound on the fp32 rounding error of the ALiBi part of each score, ``[H, N]``.
+
+    The kernel subtracts ``slope * float(query_position - key_position)`` from the fp32 score:
+    the product and the subtraction are each rounded to fp32 (or fused: one rounding), each
+    with an error up to ``u32 * |slope * distance|`` (the subtraction's ``u32 * |score|``
+    counts the dot-product part in ATTEND_TOL), plus one more when ``|distance| >= 2**24`` is
+    not exact in fp32.  Note the *absolute* error grows with the distance: a bias of 1000
+    carries ~1e-4 of score error, whatever the weights."""
+    d = np.abs(np.asarray(distances, np.float64))
+    bias = np.abs(np.asarray(alibi_slopes, np.float64))[:, None] * d
+    return (2.0 + (d >= 2.0 ** 24)) * U32 * bias
+
+
+def attend_bound(q, k, v, *, dtype=None, **kw):
+    """Per-element bound ``[H, D]`` on ``|attend(q, k, v, **kw) - reference.attend(...)|``.
+
+    ``TOL[dtype] * sum_j p_j |v_jd|`` (p: the float64 softmax weights) plus, with ALiBi, the
+    effect of the score errors e_j of :func:`alibi_score_error`: perturbing the scores by e_j
+    changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first order, so the output moves by
+    at most ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
+    dtype = np.dtype(k.dtype if dtype is None else dtype).name
+    p = reference.attention_weights(q, k, **kw)
+    G = p.shape[0] // k.shape[0]
+    va = np.repeat(np.abs(np.asarray(v, np.float64)), G, axis=0)
+    scale = np.einsum("hn,hnd->hd", p, va)
+    bound = ATTEND_TOL[dtype] * scale
+    if kw.get("alibi_slopes") is not None:
+        dist = reference.alibi_distances(k.shape[1], kw.get("key_positions"), kw.get("query_position"),
+                                         kw.get("ranges"))
+        pe = p * alibi_score_error(kw["alibi_slopes"], dist)
+        bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
+    return bound
