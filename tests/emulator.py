@@ -31,6 +31,11 @@ HALT = 0x00300000          # a page of HLT: the return address of every call
 IMAGE_BASE = 0x10000000    # where the extension module is mapped
 ARENA_BASE = 0x40000000    # data
 STACK_TOP = 0x7FF00000
+PAGE_TABLES = 0x01000000   # page tables: one 1 MiB range per commit
+PAGE_TABLES_STRIDE = 0x00100000
+PAGE_TABLES_END = IMAGE_BASE
+OBJECT_BASE = 0x20000000   # further objects (Guest.load_object), 16 MiB apart
+OBJECT_STRIDE = 0x01000000
 
 # Bochs 3.0 cpudb order (as bundled in bochscpu-python 0.4.0): indices of the models we use.
 CPU_MODEL_INDEX = {"tigerlake": 29, "sapphire_rapids": 30}
@@ -126,9 +131,6 @@ class Guest:
     def __init__(self, so_path, model="sapphire_rapids", arena_size=48 << 20, stack_size=1 << 20):
         if Guest._made:
             raise EmuError("bochscpu allows one emulated CPU per process: use a child process")
-        from elftools.elf.elffile import ELFFile
-        from elftools.elf.relocation import RelocationSection
-
         bochscpu = import_bochscpu()
         _select_cpu_model(bochscpu, model)
         self.bochscpu = bochscpu
@@ -138,18 +140,35 @@ class Guest:
         self.sess.missing_page_handler = self._missing_page
         self.host_base = _host_load_base(so_path)
         self._pages = {}
+        self._tables = []
         self.arena_size = arena_size
         self._bump = 0
+        self._next_object = OBJECT_BASE
+        self._map([(HALT, PAGE), (ARENA_BASE, arena_size), (STACK_TOP - stack_size, stack_size)])
+        self._load_elf(so_path, IMAGE_BASE)
+        self.write(HALT, b"\xf4" * 16)
+        self.last_exception = None
 
-        with open(so_path, "rb") as fh:
+    def _load_elf(self, path, base):
+        """Map the PT_LOAD segments of the shared object ``path`` at guest address ``base``, apply
+        the relocations that stay inside it, and return its defined functions {name: guest address}."""
+        from elftools.elf.elffile import ELFFile
+        from elftools.elf.relocation import RelocationSection
+        from elftools.elf.sections import SymbolTableSection
+
+        with open(path, "rb") as fh:
             elf = ELFFile(fh)
             segments = [(s["p_vaddr"], s["p_memsz"], s["p_offset"], s["p_filesz"])
                         for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
             # Relocations that stay inside the module: RELATIVE, and 64-bit/GOT slots whose
             # symbol the module itself defines.  Everything else (libc, libpython) is left
             # unresolved on purpose: a kernel that used it would fault.
-            relative = []
+            relative, funcs = [], {}
             for sec in elf.iter_sections():
+                if isinstance(sec, SymbolTableSection):
+                    for sym in sec.iter_symbols():
+                        if sym["st_info"]["type"] == "STT_FUNC" and sym["st_shndx"] != "SHN_UNDEF":
+                            funcs[sym.name] = base + sym["st_value"]
                 if not isinstance(sec, RelocationSection):
                     continue
                 symtab = elf.get_section(sec["sh_link"]) if sec["sh_link"] else None
@@ -163,36 +182,51 @@ class Guest:
                             relative.append((r["r_offset"], sym["st_value"] + (r["r_addend"] if kind == 1 else 0)))
             fh.seek(0)
             blob = fh.read()
-
-        regions = [(HALT, PAGE), (ARENA_BASE, arena_size), (STACK_TOP - stack_size, stack_size)]
+        regions = []
         for vaddr, memsz, _, _ in segments:
-            lo = (IMAGE_BASE + vaddr) & ~(PAGE - 1)
-            hi = (IMAGE_BASE + vaddr + memsz + PAGE - 1) & ~(PAGE - 1)
+            lo = (base + vaddr) & ~(PAGE - 1)
+            hi = (base + vaddr + memsz + PAGE - 1) & ~(PAGE - 1)
             regions.append((lo, hi - lo))
         self._map(regions)
         for vaddr, _, off, filesz in segments:
-            self.write(IMAGE_BASE + vaddr, blob[off:off + filesz])
+            self.write(base + vaddr, blob[off:off + filesz])
         for r_offset, addend in relative:
-            self.write(IMAGE_BASE + r_offset, struct.pack("<Q", IMAGE_BASE + addend))
-        self.write(HALT, b"\xf4" * 16)
-        self.last_exception = None
+            self.write(base + r_offset, struct.pack("<Q", base + addend))
+        return funcs
+
+    def load_object(self, path):
+        """Map another freestanding shared object (e.g. a test probe) into the guest, each at its
+        own base (Bochs caches decoded code: addresses are never reused); returns
+        {function name: guest address}."""
+        base, self._next_object = self._next_object, self._next_object + OBJECT_STRIDE
+        if base >= ARENA_BASE:
+            raise EmuError("no room for another object")
+        return self._load_elf(path, base)
 
     # ---------------------------------------------------------------- memory
     def _map(self, regions):
+        """Back ``regions`` with host pages and commit a page table of every page mapped so far
+        (guest virtual == guest physical).  Each commit goes to its own physical range and every
+        table object is kept: a table's destructor unmaps its pages."""
         bmem = self.bochscpu.memory
-        pt = bmem.PageMapLevel4Table()
         for base, size in regions:
             for va in range(base, base + size, PAGE):
-                if va in self._pages:
-                    continue
-                hva = bmem.allocate_host_page()
-                self._pages[va] = hva
-                bmem.page_insert(va, hva)   # guest physical == guest virtual
-                pt.insert(va, va, 1)        # present, writable
-        self.cr3 = 0x01000000
-        for hva, gpa in pt.commit(self.cr3):
+                if va not in self._pages:
+                    hva = bmem.allocate_host_page()
+                    self._pages[va] = hva
+                    bmem.page_insert(va, hva)
+        pt = bmem.PageMapLevel4Table()
+        for va in self._pages:
+            pt.insert(va, va, 1)        # present, writable
+        self.cr3 = PAGE_TABLES + PAGE_TABLES_STRIDE * len(self._tables)
+        if self.cr3 + PAGE_TABLES_STRIDE > PAGE_TABLES_END:
+            raise EmuError("too many page-table commits")
+        tables = pt.commit(self.cr3)
+        if len(tables) * PAGE > PAGE_TABLES_STRIDE:
+            raise EmuError("page tables overflow their range")
+        for hva, gpa in tables:
             bmem.page_insert(gpa, hva)
-        self._page_table = pt  # must outlive the session: its destructor unmaps the tables
+        self._tables.append(pt)
 
     def _missing_page(self, gpa):
         raise EmuError("guest touched unmapped address %#x" % gpa)
@@ -306,6 +340,29 @@ class Guest:
         return st.rax
 
 
+_shared_guest = None
+
+
+def shared_guest(so_path):
+    """The process's one sapphire_rapids Guest over ``so_path`` (created on first use), for every
+    test module: pytest.skip with the reason when the emulator cannot be set up, or pytest.fail
+    when ``KVSIMD_REQUIRE_EMULATOR=1`` (CI)."""
+    global _shared_guest
+    import pytest
+
+    if _shared_guest is None:
+        try:
+            import_bochscpu()
+            import elftools  # noqa: F401
+        except Exception as e:  # ImportError, or the shim failing to build
+            msg = "emulator unavailable (pip install 'bochscpu-python==0.4.0' pyelftools): %s" % e
+            if os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1":
+                pytest.fail(msg)
+            pytest.skip(msg)
+        _shared_guest = Guest(so_path)
+    return _shared_guest
+
+
 def pack_struct(layout, values, types):
     """Bytes of a C struct from the offsets reported by the extension and (name -> value)."""
     buf = bytearray(layout["size"])
@@ -326,6 +383,8 @@ def child_main():
     """``python tests/emulator.py MODEL SO_PATH``: detection and an FP16 kernel on another CPU model,
     printed as ``key=value`` lines (run in a child process: one emulated CPU per process)."""
     model, so_path = sys.argv[1], sys.argv[2]
+    # the package that holds SO_PATH, whether installed or built in place
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(so_path))))
     import kvsimd._kvsimd as ext
     info = ext._kernel_addresses()
     g = Guest(so_path, model=model, arena_size=1 << 20)
