@@ -1,14 +1,9 @@
 """The avx512fp16 row, executed in an emulated Sapphire Rapids CPU (tests/emulator.py).
 
 The guest runs the machine code of the installed extension module itself and is compared
-with the scalar row run natively.  Tolerances (u = 2^-11, the fp16 unit roundoff):
-  * fp16 rotation (VFMULCPH, one per element per call, multiplier (cos, sin) rounded to fp16):
-    per component |out - exact| <= 4u |pair| + 2^-24, where 4u = 3u for VFMULCPH's two
-    roundings per component (the bound derived in shared/docs/avx512fp16-testing.md) plus
-    sqrt(2)/2 u for rounding the multiplier; against the scalar row (one rounding, <= u|out|)
-    the sum of both.
-  * fp32 rotation: 1e-5 |pair|; attention: 1e-5 (fp32 K/V) / 1e-4 (fp16 K/V) times
-    sum_j p_j |v_jd| (as in test_attend.py); conversions: bit-identical to NumPy.
+with the scalar row run natively.  Every tolerance comes from kvsimd.bounds with isa
+"avx512fp16" (rope_bound, attend_bound): the bounds the native tests apply when this row is
+the active one, and the rotation cases of tests/test_rope.py run here unchanged (``EmuRot``).
 If bochscpu cannot be installed the tests skip with the reason, unless KVSIMD_REQUIRE_EMULATOR=1
 (set by .ci/run), in which case they fail.
 """
@@ -18,17 +13,21 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvsimd
 import kvsimd._kvsimd as ext
 from kvsimd import ops, reference
+from kvsimd.bounds import pair_norm, rope_bound
 from kvsimd.testing import use_isa
 
 sys.path.insert(0, os.path.dirname(__file__))
 import emulator  # noqa: E402
-from emulator import ATTN_TYPES, ROT_TYPES, XCR0_YMM, XCR0_ZMM, EmuError, Guest, pack_struct  # noqa: E402
+import test_rope  # noqa: E402
+from strategies import kv_dtypes, rope_shapes, seeds, styles  # noqa: E402
+from emulator import ATTN_TYPES, ROT_TYPES, XCR0_YMM, XCR0_ZMM, EmuError, pack_struct  # noqa: E402
 
-U = 2.0 ** -11
 INFO = ext._kernel_addresses()
 REQUIRED = os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1"
 
@@ -37,15 +36,7 @@ REQUIRED = os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1"
 def guest():
     if "avx512fp16" not in INFO["rows"]:
         pytest.fail("the avx512fp16 row is not compiled into this build")
-    try:
-        emulator.import_bochscpu()
-        import elftools  # noqa: F401
-    except Exception as e:  # ImportError, or the shim failing to build
-        msg = "emulator unavailable (pip install 'bochscpu-python==0.4.0' pyelftools): %s" % e
-        if REQUIRED:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return Guest(ext.__file__)
+    return emulator.shared_guest(ext.__file__)
 
 
 @pytest.fixture(autouse=True)
@@ -161,9 +152,28 @@ def guest_rotate(guest, x, cs, cs_stride, style, rd, t0=0, t1=None, offset=2):
     return out, guest.read(xa + x.nbytes, 128) == b"\xa5" * 128
 
 
-def pair_norm(x, style, rd):
-    from test_rope import pair_norm as pn
-    return pn(x, style, rd)
+class EmuRot:
+    """``apply_rope`` / ``shift_keys`` (the signatures of kvsimd.ops) on the avx512fp16 row in the
+    emulator: the angles come from the extension's own table function (double precision, as
+    ops.c computes them), the rotation from the row's kernel."""
+
+    def __init__(self, guest):
+        self.guest = guest
+
+    def _run(self, x, cs, cs_stride, style, rd, t0=0, t1=None):
+        self.guest.reset_arena()
+        out, guard_ok = guest_rotate(self.guest, x, cs, cs_stride, style, rd, t0, t1)
+        assert guard_ok, "wrote past the end"
+        x[...] = out
+
+    def apply_rope(self, x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
+        rd = x.shape[-1] if rotary_dim is None else rotary_dim
+        cs = np.concatenate([ext._rope_table(float(p), theta, rd // 2, rd) for p in positions])
+        self._run(x, cs, rd, style, rd)
+
+    def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
+        rd = k.shape[-1] if rotary_dim is None else rotary_dim
+        self._run(k, ext._rope_table(float(delta), theta, rd // 2, rd), 0, style, rd, start, stop)
 
 
 ROT_SHAPES = [(1, 1, 2, 2), (2, 15, 64, 64), (3, 16, 80, 80), (2, 17, 128, 128), (1, 33, 64, 32),
@@ -181,12 +191,13 @@ def test_shift_fp16_vfmulcph(guest, rng, H, N, D, rd, style, delta):
     assert np.array_equal(got[..., rd:].view(np.uint16), x[..., rd:].view(np.uint16))
     exact = reference.shift_keys(x, delta, style=style, rotary_dim=rd)
     norm = pair_norm(x, style, rd)
-    err = np.abs(got.astype(np.float64) - exact) - (4 * U * norm + 2.0 ** -24)
+    err = np.abs(got.astype(np.float64) - exact) - rope_bound("avx512fp16", "float16", norm, exact)
     assert err.max() <= 0, "exceeds the one-rotation bound by %g" % err.max()
     with use_isa("scalar"):
         native = x.copy()
         ops.shift_keys(native, delta, style=style, rotary_dim=rd)
-    err = np.abs(got.astype(np.float64) - native) - (5 * U * norm + 2.0 ** -23)
+    tol = rope_bound("avx512fp16", "float16", norm, exact) + rope_bound("scalar", "float16", norm, exact)
+    err = np.abs(got.astype(np.float64) - native) - tol
     assert err.max() <= 0, "differs from the scalar row by %g beyond the bound" % err.max()
 
 
@@ -200,8 +211,7 @@ def test_apply_rope_per_token(guest, rng, dtype, style):
     got, guard_ok = guest_rotate(guest, x, cs, rd, style, rd)
     assert guard_ok
     exact = reference.apply_rope(x, pos, style=style, rotary_dim=rd)
-    norm = pair_norm(x, style, rd)
-    tol = 4 * U * norm + 2.0 ** -24 if dtype == "float16" else 1e-5 * norm + 1e-30
+    tol = rope_bound("avx512fp16", dtype, pair_norm(x, style, rd), exact)
     assert (np.abs(got.astype(np.float64) - exact) - tol).max() <= 0
 
 
@@ -214,7 +224,7 @@ def test_shift_range_leaves_other_tokens(guest, rng):
 
 
 def test_rope_then_shift_matches_rope_at_shifted_position(guest, rng):
-    """The accuracy statement of kvsimd.ops: each fp16 call rounds once; two calls, two bounds."""
+    """The accuracy statement of kvsimd.ops: two calls, two per-call bounds."""
     H, N, D = 2, 24, 64
     x = rng.standard_normal((H, N, D)).astype(np.float16)
     pos = rng.integers(0, 2**21, N, dtype=np.int64)
@@ -223,7 +233,7 @@ def test_rope_then_shift_matches_rope_at_shifted_position(guest, rng):
         a, _ = guest_rotate(guest, x, cs, 64, "neox", 64)
         b, _ = guest_rotate(guest, a, ext._rope_table(float(delta), 1e5, 32, 64), 0, "neox", 64)
         exact = reference.apply_rope(x, pos + delta, style="neox", theta=1e5)
-        tol = 2 * (4 * U * pair_norm(x, "neox", 64) + 2.0 ** -24)
+        tol = rope_bound("avx512fp16", "float16", pair_norm(x, "neox", 64), exact, calls=2)
         assert (np.abs(b.astype(np.float64) - exact) - tol).max() <= 0, delta
 
 
@@ -235,12 +245,38 @@ def test_rotation_special_values(guest):
     x[0, 3, :4] = [6e-8, 0, 3e-5, 0]   # subnormals
     ident = ext._rope_table(0.0, 10000.0, 16, 32)         # angle 0: (1, 0) pairs
     got, _ = guest_rotate(guest, x, ident, 0, "gptj", 32)
-    assert np.isinf(got[0, 0, 0]) and np.isnan(got[0, 1, 0])
+    # inf stays non-finite (x * lo = inf * 0 is NaN: as the native test, inf or NaN), NaN stays NaN
+    assert (np.isinf(got[0, 0, 0]) or np.isnan(got[0, 0, 0])) and np.isnan(got[0, 1, 0])
     assert np.all(got[0, 2] == 0) and np.array_equal(got[0, 3], x[0, 3])  # no flush to zero
     turn = ext._rope_table(1.0, 10000.0, 16, 32)
     got, _ = guest_rotate(guest, x, turn, 0, "gptj", 32)
     assert np.isnan(got[0, 0, :2]).any() or np.isinf(got[0, 0, :2]).all()  # inf*cos - 0*sin
     assert np.isnan(got[0, 1, 0])
+
+
+# ------------------------------------------------------------------------------ test_rope.py's cases
+# The same case bodies and bounds as the native tests: they pass here exactly when they would
+# pass natively on a CPU whose active row is avx512fp16 (the emulator is bit-exact to it).
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, pos_kind=test_rope.pos_kinds)
+def test_rope_cases_apply_rope(guest, shape, dtype, style, seed, pos_kind):
+    test_rope.case_apply_rope(EmuRot(guest), "avx512fp16", shape, dtype, style, seed, pos_kind)
+
+
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, delta=test_rope.shift_deltas,
+       theta=test_rope.thetas)
+def test_rope_cases_rope_then_shift(guest, shape, dtype, style, seed, delta, theta):
+    test_rope.case_rope_then_shift(EmuRot(guest), "avx512fp16", shape, dtype, style, seed, delta, theta)
+
+
+@given(shape=rope_shapes(), dtype=kv_dtypes, style=styles, seed=seeds, delta=st.integers(-2**20, 2**20))
+def test_rope_cases_shift_there_and_back(guest, shape, dtype, style, seed, delta):
+    test_rope.case_shift_there_and_back(EmuRot(guest), "avx512fp16", shape, dtype, style, seed, delta)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("style", ["gptj", "neox"])
+def test_rope_cases_shift_range_only(guest, rng, dtype, style):
+    test_rope.case_shift_range_only(EmuRot(guest), "avx512fp16", rng, dtype, style)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -306,6 +342,41 @@ def test_attention_without_alibi(guest, rng):
     from test_attend import assert_close, make, weighted_scale
     q, k, v = make(rng, 9, 3, 257, 64, "float16")
     assert_close(guest_attend(guest, q, k, v), reference.attend(q, k, v), weighted_scale(q, k, v), 1e-4)
+
+
+# ------------------------------------------------------------------------------ native vs emulated
+NATIVE_FP16 = "avx512fp16" in kvsimd.isa_info()["supported"]
+
+
+@pytest.mark.skipif(not NATIVE_FP16, reason="CPU lacks AVX512-FP16")
+@pytest.mark.parametrize("style", ["gptj", "neox"])
+@pytest.mark.parametrize("delta", [1, -7, 2**20])
+def test_native_rotation_equals_emulated(guest, rng, style, delta):
+    """On a CPU that runs the row natively, the emulator must give the very same bits."""
+    for H, N, D, rd in ROT_SHAPES:
+        x = rng.standard_normal((H, N, D)).astype(np.float16)
+        pos = rng.integers(0, 2**31, N, dtype=np.int64)
+        emu, native = x.copy(), x.copy()
+        EmuRot(guest).apply_rope(emu, pos, style=style, rotary_dim=rd)
+        EmuRot(guest).shift_keys(emu, delta, style=style, rotary_dim=rd)
+        with use_isa("avx512fp16"):
+            ops.apply_rope(native, pos, style=style, rotary_dim=rd)
+            ops.shift_keys(native, delta, style=style, rotary_dim=rd)
+        assert np.array_equal(emu.view(np.uint16), native.view(np.uint16)), (H, N, D, rd)
+
+
+@pytest.mark.skipif(not NATIVE_FP16, reason="CPU lacks AVX512-FP16")
+@pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_native_attention_equals_emulated(guest, rng, H, Hkv, N, D, dtype):
+    from test_attend import make
+    q, k, v = make(rng, H, Hkv, N, D, dtype)
+    slopes = rng.uniform(0, 0.3, H).astype(np.float32)
+    kpos = np.arange(500, 500 + N, dtype=np.int64)
+    got = guest_attend(guest, q, k, v, slopes, kpos, 500 + N)
+    with use_isa("avx512fp16"):
+        want = ops.attend(q, k, v, alibi_slopes=slopes, key_positions=kpos, query_position=500 + N)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_guest_fault_is_reported(guest):

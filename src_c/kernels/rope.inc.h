@@ -4,9 +4,10 @@
  * The angles arrive as (cos, sin) float pairs computed in double by the caller (ops.c), so
  * the kernel only multiplies.  fp32 rows: fp32 FMA arithmetic.  fp16 rows: widened to fp32,
  * rotated, rounded to fp16 once -- except on rows with complex fp16 multiplication
- * (KV_HAVE_CMUL_F16: AVX512-FP16), where a row is a vector of complex fp16 numbers and one
- * VFMULCPH rotates 16 pairs (each component rounded per the instruction's definition).
- */
+ * (KV_HAVE_CMUL_F16: AVX512-FP16), where a row is a vector of complex fp16 numbers rotated 16
+ * pairs at a time by the multiplier split into fp16 hi + lo (vc16_mul_hilo: x*lo, then
+ * x*hi + that; two roundings per component, none of the multiplier's own fp16 rounding).
+ * The bounds of both are in kvsimd/bounds.py. */
 #include "kvsimd.h"
 
 /* Multipliers for one token, laid out for the pairing: gptj (x[2r], x[2r+1]) gets
@@ -67,21 +68,21 @@ static void KV_FN(rot_prepare)(const float *cs, int64_t R, int32_t style, float 
     } while (0)
 
 #ifdef KV_HAVE_CMUL_F16
-/* fp16 rows as complex numbers: m holds R complex fp16 multipliers (padded to 16) */
-static void KV_FN(rot_row_cmul)(uint16_t *row, const uint16_t *m, int64_t R, int32_t style)
+/* fp16 rows as complex numbers: mh + ml hold R complex fp16 multipliers as hi + lo (padded to 16) */
+static void KV_FN(rot_row_cmul)(uint16_t *row, const uint16_t *mh, const uint16_t *ml, int64_t R, int32_t style)
 {
     if (style == KV_ROPE_GPTJ) {
         for (int64_t r = 0; r < R; r += 16) {
             const int64_t n = R - r < 16 ? R - r : 16;
             vc16 x = vc16_load_part(row + 2 * r, n);
-            vc16_store_part(row + 2 * r, vc16_mul(x, vc16_load(m + 2 * r)), n);
+            vc16_store_part(row + 2 * r, vc16_mul_hilo(x, vc16_load(mh + 2 * r), vc16_load(ml + 2 * r)), n);
         }
     } else {
         for (int64_t r = 0; r < R; r += 16) {
             const int64_t n = R - r < 16 ? R - r : 16;
             vc16 z = vc16_interleave(vh16_load_part(row + r, n), vh16_load_part(row + R + r, n));
-            __m256i lo, hi;
-            vc16_deinterleave(vc16_mul(z, vc16_load(m + 2 * r)), &lo, &hi);
+            vh16 lo, hi;
+            vc16_deinterleave(vc16_mul_hilo(z, vc16_load(mh + 2 * r), vc16_load(ml + 2 * r)), &lo, &hi);
             vh16_store_part(row + r, lo, n);
             vh16_store_part(row + R + r, hi, n);
         }
@@ -95,7 +96,7 @@ static void KV_FN(rotate)(const kv_rot_params *p)
     /* +KV_MAX_WIDTH: vector loads of the last chunk may read past 2R (values unused) */
     float c[KV_MAX_HEAD_DIM + KV_MAX_WIDTH], s[KV_MAX_HEAD_DIM + KV_MAX_WIDTH];
 #ifdef KV_HAVE_CMUL_F16
-    uint16_t m[KV_MAX_HEAD_DIM + 32];
+    uint16_t mh[KV_MAX_HEAD_DIM + 32], ml[KV_MAX_HEAD_DIM + 32];
 #endif
     for (int64_t t = p->t0; t < p->t1; t++) {
         const float *cs = p->cs + (t - p->t0) * p->cs_stride;
@@ -103,10 +104,14 @@ static void KV_FN(rotate)(const kv_rot_params *p)
 #ifdef KV_HAVE_CMUL_F16
         if (p->dtype == KV_F16) {
             if (fresh)
-                for (int64_t r = 0; r < R; r += 16)
-                    _mm512_storeu_ph(m + 2 * r, vc16_from_f32_pairs(cs + 2 * r, R - r < 16 ? R - r : 16));
+                for (int64_t r = 0; r < R; r += 16) {
+                    vc16 hi, lo;
+                    vc16_split_f32_pairs(cs + 2 * r, R - r < 16 ? R - r : 16, &hi, &lo);
+                    vc16_store(mh + 2 * r, hi);
+                    vc16_store(ml + 2 * r, lo);
+                }
             for (int64_t h = 0; h < p->H; h++)
-                KV_FN(rot_row_cmul)((uint16_t *)p->x + (h * N + t) * D, m, R, p->style);
+                KV_FN(rot_row_cmul)((uint16_t *)p->x + (h * N + t) * D, mh, ml, R, p->style);
             continue;
         }
 #endif
