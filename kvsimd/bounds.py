@@ -16,7 +16,7 @@ import numpy as np
 from kvsimd import reference
 
 __all__ = ["U16", "U32", "ISAS", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_bound", "alibi_score_error"]
+           "attend_scale", "attend_bound", "alibi_score_error"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
@@ -109,18 +109,28 @@ def alibi_score_error(alibi_slopes, distances):
     return (2.0 + (d >= 2.0 ** 24)) * U32 * bias
 
 
-def attend_bound(q, k, v, *, dtype=None, **kw):
-    """Per-element bound ``[H, D]`` on ``|attend(q, k, v, **kw) - reference.attend(...)|``.
-
-    ``TOL[dtype] * sum_j p_j |v_jd|`` (p: the float64 softmax weights) plus, with ALiBi, the
-    effect of the score errors e_j of :func:`alibi_score_error`: perturbing the scores by e_j
-    changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first order, so the output moves by
-    at most ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
-    dtype = np.dtype(k.dtype if dtype is None else dtype).name
+def _weights_and_scale(q, k, v, kw):
     p = reference.attention_weights(q, k, **kw)
-    G = p.shape[0] // k.shape[0]
-    va = np.repeat(np.abs(np.asarray(v, np.float64)), G, axis=0)
-    scale = np.einsum("hn,hnd->hd", p, va)
+    va = np.repeat(np.abs(np.asarray(v, np.float64)), p.shape[0] // k.shape[0], axis=0)
+    return p, va, np.einsum("hn,hnd->hd", p, va)
+
+
+def attend_scale(q, k, v, **kw):
+    """``sum_j p_j |v_jd|`` ``[H, D]``: the natural scale of an attention output (p: the float64
+    softmax weights), which stays meaningful where outputs cancel to ~0."""
+    return _weights_and_scale(q, k, v, kw)[2]
+
+
+def attend_bound(q, k, v, *, dtype=None, **kw):
+    """Per-element bound ``[H, D]`` on ``|attend(q, k, v, **kw) - reference.attend(...)|``
+    (keywords as :func:`kvsimd.reference.attend`; ``dtype`` defaults to k's).
+
+    ``ATTEND_TOL[dtype] * attend_scale`` plus, with ALiBi, the effect of the score errors e_j
+    of :func:`alibi_score_error`: perturbing the scores by e_j changes the weights to
+    p_j (1 + e_j - sum_k p_k e_k) to first order, so the output moves by at most
+    ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
+    dtype = np.dtype(k.dtype if dtype is None else dtype).name
+    p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale
     if kw.get("alibi_slopes") is not None:
         dist = reference.alibi_distances(k.shape[1], kw.get("key_positions"), kw.get("query_position"),

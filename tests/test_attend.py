@@ -1,23 +1,23 @@
 """kvsimd.ops.attend on every native ISA path, against the float64 reference and the scalar path.
 
-Error bound (stated here, used throughout): for output element (h, d),
-    |out - ref| <= TOL * sum_j p_hj |v_jd|
+Error bound: kvsimd.bounds.attend_bound, per output element (h, d):
+    |out - ref| <= TOL * sum_j p_hj |v_jd|  (+ with ALiBi, the effect of the fp32 rounding of
+                                              the bias slope * distance in each score)
 where p are the reference softmax weights: the natural scale of a weighted sum, which stays
 meaningful when outputs cancel to ~0.  TOL = 1e-5 for float32 K/V; for float16 K/V the
 reference does float64 math on the fp16-rounded values and TOL = 1e-4.
 """
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvsimd import ops, reference
+from kvsimd.bounds import attend_bound, attend_scale
 from kvsimd.testing import use_isa
 
 from conftest import SIMD_ISAS
 from strategies import gqa_ratios, head_dims, kv_dtypes, kv_heads, seeds, token_counts
-
-TOL = {"float32": 1e-5, "float16": 1e-4}
 
 
 def make(rng, H, Hkv, N, D, dtype, q_scale=1.0):
@@ -27,18 +27,10 @@ def make(rng, H, Hkv, N, D, dtype, q_scale=1.0):
     return q, k, v
 
 
-def weighted_scale(q, k, v, **kw):
-    """sum_j p_hj |v_jd|  ->  [H, D]"""
-    p = reference.attention_weights(q, k, **kw)
-    G = q.shape[0] // k.shape[0]
-    va = np.repeat(np.abs(v.astype(np.float64)), G, axis=0)
-    return np.einsum("hn,hnd->hd", p, va)
-
-
-def assert_close(out, ref, scale, tol, what=""):
-    err = np.abs(out.astype(np.float64) - ref) / np.maximum(scale, 1e-30)
+def assert_within(out, ref, bound, what=""):
+    err = np.abs(out.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
     worst = np.unravel_index(np.argmax(err), err.shape)
-    assert err.max() <= tol, f"{what}: error {err.max():.3g} x scale > {tol} at {worst}"
+    assert err.max() <= 1, f"{what}: error {err.max():.3g} x the bound at {worst}"
 
 
 @given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
@@ -48,11 +40,14 @@ def test_attend_matches_float64_reference(isa, hkv, ratio, N, D, dtype, seed, q_
     q, k, v = make(rng, hkv * ratio, hkv, N, D, dtype, q_scale)
     out = ops.attend(q, k, v)
     assert out.shape == q.shape and out.dtype == np.float32
-    assert_close(out, reference.attend(q, k, v), weighted_scale(q, k, v), TOL[dtype], isa)
+    assert_within(out, reference.attend(q, k, v), attend_bound(q, k, v), isa)
 
 
 @given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
        explicit=st.booleans())
+# distances ~40 with slope 4: biases ~160 whose fp32 rounding (~1e-5 of score) exceeded a bound
+# without the ALiBi term by 37% (found by the "dev" profile)
+@example(hkv=1, ratio=1, N=40, D=512, dtype="float32", seed=202, explicit=True)
 def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
     rng = np.random.default_rng(seed)
     H = hkv * ratio
@@ -63,7 +58,7 @@ def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
         kw["key_positions"] = rng.permutation(np.arange(1000, 1000 + N, dtype=np.int64))
         kw["query_position"] = 1000 + N + int(rng.integers(0, 50))
     out = ops.attend(q, k, v, **kw)
-    assert_close(out, reference.attend(q, k, v, **kw), weighted_scale(q, k, v, **kw), TOL[dtype], isa)
+    assert_within(out, reference.attend(q, k, v, **kw), attend_bound(q, k, v, **kw), isa)
 
 
 @pytest.mark.parametrize("simd", SIMD_ISAS)
@@ -76,7 +71,8 @@ def test_simd_agrees_with_scalar(simd, hkv, ratio, N, D, dtype, seed):
         a = ops.attend(q, k, v, alibi_slopes=slopes)
     with use_isa(simd):
         b = ops.attend(q, k, v, alibi_slopes=slopes)
-    assert_close(b, a.astype(np.float64), weighted_scale(q, k, v, alibi_slopes=slopes), TOL[dtype], simd)
+    # each is within the bound of the exact value
+    assert_within(b, a.astype(np.float64), 2 * attend_bound(q, k, v, alibi_slopes=slopes), simd)
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (32, 32, 128), (8, 1, 256), (4, 2, 80)])
@@ -85,7 +81,7 @@ def test_fast_shapes_long_cache(isa, rng, shape, dtype):
     H, Hkv, D = shape
     N = 4099  # not a multiple of any block size
     q, k, v = make(rng, H, Hkv, N, D, dtype)
-    assert_close(ops.attend(q, k, v), reference.attend(q, k, v), weighted_scale(q, k, v), TOL[dtype], isa)
+    assert_within(ops.attend(q, k, v), reference.attend(q, k, v), attend_bound(q, k, v), isa)
 
 
 def test_scale_and_out_argument(isa, rng):
@@ -94,7 +90,7 @@ def test_scale_and_out_argument(isa, rng):
     k0, v0, q0 = k.copy(), v.copy(), q.copy()
     res = ops.attend(q, k, v, scale=0.37, out=out)
     assert res is out
-    assert_close(out, reference.attend(q, k, v, scale=0.37), weighted_scale(q, k, v, scale=0.37), 1e-5)
+    assert_within(out, reference.attend(q, k, v, scale=0.37), attend_bound(q, k, v, scale=0.37))
     # inputs are read only
     assert np.array_equal(k, k0) and np.array_equal(v, v0) and np.array_equal(q, q0)
 
@@ -110,7 +106,8 @@ def test_large_scores_do_not_overflow(isa, rng):
     q, k, v = make(rng, 2, 1, 300, 16, "float32", q_scale=2000.0)
     out = ops.attend(q, k, v)
     assert np.isfinite(out).all()
-    assert_close(out, reference.attend(q, k, v), weighted_scale(q, k, v), 1e-4)
+    # scores of +-1e4 carry fp32 rounding errors of ~1e-3 themselves: 10x the usual tolerance
+    assert_within(out, reference.attend(q, k, v), 1e-4 * attend_scale(q, k, v))
 
 
 def test_gqa_uses_the_right_kv_head(isa, rng):
@@ -142,8 +139,7 @@ def test_attend_ranges_with_alternate_query(isa, hkv, ratio, N, D, dtype, seed, 
               "key_positions": rng.permutation(N).astype(np.int64)}
     out = ops.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
     ref = reference.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
-    scale = weighted_scale(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
-    assert_close(out, ref, scale, TOL[dtype], isa)
+    assert_within(out, ref, attend_bound(q, k, v, ranges=ranges, q_alt=q_alt, **kw), isa)
 
 
 def test_attend_ranges_equal_the_single_range(isa, rng):
