@@ -4,18 +4,21 @@ All functions take C-contiguous, aligned arrays, never copy their inputs, releas
 while the kernel runs, and raise :class:`kvsimd.KVSimdValueError` / :class:`kvsimd.KVSimdTypeError`
 naming the problem for bad input.
 
-Accuracy (tested on every path against :mod:`kvsimd.reference`, float64):
+Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the functions of
+:mod:`kvsimd.bounds` state the same bounds, ``u = 2**-11``, per output component):
 
 * ``attend``: ``|out - ref| <= 1e-5 * sum_j p_j |v_j|`` per element for float32 K/V, and 1e-4
   for float16 K/V (reference: float64 math on the fp16 values).  fp32 accumulation, online
-  softmax, one pass over K and V.
+  softmax, one pass over K and V.  With ALiBi, plus the fp32 rounding of each bias
+  ``b_j = slope * (query_position - key_position)`` in its score, ``e_j = 2 * 2**-24 * |b_j|``,
+  through the softmax: ``sum_j p_j e_j |v_j| + (sum_k p_k e_k) * sum_j p_j |v_j|``.
 * ``apply_rope`` / ``shift_keys``: angles are computed in double precision from the integer
   position or delta (exact up to 2**53).  float32: ``<= 1e-5 * |pair|`` per component.
   float16 on the scalar and avx2 paths: rotated in fp32 and rounded to fp16 once,
-  ``<= 2**-11 * |out| + 2**-20 * |pair|``.  float16 on the avx512fp16 path: one VFMULCPH per
-  complex pair, whose two roundings per component give ``3 * 2**-11 * |pair|``, plus
-  ``sqrt(2)/2 * 2**-11 * |pair|`` for the (cos, sin) multiplier rounded to fp16 -- in all
-  ``<= 4 * 2**-11 * |pair| + 2**-24`` per call.
+  ``<= u * |out| + 2**-20 * |pair| + 2**-25``.  float16 on the avx512fp16 path: the
+  (cos, sin) multiplier split into fp16 hi + lo, ``x * lo`` by VFMULCPH then ``x * hi`` plus
+  that by VFMADDCPH, which rounds each component twice:
+  ``<= u * (|pair| + |out|) + 2**-18 * |pair| + 2**-23`` per call.
 * Rounding errors of successive calls add up: a token rotated k times carries up to k times
   the per-call bound.  A cache design must bound how many rotations any cached token sees.
 * ``to_float16`` / ``to_float32``: bit-identical to NumPy's casts, NaN payloads included.
