@@ -33,22 +33,18 @@ def assert_within(out, ref, bound, what=""):
     assert err.max() <= 1, f"{what}: error {err.max():.3g} x the bound at {worst}"
 
 
-@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
-       q_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]))
-def test_attend_matches_float64_reference(isa, hkv, ratio, N, D, dtype, seed, q_scale):
+# ---------------------------------------------------------------- case bodies (native and emulated)
+# ``att`` has ops.attend's signature: kvsimd.ops natively, the avx512fp16 row in the emulator
+# (tests/test_avx512fp16_emu.py runs these bodies with the same bounds).
+def case_matches_reference(att, isa, hkv, ratio, N, D, dtype, seed, q_scale):
     rng = np.random.default_rng(seed)
     q, k, v = make(rng, hkv * ratio, hkv, N, D, dtype, q_scale)
-    out = ops.attend(q, k, v)
+    out = att.attend(q, k, v)
     assert out.shape == q.shape and out.dtype == np.float32
     assert_within(out, reference.attend(q, k, v), attend_bound(q, k, v), isa)
 
 
-@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
-       explicit=st.booleans())
-# distances ~40 with slope 4: biases ~160 whose fp32 rounding (~1e-5 of score) exceeded a bound
-# without the ALiBi term by 37% (found by the "dev" profile)
-@example(hkv=1, ratio=1, N=40, D=512, dtype="float32", seed=202, explicit=True)
-def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
+def case_alibi(att, isa, hkv, ratio, N, D, dtype, seed, explicit):
     rng = np.random.default_rng(seed)
     H = hkv * ratio
     q, k, v = make(rng, H, hkv, N, D, dtype)
@@ -57,8 +53,43 @@ def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
     if explicit:  # a ring buffer's positions: not in slot order, query far ahead
         kw["key_positions"] = rng.permutation(np.arange(1000, 1000 + N, dtype=np.int64))
         kw["query_position"] = 1000 + N + int(rng.integers(0, 50))
-    out = ops.attend(q, k, v, **kw)
+    out = att.attend(q, k, v, **kw)
     assert_within(out, reference.attend(q, k, v, **kw), attend_bound(q, k, v, **kw), isa)
+
+
+def case_ranges_with_alternate_query(att, isa, hkv, ratio, N, D, dtype, seed, alibi):
+    rng = np.random.default_rng(seed)
+    H = hkv * ratio
+    q, k, v = make(rng, H, hkv, N, D, dtype)
+    q_alt = rng.standard_normal((H, D)).astype(np.float32)
+    cuts = np.unique(np.concatenate([[0, N], rng.integers(0, N + 1, 4)]))
+    pieces = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    keep = [p for p in pieces if rng.random() < 0.7] or pieces[:1]
+    ranges = [(a, b, bool(rng.random() < 0.5), N + int(rng.integers(0, 50))) for a, b in keep]
+    ranges = [ranges[i] for i in rng.permutation(len(ranges))]
+    kw = {}
+    if alibi:
+        kw = {"alibi_slopes": (2.0 ** -np.arange(1, H + 1, dtype=np.float32)).astype(np.float32),
+              "key_positions": rng.permutation(N).astype(np.int64)}
+    out = att.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
+    ref = reference.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
+    assert_within(out, ref, attend_bound(q, k, v, ranges=ranges, q_alt=q_alt, **kw), isa)
+
+
+# ---------------------------------------------------------------- native rows
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       q_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]))
+def test_attend_matches_float64_reference(isa, hkv, ratio, N, D, dtype, seed, q_scale):
+    case_matches_reference(ops, isa, hkv, ratio, N, D, dtype, seed, q_scale)
+
+
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       explicit=st.booleans())
+# distances ~40 with slope 4: biases ~160 whose fp32 rounding (~1e-5 of score) exceeded a bound
+# without the ALiBi term by 37% (found by the "dev" profile)
+@example(hkv=1, ratio=1, N=40, D=512, dtype="float32", seed=202, explicit=True)
+def test_attend_alibi(isa, hkv, ratio, N, D, dtype, seed, explicit):
+    case_alibi(ops, isa, hkv, ratio, N, D, dtype, seed, explicit)
 
 
 @pytest.mark.parametrize("simd", SIMD_ISAS)
@@ -124,22 +155,7 @@ def test_gqa_uses_the_right_kv_head(isa, rng):
 def test_attend_ranges_with_alternate_query(isa, hkv, ratio, N, D, dtype, seed, alibi):
     """Several key ranges (with gaps, in any order) under one softmax, some scored with q_alt and
     their own ALiBi query position: what a ring cache with attention sinks reads in one call."""
-    rng = np.random.default_rng(seed)
-    H = hkv * ratio
-    q, k, v = make(rng, H, hkv, N, D, dtype)
-    q_alt = rng.standard_normal((H, D)).astype(np.float32)
-    cuts = np.unique(np.concatenate([[0, N], rng.integers(0, N + 1, 4)]))
-    pieces = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
-    keep = [p for p in pieces if rng.random() < 0.7] or pieces[:1]
-    ranges = [(a, b, bool(rng.random() < 0.5), N + int(rng.integers(0, 50))) for a, b in keep]
-    ranges = [ranges[i] for i in rng.permutation(len(ranges))]
-    kw = {}
-    if alibi:
-        kw = {"alibi_slopes": (2.0 ** -np.arange(1, H + 1, dtype=np.float32)).astype(np.float32),
-              "key_positions": rng.permutation(N).astype(np.int64)}
-    out = ops.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
-    ref = reference.attend(q, k, v, ranges=ranges, q_alt=q_alt, **kw)
-    assert_within(out, ref, attend_bound(q, k, v, ranges=ranges, q_alt=q_alt, **kw), isa)
+    case_ranges_with_alternate_query(ops, isa, hkv, ratio, N, D, dtype, seed, alibi)
 
 
 def test_attend_ranges_equal_the_single_range(isa, rng):

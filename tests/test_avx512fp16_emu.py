@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvsimd
@@ -24,8 +24,9 @@ from kvsimd.testing import use_isa
 
 sys.path.insert(0, os.path.dirname(__file__))
 import emulator  # noqa: E402
+import test_attend  # noqa: E402
 import test_rope  # noqa: E402
-from strategies import kv_dtypes, rope_shapes, seeds, styles  # noqa: E402
+from strategies import gqa_ratios, head_dims, kv_dtypes, kv_heads, rope_shapes, seeds, styles, token_counts  # noqa: E402,E501
 from emulator import ATTN_TYPES, ROT_TYPES, XCR0_YMM, XCR0_ZMM, EmuError, pack_struct  # noqa: E402
 
 INFO = ext._kernel_addresses()
@@ -280,7 +281,7 @@ def test_rope_cases_shift_range_only(guest, rng, dtype, style):
 
 
 # ------------------------------------------------------------------------------ attention
-def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_alt=None):
+def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_alt=None, scale=None):
     H, D = q.shape
     Hkv, N, _ = k.shape
     out = guest.alloc(4 * H * D)
@@ -295,10 +296,28 @@ def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_a
         "m": ml, "l": ml + 4 * H, "alibi": guest.put(alibi) if alibi is not None else 0,
         "key_pos": guest.put(kpos) if kpos is not None else 0, "query_pos": qpos,
         "H": H, "Hkv": Hkv, "D": D, "n_total": N, "t0": 0, "t1": N, "g0": 0, "g1": Hkv,
-        "scale": 1.0 / np.sqrt(D), "dtype": 1 if k.dtype == np.float16 else 0, "init": 1, "finalize": 1},
+        "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0, "init": 1, "finalize": 1},
         ATTN_TYPES)
     guest.call(guest.guest_address(fn("attn")), guest.put(prm), ws)
     return np.frombuffer(guest.read(out, 4 * H * D), np.float32).reshape(H, D)
+
+
+class EmuAttend:
+    """``attend`` (the signature and defaults of kvsimd.ops.attend) on the avx512fp16 row in the
+    emulator."""
+
+    def __init__(self, guest):
+        self.guest = guest
+
+    def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
+               ranges=None, q_alt=None):
+        N = k.shape[1]
+        qpos = N - 1 if query_position is None else query_position
+        if ranges is not None:
+            ranges = [(r[0], r[1], bool(r[2]) if len(r) > 2 else False, r[3] if len(r) > 3 else qpos)
+                      for r in ranges]
+        self.guest.reset_arena()
+        return guest_attend(self.guest, q, k, v, alibi_slopes, key_positions, qpos, ranges, q_alt, scale)
 
 
 ATTN_CASES = [(1, 1, 1, 1), (4, 1, 15, 3), (9, 3, 16, 64), (8, 2, 17, 17), (6, 2, 31, 80), (32, 8, 33, 128),
@@ -340,6 +359,33 @@ def test_attention_without_alibi(guest, rng):
     from test_attend import assert_within, make
     q, k, v = make(rng, 9, 3, 257, 64, "float16")
     assert_within(guest_attend(guest, q, k, v), reference.attend(q, k, v), attend_bound(q, k, v))
+
+
+# test_attend.py's cases, with the same bounds (fewer examples: the emulator runs ~5M instructions/s)
+EMU_EXAMPLES = settings(max_examples=min(settings.default.max_examples, 20))
+
+
+@EMU_EXAMPLES
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       q_scale=st.sampled_from([0.0, 0.3, 1.0, 3.0]))
+def test_attend_cases_matches_reference(guest, hkv, ratio, N, D, dtype, seed, q_scale):
+    test_attend.case_matches_reference(EmuAttend(guest), "avx512fp16", hkv, ratio, N, D, dtype, seed, q_scale)
+
+
+@EMU_EXAMPLES
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       explicit=st.booleans())
+@example(hkv=1, ratio=1, N=40, D=512, dtype="float32", seed=202, explicit=True)
+def test_attend_cases_alibi(guest, hkv, ratio, N, D, dtype, seed, explicit):
+    test_attend.case_alibi(EmuAttend(guest), "avx512fp16", hkv, ratio, N, D, dtype, seed, explicit)
+
+
+@EMU_EXAMPLES
+@given(hkv=kv_heads, ratio=gqa_ratios, N=token_counts, D=head_dims, dtype=kv_dtypes, seed=seeds,
+       alibi=st.booleans())
+def test_attend_cases_ranges_with_alternate_query(guest, hkv, ratio, N, D, dtype, seed, alibi):
+    test_attend.case_ranges_with_alternate_query(EmuAttend(guest), "avx512fp16", hkv, ratio, N, D, dtype, seed,
+                                                 alibi)
 
 
 # ------------------------------------------------------------------------------ native vs emulated
