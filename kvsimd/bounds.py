@@ -14,13 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvsimd import reference
+from kvsimd.errors import KVSimdValueError
 
-__all__ = ["U16", "U32", "ISAS", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
+__all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
            "attend_scale", "attend_bound", "alibi_score_error"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
-ISAS = ("scalar", "avx2", "avx512fp16")
 
 # Per call and per component:  |out - exact| <= a * |out| + b * |pair| + c.
 #
@@ -51,7 +51,7 @@ def rope_coefficients(isa: str, dtype) -> tuple[float, float, float]:
     ``apply_rope`` / ``shift_keys`` on ISA row ``isa`` for ``dtype`` (float16 or float32)."""
     key = (np.dtype(dtype).name, isa)
     if key not in _ROPE:
-        raise ValueError("no rotation bound for isa=%r dtype=%r" % (isa, np.dtype(dtype).name))
+        raise KVSimdValueError("no rotation bound for isa=%r dtype=%r" % (isa, np.dtype(dtype).name))
     return _ROPE[key]
 
 
@@ -83,7 +83,7 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1):
     A rotation keeps |pair| up to the errors so far (a factor 1 + 2^-8 covers up to 8 calls)."""
     a, b, c = rope_coefficients(isa, dtype)
     if not 1 <= calls <= 8:
-        raise ValueError("calls must be in 1..8, got %r" % (calls,))
+        raise KVSimdValueError("calls must be in 1..8, got %r" % (calls,))
     pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0)
     last = a * np.abs(np.asarray(out, np.float64)) + b * pair + c
     return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
