@@ -300,8 +300,10 @@ class Guest:
             setattr(st, reg, int(val) & 0xFFFFFFFFFFFFFFFF)
         return st
 
-    def call(self, fn, *args, xcr0=XCR0_ZMM, branch_limit=50_000_000):
-        """Run ``fn(*args)`` (integer/pointer arguments) to its return; returns rax."""
+    def call(self, fn, *args, xcr0=XCR0_ZMM, branch_limit=50_000_000, count_instructions=False):
+        """Run ``fn(*args)`` (integer/pointer arguments) to its return; returns rax.  With
+        ``count_instructions`` (slow: a Python hook per instruction) the number of guest
+        instructions executed is left in ``self.last_instructions``."""
         b = self.bochscpu
         self.sess.cpu.state = self._state(fn, args, xcr0)
         done = {"halt": False, "limit": False, "exc": None, "branches": 0}
@@ -324,9 +326,19 @@ class Guest:
         hook.hlt = on_hlt
         hook.exception = on_exception
         hook.cnear_branch_taken = on_branch
+        self.last_instructions = None
+        if count_instructions:
+            executed = [0]
+
+            def on_insn(*_):
+                executed[0] += 1
+
+            hook.before_execution = on_insn
         t0 = time.perf_counter()
         self.sess.run([hook])
         self.last_seconds = time.perf_counter() - t0
+        if count_instructions:
+            self.last_instructions = executed[0]
         st = self.sess.cpu.state
         if done["exc"] is not None:
             vec, err = done["exc"]

@@ -68,21 +68,22 @@ static void KV_FN(rot_prepare)(const float *cs, int64_t R, int32_t style, float 
     } while (0)
 
 #ifdef KV_HAVE_CMUL_F16
-/* fp16 rows as complex numbers: mh + ml hold R complex fp16 multipliers as hi + lo (padded to 16) */
-static void KV_FN(rot_row_cmul)(uint16_t *row, const uint16_t *mh, const uint16_t *ml, int64_t R, int32_t style)
+/* fp16 rows as complex numbers.  m holds the R complex fp16 multipliers (padded to 16) as hi + lo,
+   per 16 pairs: 32 halves of hi, then 32 of lo (one base pointer: fewer registers per row). */
+static void KV_FN(rot_row_cmul)(uint16_t *row, const uint16_t *m, int64_t R, int32_t style)
 {
     if (style == KV_ROPE_GPTJ) {
         for (int64_t r = 0; r < R; r += 16) {
             const int64_t n = R - r < 16 ? R - r : 16;
             vc16 x = vc16_load_part(row + 2 * r, n);
-            vc16_store_part(row + 2 * r, vc16_mul_hilo(x, vc16_load(mh + 2 * r), vc16_load(ml + 2 * r)), n);
+            vc16_store_part(row + 2 * r, vc16_mul_hilo(x, vc16_load(m + 4 * r), vc16_load(m + 4 * r + 32)), n);
         }
     } else {
         for (int64_t r = 0; r < R; r += 16) {
             const int64_t n = R - r < 16 ? R - r : 16;
             vc16 z = vc16_interleave(vh16_load_part(row + r, n), vh16_load_part(row + R + r, n));
             vh16 lo, hi;
-            vc16_deinterleave(vc16_mul_hilo(z, vc16_load(mh + 2 * r), vc16_load(ml + 2 * r)), &lo, &hi);
+            vc16_deinterleave(vc16_mul_hilo(z, vc16_load(m + 4 * r), vc16_load(m + 4 * r + 32)), &lo, &hi);
             vh16_store_part(row + r, lo, n);
             vh16_store_part(row + R + r, hi, n);
         }
@@ -96,7 +97,7 @@ static void KV_FN(rotate)(const kv_rot_params *p)
     /* +KV_MAX_WIDTH: vector loads of the last chunk may read past 2R (values unused) */
     float c[KV_MAX_HEAD_DIM + KV_MAX_WIDTH], s[KV_MAX_HEAD_DIM + KV_MAX_WIDTH];
 #ifdef KV_HAVE_CMUL_F16
-    uint16_t mh[KV_MAX_HEAD_DIM + 32], ml[KV_MAX_HEAD_DIM + 32];
+    uint16_t m[2 * (KV_MAX_HEAD_DIM + 32)];
 #endif
     for (int64_t t = p->t0; t < p->t1; t++) {
         const float *cs = p->cs + (t - p->t0) * p->cs_stride;
@@ -107,11 +108,11 @@ static void KV_FN(rotate)(const kv_rot_params *p)
                 for (int64_t r = 0; r < R; r += 16) {
                     vc16 hi, lo;
                     vc16_split_f32_pairs(cs + 2 * r, R - r < 16 ? R - r : 16, &hi, &lo);
-                    vc16_store(mh + 2 * r, hi);
-                    vc16_store(ml + 2 * r, lo);
+                    vc16_store(m + 4 * r, hi);
+                    vc16_store(m + 4 * r + 32, lo);
                 }
             for (int64_t h = 0; h < p->H; h++)
-                KV_FN(rot_row_cmul)((uint16_t *)p->x + (h * N + t) * D, mh, ml, R, p->style);
+                KV_FN(rot_row_cmul)((uint16_t *)p->x + (h * N + t) * D, m, R, p->style);
             continue;
         }
 #endif
