@@ -469,10 +469,11 @@ class _Stack:
             self._fast = cached = (self._valid, packed)
         return cached[1]
 
-    def _prefill(self, tokens, cache: KVCache, seq, cross=None):
+    def _prefill(self, tokens, cache: KVCache, seq, cross=None, finish=None):
         """Run ``tokens`` of one sequence after its cached prefix, in chunks; returns the last
-        hidden rows [T, d_model].  Checked up front, and undone on any failure or interrupt, so a
-        prefill either completes or leaves the cache as it was."""
+        hidden rows [T, d_model], or ``finish`` of them (the logits).  Checked up front, and undone
+        on any failure or interrupt (until ``finish`` has returned), so a prefill either completes
+        or leaves the cache as it was."""
         t = _tokens_1d(tokens, self.cfg.vocab_size)
         start = cache.length(seq)
         if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
@@ -487,10 +488,11 @@ class _Stack:
         try:
             out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
                    for i in range(0, t.size, self.prefill_chunk)]
+            x = out[0] if len(out) == 1 else np.concatenate(out)
+            return x if finish is None else finish(x)
         except BaseException:
             undo.restore()
             raise
-        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
         start, T = cache.length(seq), t.size
@@ -506,8 +508,10 @@ class _Stack:
         self.decoder_positions += T
         return x
 
-    def _step(self, tokens, cache: KVCache, cross=None):
-        """One token per sequence of the batch: returns the hidden rows [B, d_model]."""
+    def _step(self, tokens, cache: KVCache, cross=None, finish=None):
+        """One token per sequence of the batch: returns the hidden rows [B, d_model], or ``finish``
+        of them (the logits).  The step, the discard a full window makes first, and ``finish`` are
+        one transaction: on any failure or interrupt the cache is put back as it was."""
         cfg = self.cfg
         t = _tokens_1d(tokens, cfg.vocab_size)
         B = t.size
@@ -523,7 +527,8 @@ class _Stack:
                                       % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
         undo = _Undo(cache)
         try:
-            return self._step_body(t, cache, cross, undo)
+            x = self._step_body(t, cache, cross, undo)
+            return x if finish is None else finish(x)
         except BaseException:      # the step and its discard are one transaction
             undo.restore()
             raise
@@ -625,16 +630,14 @@ class _Stack:
         self.decoder_positions += T
         return self._logits(x)
 
-    def _prefill_out(self, x, all_logits):
+    def _prefill_logits(self, tokens, cache, seq, cross, all_logits=False):
         if not isinstance(all_logits, (bool, np.bool_)):
             raise KVSimdTypeError("all_logits must be True or False, got %s" % _short(all_logits))
-        return self._logits(x) if all_logits else self._logits(x[-1:])[0]
-
-    def _prefill_logits(self, tokens, cache, seq, cross):
-        return self._logits(self._prefill(tokens, cache, seq, cross)[-1:])[0]
+        return self._prefill(tokens, cache, seq, cross,
+                             finish=self._logits if all_logits else lambda x: self._logits(x[-1:])[0])
 
     def _step_logits(self, tokens, cache, cross):
-        return self._logits(self._step(tokens, cache, cross))
+        return self._step(tokens, cache, cross, finish=self._logits)
 
     def _policy(self, policy, name="policy"):
         """``policy`` as the cache will run it ("auto" resolved); refused where positions cannot shift."""
@@ -672,14 +675,14 @@ class Decoder(_Stack):
         Returns the logits of the last token (``[vocab]``), or of every token when ``all_logits``.
         On any error (or interrupt) the cache is left as it was."""
         self._begin(cache)
-        return self._prefill_out(self._prefill(tokens, cache, seq), all_logits)
+        return self._prefill_logits(tokens, cache, seq, None, all_logits)
 
     def step(self, tokens, *, cache: KVCache):
         """Feed one token per sequence (``len(tokens) == cache.batch``); returns logits ``[batch, vocab]``.
         A step (with the discard a full streaming window makes first) is one transaction: on any
         error or interrupt the cache is left as it was."""
         self._begin(cache)
-        return self._logits(self._step(tokens, cache))
+        return self._step_logits(tokens, cache, None)
 
     def forward(self, tokens):
         """Logits ``[T, vocab]`` of a full forward pass without any cache (the uncached reference)."""
@@ -909,12 +912,12 @@ class EncoderDecoder(_Stack):
     def prefill(self, tokens, *, cache: KVCache, cross: CrossAttentionCache, seq=0, all_logits=False):
         """As :meth:`Decoder.prefill`, with the cross-attention cache of :meth:`cross_for`."""
         self._begin(cache, cross)
-        return self._prefill_out(self._prefill(tokens, cache, seq, cross), all_logits)
+        return self._prefill_logits(tokens, cache, seq, cross, all_logits)
 
     def step(self, tokens, *, cache: KVCache, cross: CrossAttentionCache):
         """As :meth:`Decoder.step`, with the cross-attention cache of :meth:`cross_for`."""
         self._begin(cache, cross)
-        return self._logits(self._step(tokens, cache, cross))
+        return self._step_logits(tokens, cache, cross)
 
     def forward(self, src, tgt, enc_out=None):
         """Decoder logits ``[T, vocab]`` for target prefix ``tgt`` without any cache."""
