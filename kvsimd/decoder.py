@@ -39,7 +39,10 @@ class CrossAttentionCache(KVCache):
 
     def fill(self, seq, enc_out, layers: Sequence[LayerWeights], n_kv_heads, head_dim):
         """Project ``enc_out [S, d_model]`` with every layer's cross-attention K/V weights."""
+        _kvsimd._need_array(enc_out, "enc_out", (np.dtype(F32),), 2, "[S, d_model]")
         S = enc_out.shape[0]
+        if S == 0:
+            raise KVSimdValueError("enc_out has no source tokens")
         if S > self.capacity:
             raise KVSimdCapacityError("source of %d tokens exceeds the cross cache capacity %d" % (S, self.capacity))
         self.reset(seq)
@@ -124,11 +127,12 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim != 1 or z.size == 0:
         raise KVSimdValueError("%s must be a non-empty 1-D array, got shape %s" % (what, z.shape))
-    if np.isnan(z).any() or np.isposinf(z).any():
+    top = z.max()                   # one pass: NaN propagates into the max
+    if not top < np.inf:
         bad = np.nonzero(np.isnan(z) | np.isposinf(z))[0]
         raise KVSimdValueError("%s contain NaN or +inf at %d of %d entries (first ids %s): the model's numbers "
                                "overflowed" % (what, bad.size, z.size, bad[:5].tolist()))
-    if np.isneginf(z).all():
+    if top == -np.inf:
         raise KVSimdValueError("%s are all -inf: no token can be chosen" % what)
     if temperature == 0:
         return int(np.argmax(z))
@@ -701,8 +705,15 @@ class Decoder(_Stack):
         to float32).  The tokenizer from the file's metadata is ``.tokenizer``."""
         from kvsimd.gguf_model import decoder_kwargs_from_gguf
         from kvsimd.tokenizer import Tokenizer
+        from kvsimd.errors import KVSimdError
+        from kvsimd.gguf_model import GGUFError
         kwargs, reader = decoder_kwargs_from_gguf(path)
-        model = cls(**kwargs)
+        try:
+            model = cls(**kwargs)
+        except GGUFError:
+            raise
+        except KVSimdError as e:     # a tensor that does not fit the file's own metadata
+            raise GGUFError("%s: %s" % (path, e)) from None
         model.tokenizer = Tokenizer.from_gguf(reader)
         model.source = str(path)
         return model

@@ -470,3 +470,29 @@ def test_assigned_weights_are_used_by_every_path(rng):
         d.out = [d.prefill(toks[:5], cache=cache)] + [d.step([t], cache=cache)[0] for t in toks[5:]]
     np.testing.assert_array_equal(np.stack(m.out), np.stack(ref.out))
     np.testing.assert_allclose(np.stack(m.out), want[4:], rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_gguf_tensor_that_does_not_fit_its_metadata_is_a_gguf_error(tmp_path, monkeypatch):
+    """A tensor of another length than the file's metadata says is refused at load (it would be read
+    out of bounds by the compiled step)."""
+    from kvsimd import gguf_model
+    from test_gguf import write_llama_gguf
+    path = str(tmp_path / "tiny.gguf")
+    write_llama_gguf(path)
+    real = gguf_model.load_tensors
+
+    def short_norm(reader, p="<gguf>"):
+        w = real(reader, p)
+        w["blk.0.attn_norm.weight"] = w["blk.0.attn_norm.weight"][:-1].copy()
+        return w
+
+    monkeypatch.setattr(gguf_model, "load_tensors", short_norm)
+    with pytest.raises(gguf_model.GGUFError, match=r"tiny.gguf: layers\[0\]\.norm1\.w must have shape \(32,\), "
+                                                   r"got \(31,\)"):
+        Decoder.from_gguf(path)
+
+
+@pytest.mark.parametrize("load", [Decoder.from_transformers, EncoderDecoder.from_transformers])
+def test_from_transformers_needs_a_model(load):
+    with pytest.raises(KVSimdError, match=r"needs a loaded transformers model, got NoneType"):
+        load(None)
