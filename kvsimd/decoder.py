@@ -127,7 +127,11 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim != 1 or z.size == 0:
         raise KVSimdValueError("%s must be a non-empty 1-D array, got shape %s" % (what, z.shape))
-    top = z.max()                   # one pass: NaN propagates into the max
+    if temperature == 0:
+        best = int(np.argmax(z))    # NaN counts as the maximum: one pass checks and picks
+        top = z[best]
+    else:
+        top = z.max()
     if not top < np.inf:
         bad = np.nonzero(np.isnan(z) | np.isposinf(z))[0]
         raise KVSimdValueError("%s contain NaN or +inf at %d of %d entries (first ids %s): the model's numbers "
@@ -135,7 +139,7 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
     if top == -np.inf:
         raise KVSimdValueError("%s are all -inf: no token can be chosen" % what)
     if temperature == 0:
-        return int(np.argmax(z))
+        return best
     z = z / temperature
     order = np.argsort(-z, kind="stable")
     if top_k:
@@ -146,6 +150,7 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
     if top_p < 1.0:
         keep = np.searchsorted(np.cumsum(p), top_p) + 1
         order, p = order[:keep], p[:keep] / p[:keep].sum()
+    rng = rng if rng is not None else np.random.default_rng()
     return int(order[rng.choice(len(order), p=p)])
 
 
@@ -155,9 +160,7 @@ def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
     finite and >= 0, ``top_k`` an integer >= 0, ``top_p`` in (0, 1], ``rng`` None or a
     ``numpy.random.Generator``; NaN or +inf logits raise :class:`kvsimd.KVSimdValueError`."""
     params = _sampling_params(temperature, top_k, top_p)
-    if rng is None:
-        rng = np.random.default_rng()
-    elif not isinstance(rng, np.random.Generator):
+    if rng is not None and not isinstance(rng, np.random.Generator):
         raise KVSimdTypeError("rng must be None or a numpy.random.Generator, got %s" % _short(rng))
     return _sample(logits, rng, *params)
 
