@@ -18,7 +18,7 @@ import operator
 
 from kvsimd._kvsimd import KVCache
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
-from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, _real, alibi_slopes, causal_attention,
+from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, _f32, _real, alibi_slopes, causal_attention,
                            check_config, check_layer, ffn, linear, merge_heads, need_norm, need_weight, norm, rope,
                            sinusoidal_table, split_heads, weights_generation)
 from kvsimd import _kvsimd
@@ -298,13 +298,15 @@ class _Stack:
 
     def __init__(self, cfg: ModelConfig, embed, layers: List[LayerWeights], final_norm: Optional[NormWeights],
                  lm_head, lm_bias=None, pos_embed=None, embed_norm: Optional[NormWeights] = None):
+        if not isinstance(cfg, ModelConfig):
+            raise KVSimdTypeError("cfg must be a ModelConfig, got %s" % _short(cfg))
         self.cfg = cfg
-        self.embed = np.ascontiguousarray(embed, dtype=F32)
+        self.embed = _f32(embed, "embed")
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = np.ascontiguousarray(lm_head, dtype=F32)   # [d_model, vocab]
-        self.lm_bias = None if lm_bias is None else np.ascontiguousarray(lm_bias, dtype=F32)
-        self.pos_embed = None if pos_embed is None else np.ascontiguousarray(pos_embed, dtype=F32)
+        self.lm_head = _f32(lm_head, "lm_head")   # [d_model, vocab]
+        self.lm_bias = None if lm_bias is None else _f32(lm_bias, "lm_bias")
+        self.pos_embed = None if pos_embed is None else _f32(pos_embed, "pos_embed")
         if cfg.position == "sinusoidal" and self.pos_embed is None:
             self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
         self.embed_norm = embed_norm
@@ -825,8 +827,10 @@ class EncoderDecoder(_Stack):
     def __init__(self, cfg: ModelConfig, enc_cfg: ModelConfig, enc_embed_pos, enc_layers: List[LayerWeights],
                  enc_final_norm: Optional[NormWeights], enc_embed_norm: Optional[NormWeights], **dec):
         super().__init__(cfg, **dec)
+        if not isinstance(enc_cfg, ModelConfig):
+            raise KVSimdTypeError("enc_cfg must be a ModelConfig, got %s" % _short(enc_cfg))
         self.enc_cfg = enc_cfg
-        self.enc_pos = None if enc_embed_pos is None else np.ascontiguousarray(enc_embed_pos, dtype=F32)
+        self.enc_pos = None if enc_embed_pos is None else _f32(enc_embed_pos, "enc_embed_pos")
         if enc_cfg.position == "sinusoidal" and self.enc_pos is None:
             self.enc_pos = self.pos_embed
         self.enc_layers = enc_layers

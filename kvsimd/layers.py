@@ -212,6 +212,8 @@ def causal_attention(q, k, v, q_start, slopes=None, causal=True):
 # ------------------------------------------------------------------------------ weights
 def _f32(a, name):
     """``a`` as a C-contiguous float32 array (weights are converted once, at construction)."""
+    if a is None:
+        raise KVSimdTypeError("%s must be an array of real numbers, got None" % name)
     try:
         return np.ascontiguousarray(a, dtype=F32)
     except (TypeError, ValueError) as e:

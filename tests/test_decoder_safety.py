@@ -136,6 +136,26 @@ def build_rotary_wider_than_head():
     ModelConfig(vocab_size=5, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=8, rotary_dim=12)
 
 
+@case(r"cfg must be a ModelConfig, got None")
+def build_without_config():
+    Decoder(**weights(cfg=None))
+
+
+@case(r"lm_head must be an array of real numbers, got None")
+def build_without_lm_head():
+    Decoder(**weights(lm_head=None))
+
+
+@case(r"embed must be an array of real numbers, got str")
+def build_with_text_embedding():
+    Decoder(**weights(embed="abc"))
+
+
+@case(r"final_norm must be a NormWeights, got 'int'")
+def build_with_junk_final_norm():
+    Decoder(**weights(final_norm=3))
+
+
 # weights assigned after load: the next call validates again
 @case(r"layers\[1\]\.norm1\.w must have shape \(32,\), got \(5,\)")
 def step_after_norm_replaced_by_shorter():
