@@ -839,8 +839,6 @@ class EncoderDecoder(_Stack):
         self.encoder_positions = 0
         self._ensure_valid()
 
-    _UNTRACKED = _Stack._UNTRACKED
-
     def _cross_width(self):
         return self.enc_cfg.d_model
 
