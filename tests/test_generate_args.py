@@ -177,6 +177,16 @@ def test_fixed_cache_full_before_max_new_tokens_raises_after_the_tokens_that_fit
     stop = greedy[2]
     assert list(dec.generate(prompts[:1] * 2, max_new_tokens=20, capacity=10, stop_tokens=[stop])) == \
         [[t, t] for t in greedy[:greedy.index(stop)]]
+    # a finished sequence may fill its cache while another goes on: only the live one is named
+    short = [7, 8]
+    alone = list(dec.generate(short, max_new_tokens=20, cache_dtype="float32"))
+    assert greedy[0] not in alone[:9]
+    got = []
+    with pytest.raises(KVSimdCapacityError, match=r"sequence 1 filled its cache \(capacity 10\) after 9 of"):
+        for row in dec.generate([PROMPT, short], max_new_tokens=20, capacity=10, cache_dtype="float32",
+                                stop_tokens=[greedy[0]]):
+            got.append(row)
+    assert got == [[None, t] for t in alone[:9]]
 
 
 def test_max_new_tokens_zero_yields_nothing_and_runs_nothing(spied):
