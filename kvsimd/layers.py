@@ -97,11 +97,13 @@ def check_config(cfg, what="config"):
         raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
     for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
         if getattr(cfg, name) not in allowed:
-            raise KVSimdValueError("%s.%s must be one of %s, got %r" % (what, name, ", ".join(allowed), getattr(cfg, name)))
+            raise KVSimdValueError("%s.%s must be one of %s, got %r"
+                                   % (what, name, ", ".join(allowed), getattr(cfg, name)))
     for name, lo in (("norm_eps", 0.0), ("embed_scale", None), ("rope_theta", None)):
         v = _real(getattr(cfg, name), "%s.%s" % (what, name))
         if not math.isfinite(v) or (lo is not None and v < lo):
-            raise KVSimdValueError("%s.%s must be finite%s, got %r" % (what, name, "" if lo is None else " and >= 0", v))
+            raise KVSimdValueError("%s.%s must be finite%s, got %r"
+                                   % (what, name, "" if lo is None else " and >= 0", v))
     if cfg.position == "rope":
         if not cfg.rope_theta > 0:
             raise KVSimdValueError("%s.rope_theta must be > 0, got %r" % (what, cfg.rope_theta))
@@ -109,7 +111,8 @@ def check_config(cfg, what="config"):
             raise KVSimdValueError("%s.rope_style must be 'gptj' or 'neox', got %r" % (what, cfg.rope_style))
         rd = need_int(cfg.rotary_dim, what + ".rotary_dim")
         if rd < 2 or rd % 2 or rd > cfg.head_dim:
-            raise KVSimdValueError("%s.rotary_dim must be even and in 2..head_dim=%d, got %d" % (what, cfg.head_dim, rd))
+            raise KVSimdValueError("%s.rotary_dim must be even and in 2..head_dim=%d, got %d"
+                                   % (what, cfg.head_dim, rd))
 
 
 

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from kvsimd import Decoder, EncoderDecoder, KVCache, KVSimdError
-from kvsimd import decoder as decoder_module
 from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 from test_streaming import V, random_decoder
