@@ -78,6 +78,14 @@ def _decode_stack(list layers, cnp.ndarray x, KVCache cache, _StepPlan plan, bin
     _need_array(x, "x", (_F32,), 2, "[batch, d_model]", writeable=True)
     if B != cache.batch or (cross is not None and cross.batch != B):
         raise KVSimdValueError("x must have one row per sequence of the caches (%d), got %d" % (cache.batch, B))
+    # The layer tuples come from Decoder._fast_layers, built only from weights validated against the
+    # model's config (kvsimd.layers.check_layer); what is checked here, once per step, is that the
+    # caches have what the layers index: a layer per tuple, the plan's heads and head_dim.
+    if len(layers) > cache.n_layers or (cross is not None and len(layers) > cross.n_layers):
+        raise KVSimdValueError("%d layers for a cache of %d layers" % (len(layers), cache.n_layers))
+    if cross is not None and (cross.head_dim != cache.head_dim or (HD // cross.head_dim) % cross.n_kv_heads):
+        raise KVSimdValueError("cross cache heads (%d x %d) do not fit %d query features"
+                               % (cross.n_kv_heads, cross.head_dim, HD))
     h = _np.empty((B, d), _np.float32)
     att = _np.empty((B, HD), _np.float32)
     a = _np.empty((B, d), _np.float32)

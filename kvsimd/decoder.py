@@ -13,11 +13,17 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
+import math
+import operator
+
 from kvsimd._kvsimd import KVCache
-from kvsimd.errors import KVSimdCapacityError, KVSimdValueError
-from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, alibi_slopes, causal_attention, ffn, linear,
-                           merge_heads, norm, rope, sinusoidal_table, split_heads)
+from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
+from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, _f32, _real, alibi_slopes, causal_attention,
+                           check_config, check_layer, ffn, linear, merge_heads, need_norm, need_weight, norm, rope,
+                           sinusoidal_table, split_heads, weights_generation)
 from kvsimd import _kvsimd
+
+_need_int = _kvsimd._need_int
 
 __all__ = ["Decoder", "EncoderDecoder", "CrossAttentionCache", "sample"]
 
@@ -33,7 +39,10 @@ class CrossAttentionCache(KVCache):
 
     def fill(self, seq, enc_out, layers: Sequence[LayerWeights], n_kv_heads, head_dim):
         """Project ``enc_out [S, d_model]`` with every layer's cross-attention K/V weights."""
+        _kvsimd._need_array(enc_out, "enc_out", (np.dtype(F32),), 2, "[S, d_model]")
         S = enc_out.shape[0]
+        if S == 0:
+            raise KVSimdValueError("enc_out has no source tokens")
         if S > self.capacity:
             raise KVSimdCapacityError("source of %d tokens exceeds the cross cache capacity %d" % (S, self.capacity))
         self.reset(seq)
@@ -58,27 +67,82 @@ def _ring_ranges(start, count, base, width):
     return out
 
 
+def _short(x, n=80):
+    r = repr(x)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
 def _tokens_1d(tokens, vocab, what="tokens"):
-    t = np.asarray(tokens)
-    if t.ndim != 1 or t.size == 0:
-        raise KVSimdValueError("%s must be a non-empty 1-D sequence of token ids, got shape %s" % (what, t.shape))
+    """``tokens`` as a non-empty int64 array of ids in 0..vocab-1; KVSimdError naming ``what`` otherwise."""
+    try:
+        t = np.asarray(tokens) if not isinstance(tokens, (str, bytes)) else None
+    except (TypeError, ValueError):      # ragged nesting, objects NumPy cannot hold
+        t = None
+    if t is None or t.dtype == object or t.ndim != 1 or t.size == 0:
+        raise KVSimdValueError("%s must be a non-empty 1-D sequence of integer token ids, got %s"
+                               % (what, _short(tokens)))
     if not np.issubdtype(t.dtype, np.integer):
-        raise KVSimdValueError("%s must be integers, got %s" % (what, t.dtype))
+        raise KVSimdTypeError("%s must be integer token ids, got dtype %s: %s" % (what, t.dtype, _short(tokens)))
     if t.min() < 0 or t.max() >= vocab:
         raise KVSimdValueError("%s contain ids outside the vocabulary 0..%d: %s"
                                % (what, vocab - 1, t[(t < 0) | (t >= vocab)][:5].tolist()))
     return t.astype(np.int64)
 
 
-def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
-    """Pick a token from ``logits [vocab]``: greedy when temperature is 0, else seeded sampling
-    with optional top-k and nucleus (top-p) truncation."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits / temperature
+def _prompts(prompt, vocab, what):
+    """A prompt (ids) or a batch (a list of id lists, or a 2-D array) -> (list of id lists, batched)."""
+    if isinstance(prompt, np.ndarray):
+        batched = prompt.ndim == 2
+    elif isinstance(prompt, (list, tuple, range)):
+        if len(prompt) == 0:
+            raise KVSimdValueError("%s must not be empty" % what)
+        nested = [isinstance(p, (list, tuple, range, np.ndarray)) for p in prompt]
+        if any(nested) and not all(nested):
+            raise KVSimdValueError("%s mixes token ids and lists of token ids: %s" % (what, _short(prompt)))
+        batched = nested[0]
+    else:
+        raise KVSimdTypeError("%s must be a list of token ids or a list of such lists, got %s"
+                              % (what, _short(prompt)))
+    if batched:
+        return [_tokens_1d(p, vocab, "%s[%d]" % (what, b)).tolist() for b, p in enumerate(prompt)], True
+    return [_tokens_1d(prompt, vocab, what).tolist()], False
+
+
+def _sampling_params(temperature, top_k, top_p):
+    """The one check of sampling parameters (sample() and every generate())."""
+    temperature = _real(temperature, "temperature")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise KVSimdValueError("temperature must be finite and >= 0 (0: greedy), got %r" % temperature)
+    top_k = _need_int(top_k, "top_k")
+    if top_k < 0:
+        raise KVSimdValueError("top_k must be >= 0 (0: no top-k truncation), got %d" % top_k)
+    top_p = _real(top_p, "top_p")
+    if not 0.0 < top_p <= 1.0:
+        raise KVSimdValueError("top_p must be in (0, 1] (1: no nucleus truncation), got %r" % top_p)
+    return temperature, top_k, top_p
+
+
+def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
+    """sample() on checked parameters; refuses NaN / +inf logits instead of picking token 0 forever."""
+    z = np.asarray(logits, dtype=np.float64)
+    if z.ndim != 1 or z.size == 0:
+        raise KVSimdValueError("%s must be a non-empty 1-D array, got shape %s" % (what, z.shape))
+    if temperature == 0:
+        best = int(np.argmax(z))    # NaN counts as the maximum: one pass checks and picks
+        top = z[best]
+    else:
+        top = z.max()
+    if not top < np.inf:
+        bad = np.nonzero(np.isnan(z) | np.isposinf(z))[0]
+        raise KVSimdValueError("%s contain NaN or +inf at %d of %d entries (first ids %s): the model's numbers "
+                               "overflowed" % (what, bad.size, z.size, bad[:5].tolist()))
+    if top == -np.inf:
+        raise KVSimdValueError("%s are all -inf: no token can be chosen" % what)
+    if temperature == 0:
+        return best
+    z = z / temperature
     order = np.argsort(-z, kind="stable")
-    if top_k and top_k > 0:
+    if top_k:
         order = order[:top_k]
     z = z[order] - z[order[0]]
     p = np.exp(z)
@@ -88,6 +152,71 @@ def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
         order, p = order[:keep], p[:keep] / p[:keep].sum()
     rng = rng if rng is not None else np.random.default_rng()
     return int(order[rng.choice(len(order), p=p)])
+
+
+def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
+    """Pick a token from ``logits [vocab]``: greedy when temperature is 0, else seeded sampling
+    with optional top-k (0: off) and nucleus top-p (1: off) truncation.  ``temperature`` must be
+    finite and >= 0, ``top_k`` an integer >= 0, ``top_p`` in (0, 1], ``rng`` None or a
+    ``numpy.random.Generator``; NaN or +inf logits raise :class:`kvsimd.KVSimdValueError`."""
+    params = _sampling_params(temperature, top_k, top_p)
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise KVSimdTypeError("rng must be None or a numpy.random.Generator, got %s" % _short(rng))
+    return _sample(logits, rng, *params)
+
+
+class _Undo:
+    """What a prefill or a decode step may change in a cache, saved before it changes, so that a
+    failure or an interrupt (KeyboardInterrupt included) puts the cache back exactly as it was.
+
+    Always saved: each sequence's length, ring head, seen count and token-list length (a few
+    integers), and the (position, rotation) of each slot a step writes -- a step writes K/V only
+    into slots beyond the committed tokens, which stay invisible until the commit.  A sequence
+    whose window is full (the step discards tokens) also has its bookkeeping row saved and the K/V
+    the discard rewrites: every slot of every layer under "reevaluate" and "shift" (one copy of
+    that sequence's cache, once per discard, i.e. every ``n_discard`` steps), only the overwritten
+    slot under "sink_query" (every step once the window is full)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.lengths = cache.lengths
+        self.head = cache.head.copy()
+        self.seen = cache.seen.copy()
+        self.ntok = [len(t) for t in cache.tokens]
+        self.rows, self.cells, self.kv = {}, [], []
+
+    def save_row(self, b):
+        c = self.cache
+        if b not in self.rows:
+            self.rows[b] = (c.positions[b].copy(), c.rotations[b].copy(), list(c.tokens[b]))
+
+    def save_cell(self, b, slot):
+        c = self.cache
+        self.cells.append((b, slot, int(c.positions[b, slot]), int(c.rotations[b, slot])))
+
+    def save_kv(self, b, t0, t1):
+        c = self.cache
+        for l in range(c.n_layers):
+            self.kv.append((l, b, t0, np.array(c.keys(l, b, length=t1)[:, t0:t1]),
+                            np.array(c.values(l, b, length=t1)[:, t0:t1])))
+
+    def restore(self):
+        c = self.cache
+        for l, b, t0, k, v in reversed(self.kv):      # fp16 -> fp32 -> fp16 is exact
+            c.write(l, k.astype(F32), v.astype(F32), seq=b, start=t0)
+        for b, slot, p, r in reversed(self.cells):
+            c.positions[b, slot], c.rotations[b, slot] = p, r
+        for b, (p, r, toks) in self.rows.items():
+            c.positions[b], c.rotations[b], c.tokens[b] = p, r, toks
+        for b in range(c.batch):
+            del c.tokens[b][self.ntok[b]:]
+        c.head[:], c.seen[:] = self.head, self.seen
+        now = c.lengths
+        for b in range(c.batch):
+            if now[b] > self.lengths[b]:
+                c._forget(b, int(now[b] - self.lengths[b]))
+            elif now[b] < self.lengths[b]:
+                c.commit(int(self.lengths[b] - now[b]), seq=b)
 
 
 class _PrefillAttention:
@@ -169,35 +298,127 @@ class _Stack:
 
     def __init__(self, cfg: ModelConfig, embed, layers: List[LayerWeights], final_norm: Optional[NormWeights],
                  lm_head, lm_bias=None, pos_embed=None, embed_norm: Optional[NormWeights] = None):
+        if not isinstance(cfg, ModelConfig):
+            raise KVSimdTypeError("cfg must be a ModelConfig, got %s" % _short(cfg))
         self.cfg = cfg
-        self.embed = np.ascontiguousarray(embed, dtype=F32)
+        self.embed = _f32(embed, "embed")
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = np.ascontiguousarray(lm_head, dtype=F32)   # [d_model, vocab]
-        self.lm_bias = None if lm_bias is None else np.ascontiguousarray(lm_bias, dtype=F32)
-        self.pos_embed = None if pos_embed is None else np.ascontiguousarray(pos_embed, dtype=F32)
+        self.lm_head = _f32(lm_head, "lm_head")   # [d_model, vocab]
+        self.lm_bias = None if lm_bias is None else _f32(lm_bias, "lm_bias")
+        self.pos_embed = None if pos_embed is None else _f32(pos_embed, "pos_embed")
         if cfg.position == "sinusoidal" and self.pos_embed is None:
             self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
         self.embed_norm = embed_norm
         self.slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None
         self.decoder_positions = 0   # token positions run through the decoder layers
+        if not isinstance(self, EncoderDecoder):    # (EncoderDecoder: once its encoder half is set)
+            self._ensure_valid()
+
+    # ------------------------------------------------------------------ validation
+    # Assigning any weight or config attribute (here, or on a ModelConfig / weights object) bumps
+    # layers.weights_generation(); the next prefill/step/generate then validates the model again.
+    _UNTRACKED = frozenset(("decoder_positions", "encoder_positions", "tokenizer", "source", "_valid", "_fast"))
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name not in self._UNTRACKED:
+            object.__setattr__(self, "_valid", None)
+
+    def _ensure_valid(self):
+        """Validate every array the forward passes read (the compiled step reads them by pointer with
+        lengths from the config) unless nothing was assigned since the last validation."""
+        v = self.__dict__.get("_valid")
+        layers = self.layers
+        if v is not None and v[0] == weights_generation() and v[1] is layers and len(v[2]) == len(layers) \
+                and all(map(operator.is_, v[2], layers)):
+            return
+        self._validate()
+        object.__setattr__(self, "_fast", None)
+        object.__setattr__(self, "_valid", (weights_generation(), layers, tuple(layers)))
+
+    def _validate(self):
+        cfg = self.cfg
+        if not isinstance(cfg, ModelConfig):
+            raise KVSimdTypeError("cfg must be a ModelConfig, got %s" % _short(cfg))
+        check_config(cfg, "cfg")
+        d, V = cfg.d_model, cfg.vocab_size
+        need_weight(self.embed, "embed", (V, d))
+        need_weight(self.lm_head, "lm_head", (d, V))
+        need_weight(self.lm_bias, "lm_bias", (V,), optional=True)
+        need_norm(self.final_norm, "final_norm", d, optional=True)
+        need_norm(self.embed_norm, "embed_norm", d, optional=True)
+        if cfg.position in ("learned", "sinusoidal"):
+            need_weight(self.pos_embed, "pos_embed", (None, d))
+            if self.pos_embed.shape[0] <= cfg.position_offset:
+                raise KVSimdValueError("pos_embed has %d rows, not more than position_offset=%d"
+                                       % (self.pos_embed.shape[0], cfg.position_offset))
+        layers = self.layers
+        if not isinstance(layers, (list, tuple)) or len(layers) != cfg.n_layers:
+            raise KVSimdValueError("layers must be a list of cfg.n_layers=%d LayerWeights, got %s"
+                                   % (cfg.n_layers, _short(layers)))
+        d_source = self._cross_width()
+        for i, lw in enumerate(layers):
+            check_layer(cfg, lw, "layers[%d]" % i, d_source)
+        chunk = _need_int(self.prefill_chunk, "prefill_chunk")
+        if chunk < 1:
+            raise KVSimdValueError("prefill_chunk must be >= 1, got %d" % chunk)
+        object.__setattr__(self, "slopes", alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None)
+
+    def _cross_width(self):
+        """Width of the encoder output the layers' cross-attention reads (None: no cross-attention)."""
+        return None
+
+    def _check_cache(self, cache, name="cache"):
+        """A cache must have this model's layer count, KV heads and head_dim (the compiled step
+        indexes it by the model's dimensions)."""
+        if not isinstance(cache, KVCache):
+            raise KVSimdTypeError("%s must be a kvsimd.KVCache, got %s" % (name, _short(cache)))
+        c = self.cfg
+        want, got = (c.n_layers, c.n_kv_heads, c.head_dim), (cache.n_layers, cache.n_kv_heads, cache.head_dim)
+        if want != got:
+            raise KVSimdValueError("%s has (n_layers, n_kv_heads, head_dim) = %s, this model needs %s: "
+                                   "make it with model.new_cache()" % (name, got, want))
+        if name == "cache" and self._policy(cache.policy, "cache.policy") != cache.policy:
+            raise KVSimdValueError("cache.policy %r is not resolved for this model: make the cache with "
+                                   "model.new_cache(policy=%r)" % (cache.policy, cache.policy))
+
+    def _check_cross(self, cross, cache):
+        if self._cross_width() is None:
+            return
+        self._check_cache(cross, "cross")
+        if cross.batch != cache.batch:
+            raise KVSimdValueError("cross has %d sequences, cache has %d: they must match" % (cross.batch, cache.batch))
+        if (cross.lengths == 0).any():
+            raise KVSimdValueError("cross has empty sequences %s: fill it with model.cross_for(sources)"
+                                   % np.nonzero(cross.lengths == 0)[0].tolist())
+
+    def _begin(self, cache, cross=None):
+        """The checks of every public prefill/step, once per call."""
+        self._ensure_valid()
+        self._check_cache(cache)
+        self._check_cross(cross, cache)
+
+    def _check_position(self, last):
+        """Learned/sinusoidal models have a table of positions: ``last`` must be in it."""
+        cfg = self.cfg
+        if cfg.position in ("learned", "sinusoidal") and last + cfg.position_offset >= self.pos_embed.shape[0]:
+            raise KVSimdValueError("position %d is beyond the %d positions this model has"
+                                   % (last, self.pos_embed.shape[0] - cfg.position_offset))
 
     # ------------------------------------------------------------------ pieces
     def _embed(self, tokens, positions):
         cfg = self.cfg
         x = self.embed[tokens] * np.float32(cfg.embed_scale)
         if cfg.position in ("learned", "sinusoidal"):
-            idx = positions + cfg.position_offset
-            if idx.max() >= self.pos_embed.shape[0]:
-                raise KVSimdValueError("position %d is beyond the %d positions this model has"
-                                       % (positions.max(), self.pos_embed.shape[0] - cfg.position_offset))
-            x = x + self.pos_embed[idx]
+            self._check_position(int(positions.max()))
+            x = x + self.pos_embed[positions + cfg.position_offset]
         if self.embed_norm is not None:
             x = norm(cfg, x, self.embed_norm.w, self.embed_norm.b)
         return x.astype(F32)
 
-    def _qkv(self, a, h):
-        cfg = self.cfg
+    def _qkv(self, a, h, cfg=None):
+        cfg = cfg or self.cfg
         qkv = linear(h, a.wqkv, a.bqkv)
         nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
@@ -236,12 +457,14 @@ class _Stack:
     def _fast_layers(self):
         """Per-layer weight tuples for the compiled decode step, or None when this model's
         layers need the general path (parallel residual with post-norm, an unknown activation)."""
+        self._ensure_valid()
         cfg = self.cfg
         if cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu") or cfg.norm not in ("rmsnorm", "layernorm") \
                 or (cfg.parallel_residual and not cfg.pre_norm):
             return None
-        cached = getattr(self, "_fast", None)
-        if cached is None or cached[0] is not self.layers:
+        cached = self.__dict__.get("_fast")
+        if cached is None or cached[0] is not self._valid:
+            # built only from weights _ensure_valid has just checked (_decode_stack reads them by pointer)
             ln = cfg.norm == "layernorm"
             packed = []
             for lw in self.layers:
@@ -252,12 +475,14 @@ class _Stack:
                                None if nc is None else nc.w, None if nc is None or not ln else nc.b,
                                None if c is None else c.wq, None if c is None else c.bq,
                                None if c is None else c.wo, None if c is None else c.bo))
-            self._fast = cached = (self.layers, packed)
+            self._fast = cached = (self._valid, packed)
         return cached[1]
 
-    def _prefill(self, tokens, cache: KVCache, seq, cross=None):
+    def _prefill(self, tokens, cache: KVCache, seq, cross=None, finish=None):
         """Run ``tokens`` of one sequence after its cached prefix, in chunks; returns the last
-        hidden rows [T, d_model].  Checked up front, so a bad prompt leaves the cache unchanged."""
+        hidden rows [T, d_model], or ``finish`` of them (the logits).  Checked up front, and undone
+        on any failure or interrupt (until ``finish`` has returned), so a prefill either completes
+        or leaves the cache as it was."""
         t = _tokens_1d(tokens, self.cfg.vocab_size)
         start = cache.length(seq)
         if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
@@ -265,13 +490,18 @@ class _Stack:
         if start + t.size > cache.capacity:
             raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
                                       % (t.size, start, cache.capacity, seq))
-        if self.cfg.position in ("learned", "sinusoidal") and self.pos_embed is not None and \
-                start + t.size + self.cfg.position_offset > self.pos_embed.shape[0]:
-            raise KVSimdValueError("position %d is beyond the %d positions this model has"
-                                   % (start + t.size - 1, self.pos_embed.shape[0] - self.cfg.position_offset))
-        out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
-               for i in range(0, t.size, self.prefill_chunk)]
-        return out[0] if len(out) == 1 else np.concatenate(out)
+        if cross is not None and cross.length(seq) == 0:
+            raise KVSimdValueError("cross has no source tokens for sequence %d" % seq)
+        self._check_position(start + t.size - 1)
+        undo = _Undo(cache)
+        try:
+            out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
+                   for i in range(0, t.size, self.prefill_chunk)]
+            x = out[0] if len(out) == 1 else np.concatenate(out)
+            return x if finish is None else finish(x)
+        except BaseException:
+            undo.restore()
+            raise
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
         start, T = cache.length(seq), t.size
@@ -287,8 +517,10 @@ class _Stack:
         self.decoder_positions += T
         return x
 
-    def _step(self, tokens, cache: KVCache, cross=None):
-        """One token per sequence of the batch: returns the hidden rows [B, d_model]."""
+    def _step(self, tokens, cache: KVCache, cross=None, finish=None):
+        """One token per sequence of the batch: returns the hidden rows [B, d_model], or ``finish``
+        of them (the logits).  The step, the discard a full window makes first, and ``finish`` are
+        one transaction: on any failure or interrupt the cache is put back as it was."""
         cfg = self.cfg
         t = _tokens_1d(tokens, cfg.vocab_size)
         B = t.size
@@ -302,7 +534,17 @@ class _Stack:
         if cache.policy == "fixed" and (lengths + 1 > cache.capacity).any():
             raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
                                       % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
-        plans = [self._plan(cache, b) for b in range(B)]
+        undo = _Undo(cache)
+        try:
+            x = self._step_body(t, cache, cross, undo)
+            return x if finish is None else finish(x)
+        except BaseException:      # the step and its discard are one transaction
+            undo.restore()
+            raise
+
+    def _step_body(self, t, cache, cross, undo):
+        cfg, B = self.cfg, t.size
+        plans = [self._plan(cache, b, undo, cross) for b in range(B)]
         kpos = np.array([pl["kpos"] for pl in plans], dtype=np.int64)
         spos = np.array([pl["qpos_sinks"] for pl in plans], dtype=np.int64)
         x = self._embed(t, kpos if cache.policy != "sink_query" else spos)
@@ -329,7 +571,7 @@ class _Stack:
         self.decoder_positions += B
         return x
 
-    def _plan(self, cache: KVCache, b):
+    def _plan(self, cache: KVCache, b, undo, cross=None):
         """Where sequence b's next token goes, at which positions, and which key ranges it reads;
         makes room first when the window is full (the cache's policy).  StreamingLLM positions:
         sinks 0..n_keep-1, the window contiguous after them."""
@@ -339,10 +581,14 @@ class _Stack:
         L = cache.length(b)
         if L == cap:
             pol = cache.policy
+            if pol in ("reevaluate", "shift", "sink_query"):
+                undo.save_row(b)
+            if pol in ("reevaluate", "shift"):
+                undo.save_kv(b, 0, cap)
             if pol == "reevaluate":
                 kept = cache.tokens[b][:nk] + cache.tokens[b][nk + cache.n_discard:]
                 cache.reset(b)
-                self._prefill(kept, cache, b)
+                self._prefill(kept, cache, b, cross)
             elif pol == "shift":
                 nd = cache.n_discard
                 keep_start = nk + (cache.head[b] - nk + nd) % W
@@ -373,6 +619,9 @@ class _Stack:
             # the window's keys carry their own positions, so slot order does not matter to the
             # softmax: in slot order, ranges that touch become one kernel call (cache.step_plan)
             ranges += [("window", t0, t1) for t0, t1 in sorted(_ring_ranges(int(cache.head[b]), Lp - nk, nk, W))]
+        undo.save_cell(b, slot)
+        if b in undo.rows and cache.policy == "sink_query":
+            undo.save_kv(b, slot, slot + 1)   # the oldest window token's K/V, overwritten by this step
         cache.positions[b, slot] = kpos       # invisible until committed; ALiBi reads it this step
         return {"slot": slot, "kpos": kpos, "qpos_sinks": compressed if nk else kpos, "ranges": ranges}
 
@@ -390,11 +639,24 @@ class _Stack:
         self.decoder_positions += T
         return self._logits(x)
 
-    def _prefill_logits(self, tokens, cache, seq, cross):
-        return self._logits(self._prefill(tokens, cache, seq, cross)[-1:])[0]
+    def _prefill_logits(self, tokens, cache, seq, cross, all_logits=False):
+        if not isinstance(all_logits, (bool, np.bool_)):
+            raise KVSimdTypeError("all_logits must be True or False, got %s" % _short(all_logits))
+        return self._prefill(tokens, cache, seq, cross,
+                             finish=self._logits if all_logits else lambda x: self._logits(x[-1:])[0])
 
     def _step_logits(self, tokens, cache, cross):
-        return self._logits(self._step(tokens, cache, cross))
+        return self._step(tokens, cache, cross, finish=self._logits)
+
+    def _policy(self, policy, name="policy"):
+        """``policy`` as the cache will run it ("auto" resolved); refused where positions cannot shift."""
+        pos = self.cfg.position
+        if isinstance(policy, str) and policy == "auto":
+            return "shift" if pos in ("rope", "alibi") else "reevaluate"
+        if isinstance(policy, str) and policy in ("shift", "sink_query") and pos not in ("rope", "alibi"):
+            raise KVSimdValueError("%s %r needs RoPE or ALiBi positions; this model has %s positions "
+                                   "(use 'reevaluate', or 'auto')" % (name, policy, pos))
+        return policy
 
     def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None):
         """A self-attention cache sized for this model.  With ``policy`` other than "fixed" the
@@ -403,14 +665,9 @@ class _Stack:
         "shift" drops them and rotates the kept keys back in place, "sink_query" drops the
         oldest token each step and rewrites nothing (the query is rotated twice instead),
         "auto" picks "shift" where positions can shift and "reevaluate" elsewhere."""
-        pos = self.cfg.position
-        if policy == "auto":
-            policy = "shift" if pos in ("rope", "alibi") else "reevaluate"
-        if policy in ("shift", "sink_query") and pos not in ("rope", "alibi"):
-            raise KVSimdValueError("policy %r needs RoPE or ALiBi positions; this model has %s positions "
-                                   "(use 'reevaluate', or 'auto')" % (policy, pos))
+        self._ensure_valid()
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype,
-                       n_keep=n_keep, policy=policy, n_discard=n_discard)
+                       n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard)
 
 
 class Decoder(_Stack):
@@ -424,16 +681,21 @@ class Decoder(_Stack):
 
     def prefill(self, tokens, *, cache: KVCache, seq=0, all_logits=False):
         """Process a prompt (or the next chunk of one) for sequence ``seq`` in one causal pass.
-        Returns the logits of the last token (``[vocab]``), or of every token when ``all_logits``."""
-        x = self._prefill(tokens, cache, seq)
-        return self._logits(x) if all_logits else self._logits(x[-1:])[0]
+        Returns the logits of the last token (``[vocab]``), or of every token when ``all_logits``.
+        On any error (or interrupt) the cache is left as it was."""
+        self._begin(cache)
+        return self._prefill_logits(tokens, cache, seq, None, all_logits)
 
     def step(self, tokens, *, cache: KVCache):
-        """Feed one token per sequence (``len(tokens) == cache.batch``); returns logits ``[batch, vocab]``."""
-        return self._logits(self._step(tokens, cache))
+        """Feed one token per sequence (``len(tokens) == cache.batch``); returns logits ``[batch, vocab]``.
+        A step (with the discard a full streaming window makes first) is one transaction: on any
+        error or interrupt the cache is left as it was."""
+        self._begin(cache)
+        return self._step_logits(tokens, cache, None)
 
     def forward(self, tokens):
         """Logits ``[T, vocab]`` of a full forward pass without any cache (the uncached reference)."""
+        self._ensure_valid()
         return self._full(tokens)
 
     @classmethod
@@ -448,8 +710,15 @@ class Decoder(_Stack):
         to float32).  The tokenizer from the file's metadata is ``.tokenizer``."""
         from kvsimd.gguf_model import decoder_kwargs_from_gguf
         from kvsimd.tokenizer import Tokenizer
+        from kvsimd.errors import KVSimdError
+        from kvsimd.gguf_model import GGUFError
         kwargs, reader = decoder_kwargs_from_gguf(path)
-        model = cls(**kwargs)
+        try:
+            model = cls(**kwargs)
+        except GGUFError:
+            raise
+        except KVSimdError as e:     # a tensor that does not fit the file's own metadata
+            raise GGUFError("%s: %s" % (path, e)) from None
         model.tokenizer = Tokenizer.from_gguf(reader)
         model.source = str(path)
         return model
@@ -458,39 +727,95 @@ class Decoder(_Stack):
                  stop_tokens=(), cache_dtype="float16", capacity=None, n_keep=0, policy="fixed",
                  n_discard=None) -> Iterator:
         """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
-        (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped)."""
-        batched = len(prompt) > 0 and isinstance(prompt[0], (list, tuple, np.ndarray))
-        prompts = [list(p) for p in prompt] if batched else [list(prompt)]
+        (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped).
+
+        Every argument is checked here, before anything runs (a bad one raises a
+        :class:`kvsimd.KVSimdError` subclass); the prompts are prefilled at the first ``next()``.
+        ``temperature`` 0 is greedy, else sampling seeded by ``seed`` (None or an int >= 0) with
+        ``top_k`` (0: off) and ``top_p`` (1: off, else in (0, 1]).  At most ``max_new_tokens``
+        (>= 0) tokens per sequence.
+
+        Stop tokens are **not yielded**: a token of ``stop_tokens`` ends its sequence's stream (a
+        single prompt's generator returns; in a batch the sequence yields ``None`` from that step
+        on, and the generator returns once every sequence has stopped).
+
+        ``capacity`` (default: longest prompt + ``max_new_tokens``), ``n_keep``, ``policy``,
+        ``n_discard`` and ``cache_dtype`` are those of :meth:`new_cache`.  With ``policy="fixed"``,
+        a sequence whose cache fills before ``max_new_tokens`` makes the generator raise
+        :class:`kvsimd.KVSimdCapacityError` (naming the sequence and the capacity) at the
+        ``next()`` after its last token; the tokens already yielded stay yielded.  The other
+        policies never fill (see :meth:`new_cache`)."""
+        self._ensure_valid()
+        prompts, batched = _prompts(prompt, self.cfg.vocab_size, "prompt")
         return _generate(self, prompts, batched, None, max_new_tokens, temperature, top_k, top_p, seed,
                          stop_tokens, cache_dtype, capacity, dict(n_keep=n_keep, policy=policy, n_discard=n_discard))
 
 
 def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
               cache_dtype, capacity, streaming=None):
-    B = len(prompts)
-    if B == 0 or any(len(p) == 0 for p in prompts):
-        raise KVSimdValueError("every prompt needs at least one token")
-    capacity = capacity or max(len(p) for p in prompts) + max_new_tokens
-    cache = model.new_cache(batch=B, capacity=capacity, dtype=cache_dtype, **(streaming or {}))
-    cross = model.cross_for(sources, cache_dtype) if sources is not None else None
+    """Check every argument and make the cache now; return the token stream (which prefills at
+    its first next())."""
+    params = _sampling_params(temperature, top_k, top_p)
+    max_new_tokens = _need_int(max_new_tokens, "max_new_tokens")
+    if max_new_tokens < 0:
+        raise KVSimdValueError("max_new_tokens must be >= 0, got %d" % max_new_tokens)
+    if seed is not None and (_need_int(seed, "seed") < 0):
+        raise KVSimdValueError("seed must be None or an integer >= 0, got %d" % seed)
+    if stop_tokens is None:
+        stop_tokens = ()
+    if not isinstance(stop_tokens, (list, tuple, set, frozenset, range, np.ndarray)) or \
+            (isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim != 1):
+        raise KVSimdTypeError("stop_tokens must be a list of token ids, got %s" % _short(stop_tokens))
+    stop_tokens = list(stop_tokens)
+    stop = set(_tokens_1d(stop_tokens, model.cfg.vocab_size, "stop_tokens").tolist()) if stop_tokens else set()
+    longest = max(len(p) for p in prompts)
+    if capacity is None:
+        capacity = longest + max_new_tokens
+    elif _need_int(capacity, "capacity") < longest:
+        b = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise KVSimdCapacityError("capacity=%d is smaller than prompt %d (%d tokens)" % (capacity, b, longest))
+    cache = model.new_cache(batch=len(prompts), capacity=capacity, dtype=cache_dtype, **(streaming or {}))
+    # the last position any token will take: the cache never holds more than capacity tokens, and
+    # the last generated token is never fed back
+    model._check_position(min(cache.capacity, longest + max(max_new_tokens, 1) - 1) - 1)
+    if sources is not None:
+        for b, src in enumerate(sources):
+            model._check_source(len(src), "src[%d]" % b if batched else "src")
     rng = np.random.default_rng(seed)
-    stop = set(int(s) for s in stop_tokens)
+    return _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens, params, rng, stop)
+
+
+def _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens, params, rng, stop):
+    if max_new_tokens == 0:
+        return
+    B = len(prompts)
+    cross = model.cross_for(sources, cache_dtype) if sources is not None else None
     logits = np.stack([model._prefill_logits(p, cache, b, cross) for b, p in enumerate(prompts)])
     done = [False] * B
-    for _ in range(max_new_tokens):
-        toks = [sample(logits[b], rng, temperature=temperature, top_k=top_k, top_p=top_p) for b in range(B)]
-        out = [None if done[b] else toks[b] for b in range(B)]
+    last = [p[-1] for p in prompts]
+    for i in range(max_new_tokens):
         for b in range(B):
-            if not done[b] and toks[b] in stop:
-                done[b] = True
-        yield out if batched else out[0]
+            if not done[b]:
+                tok = _sample(logits[b], rng, *params, what="logits of sequence %d at new token %d" % (b, i))
+                done[b] = tok in stop          # a stop token ends the sequence: it is not yielded
+                last[b] = tok
         if all(done):
             return
-        if cache.policy == "fixed" and (cache.lengths + 1 > cache.capacity).any():
+        out = [None if done[b] else last[b] for b in range(B)]
+        yield out if batched else out[0]
+        if i + 1 == max_new_tokens:
             return
-        logits = model._step_logits(toks, cache, cross)
-
-
+        if cache.policy == "fixed":
+            lengths = cache.lengths
+            for b in range(B):
+                if lengths[b] == cache.capacity:
+                    if not done[b]:
+                        raise KVSimdCapacityError(
+                            "generate: sequence %d filled its cache (capacity %d) after %d of max_new_tokens=%d "
+                            "new tokens; pass a larger capacity, or a streaming policy" % (b, cache.capacity, i + 1,
+                                                                                         max_new_tokens))
+                    cache._forget(b, 1)    # a finished sequence's cache is never read again
+        logits = model._step_logits(last, cache, cross)
 
 
 class EncoderDecoder(_Stack):
@@ -502,14 +827,47 @@ class EncoderDecoder(_Stack):
     def __init__(self, cfg: ModelConfig, enc_cfg: ModelConfig, enc_embed_pos, enc_layers: List[LayerWeights],
                  enc_final_norm: Optional[NormWeights], enc_embed_norm: Optional[NormWeights], **dec):
         super().__init__(cfg, **dec)
+        if not isinstance(enc_cfg, ModelConfig):
+            raise KVSimdTypeError("enc_cfg must be a ModelConfig, got %s" % _short(enc_cfg))
         self.enc_cfg = enc_cfg
-        self.enc_pos = None if enc_embed_pos is None else np.ascontiguousarray(enc_embed_pos, dtype=F32)
+        self.enc_pos = None if enc_embed_pos is None else _f32(enc_embed_pos, "enc_embed_pos")
         if enc_cfg.position == "sinusoidal" and self.enc_pos is None:
             self.enc_pos = self.pos_embed
         self.enc_layers = enc_layers
         self.enc_final_norm = enc_final_norm
         self.enc_embed_norm = enc_embed_norm
         self.encoder_positions = 0
+        self._ensure_valid()
+
+    def _cross_width(self):
+        return self.enc_cfg.d_model
+
+    def _validate(self):
+        super()._validate()
+        ec = self.enc_cfg
+        if not isinstance(ec, ModelConfig):
+            raise KVSimdTypeError("enc_cfg must be a ModelConfig, got %s" % _short(ec))
+        check_config(ec, "enc_cfg")
+        emb = self.__dict__.get("enc_embed")
+        need_weight(self.embed if emb is None else emb, "enc_embed", (ec.vocab_size, ec.d_model))
+        if ec.position in ("learned", "sinusoidal"):
+            need_weight(self.enc_pos, "enc_pos", (None, ec.d_model))
+            if self.enc_pos.shape[0] <= ec.position_offset:
+                raise KVSimdValueError("enc_pos has %d rows, not more than position_offset=%d"
+                                       % (self.enc_pos.shape[0], ec.position_offset))
+        need_norm(self.enc_final_norm, "enc_final_norm", ec.d_model, optional=True)
+        need_norm(self.enc_embed_norm, "enc_embed_norm", ec.d_model, optional=True)
+        if not isinstance(self.enc_layers, (list, tuple)) or len(self.enc_layers) != ec.n_layers:
+            raise KVSimdValueError("enc_layers must be a list of enc_cfg.n_layers=%d LayerWeights, got %s"
+                                   % (ec.n_layers, _short(self.enc_layers)))
+        for i, lw in enumerate(self.enc_layers):
+            check_layer(ec, lw, "enc_layers[%d]" % i)
+
+    def _check_source(self, S, what="src"):
+        ec = self.enc_cfg
+        if ec.position in ("learned", "sinusoidal") and S + ec.position_offset > self.enc_pos.shape[0]:
+            raise KVSimdValueError("%s of %d tokens exceeds the encoder's %d positions"
+                                   % (what, S, self.enc_pos.shape[0] - ec.position_offset))
 
     def __repr__(self):
         c = self.cfg
@@ -518,22 +876,22 @@ class EncoderDecoder(_Stack):
 
     def encode(self, src):
         """Encoder output ``[S, d_model]`` (bidirectional attention, no cache)."""
+        self._ensure_valid()
         ec = self.enc_cfg
-        t = _tokens_1d(src, ec.vocab_size, "source tokens")
+        t = _tokens_1d(src, ec.vocab_size, "src")
         S = t.size
+        self._check_source(S)
         pos = np.arange(S, dtype=np.int64)
         emb = getattr(self, "enc_embed", None)
         x = (self.embed if emb is None else emb)[t] * np.float32(ec.embed_scale)
-        if self.enc_pos is not None:
-            if S + ec.position_offset > self.enc_pos.shape[0]:
-                raise KVSimdValueError("source of %d tokens exceeds the encoder's %d positions" % (S, self.enc_pos.shape[0]))
+        if self.enc_pos is not None and ec.position in ("learned", "sinusoidal"):
             x = x + self.enc_pos[pos + ec.position_offset]
         if self.enc_embed_norm is not None:
             x = norm(ec, x, self.enc_embed_norm.w, self.enc_embed_norm.b)
         x = x.astype(F32)
         for lw in self.enc_layers:
             def attend(h, lw=lw):
-                q, k, v = self._qkv(lw.attn, h)
+                q, k, v = self._qkv(lw.attn, h, ec)
                 return merge_heads(causal_attention(split_heads(q, ec.n_heads, ec.head_dim),
                                                     split_heads(k, ec.n_kv_heads, ec.head_dim),
                                                     split_heads(v, ec.n_kv_heads, ec.head_dim), 0, None, causal=False))
@@ -553,33 +911,54 @@ class EncoderDecoder(_Stack):
                                    batch=batch, dtype=dtype)
 
     def cross_for(self, sources, dtype="float16"):
-        """Run the encoder on each source and fill a cross-attention cache (once per request)."""
-        srcs = [list(s) for s in sources]
+        """Run the encoder on each source (a list of token-id lists) and fill a cross-attention
+        cache (once per request)."""
+        self._ensure_valid()
+        srcs, batched = _prompts(sources, self.enc_cfg.vocab_size, "sources")
+        if not batched:
+            raise KVSimdValueError("sources must be a list of token-id lists (one per sequence), got %s"
+                                   % _short(sources))
+        for b, src in enumerate(srcs):
+            self._check_source(len(src), "sources[%d]" % b)
         cross = self.new_cross_cache(batch=len(srcs), capacity=max(len(s) for s in srcs), dtype=dtype)
         for b, s in enumerate(srcs):
             cross.fill(b, self.encode(s), self.layers, self.cfg.n_kv_heads, self.cfg.head_dim)
         return cross
 
     def prefill(self, tokens, *, cache: KVCache, cross: CrossAttentionCache, seq=0, all_logits=False):
-        x = self._prefill(tokens, cache, seq, cross)
-        return self._logits(x) if all_logits else self._logits(x[-1:])[0]
+        """As :meth:`Decoder.prefill`, with the cross-attention cache of :meth:`cross_for`."""
+        self._begin(cache, cross)
+        return self._prefill_logits(tokens, cache, seq, cross, all_logits)
 
     def step(self, tokens, *, cache: KVCache, cross: CrossAttentionCache):
-        return self._logits(self._step(tokens, cache, cross))
+        """As :meth:`Decoder.step`, with the cross-attention cache of :meth:`cross_for`."""
+        self._begin(cache, cross)
+        return self._step_logits(tokens, cache, cross)
 
     def forward(self, src, tgt, enc_out=None):
         """Decoder logits ``[T, vocab]`` for target prefix ``tgt`` without any cache."""
-        return self._full(tgt, self.encode(src) if enc_out is None else enc_out)
+        self._ensure_valid()
+        if enc_out is None:
+            enc_out = self.encode(src)
+        else:
+            need_weight(enc_out, "enc_out", (None, self.enc_cfg.d_model))
+        return self._full(tgt, enc_out)
 
-    def generate(self, src, *, decoder_start=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, stop_tokens=None, cache_dtype="float16", capacity=None):
-        """Stream the translation/summary of ``src`` (a list of ids, or a list of lists for a batch)."""
-        batched = len(src) > 0 and isinstance(src[0], (list, tuple, np.ndarray))
-        sources = [list(s) for s in src] if batched else [list(src)]
+    def _start(self, decoder_start):
         start = self.cfg.decoder_start_token_id if decoder_start is None else decoder_start
         if start is None:
             raise KVSimdValueError("decoder_start is needed: the model config has no decoder_start_token_id")
-        stop = (self.cfg.eos_token_id,) if stop_tokens is None and self.cfg.eos_token_id is not None else (stop_tokens or ())
+        return int(_tokens_1d([start], self.cfg.vocab_size, "decoder_start")[0])
+
+    def generate(self, src, *, decoder_start=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=None, stop_tokens=None, cache_dtype="float16", capacity=None):
+        """Stream the translation/summary of ``src`` (a list of ids, or a list of lists for a batch).
+        Arguments and stop tokens as in :meth:`Decoder.generate` (stop tokens are not yielded);
+        ``stop_tokens=None`` stops at the config's ``eos_token_id``."""
+        self._ensure_valid()
+        sources, batched = _prompts(src, self.enc_cfg.vocab_size, "src")
+        start = self._start(decoder_start)
+        stop = (self.cfg.eos_token_id,) if stop_tokens is None and self.cfg.eos_token_id is not None else stop_tokens
         return _generate(self, [[start]] * len(sources), batched, sources, max_new_tokens, temperature, top_k, top_p,
                          seed, stop, cache_dtype, capacity)
 
@@ -594,7 +973,13 @@ class EncoderDecoder(_Stack):
         ``"none"`` (encoder re-run and decoder recomputed every step), ``"encoder"`` (encoder
         hoisted, decoder recomputed), ``"cached"`` (encoder once, cross and self caches).
         Returns (tokens, encoder_positions, decoder_positions) counted from the real calls."""
-        start = self.cfg.decoder_start_token_id if decoder_start is None else decoder_start
+        if regime not in ("none", "encoder", "cached"):
+            raise KVSimdValueError("regime must be 'none', 'encoder' or 'cached', got %r" % (regime,))
+        if _need_int(max_new_tokens, "max_new_tokens") < 0:
+            raise KVSimdValueError("max_new_tokens must be >= 0, got %d" % max_new_tokens)
+        start = self._start(decoder_start)
+        src = _tokens_1d(src, self.enc_cfg.vocab_size, "src").tolist()
+        self._check_source(len(src))
         e0, d0 = self.encoder_positions, self.decoder_positions
         out = [start]
         if regime == "cached":

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from kvsimd.errors import KVSimdValueError
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -28,6 +28,11 @@ def _act(name):
     return _ACTS[name]
 
 
+def _need_model(model, what):
+    if not hasattr(model, "config") or not callable(getattr(model, "state_dict", None)):
+        raise KVSimdTypeError("%s needs a loaded transformers model, got %s" % (what, type(model).__name__))
+
+
 class _SD:
     """state_dict access as float32 NumPy arrays."""
 
@@ -35,6 +40,8 @@ class _SD:
         self.sd = model.state_dict()
 
     def __call__(self, key, t=False):
+        if key not in self.sd:
+            raise KVSimdValueError("the model has no weight %r (an unsupported variant of its family?)" % key)
         x = self.sd[key].detach().float().cpu().numpy()
         return np.ascontiguousarray(x.T if t else x, dtype=F32)
 
@@ -72,6 +79,7 @@ def _split_fused_heads(w, b, H, Dh):
 
 
 def decoder_from_transformers(cls, model):
+    _need_model(model, "Decoder.from_transformers")
     family = getattr(model.config, "model_type", type(model).__name__)
     builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
     if family not in builders:
@@ -191,6 +199,7 @@ def _bloom(model):
 
 
 def encoder_decoder_from_transformers(cls, model):
+    _need_model(model, "EncoderDecoder.from_transformers")
     c = model.config
     family = getattr(c, "model_type", type(model).__name__)
     if family not in ("bart", "marian"):

@@ -12,14 +12,34 @@ from typing import Optional
 import numpy as np
 
 from kvsimd import ops
-from kvsimd.errors import KVSimdValueError
+from kvsimd import _kvsimd
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 
 F32 = np.float32
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "alibi", "learned", "sinusoidal")
+
+# Every assignment to a weights object or a ModelConfig bumps this counter, so a model can tell
+# cheaply (one integer compare per call) whether it must validate its weights again.
+_generation = [0]
+
+
+def weights_generation():
+    """A counter that changes whenever any ModelConfig or weights object is assigned to."""
+    return _generation[0]
+
+
+class _Tracked:
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        _generation[0] += 1
 
 
 # ------------------------------------------------------------------------------ config
 @dataclass
-class ModelConfig:
+class ModelConfig(_Tracked):
     """Everything the forward pass needs to know about an architecture."""
     vocab_size: int
     d_model: int
@@ -50,10 +70,50 @@ class ModelConfig:
     family: str = ""
 
     def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (self.n_heads, self.n_kv_heads))
-        if self.rotary_dim is None:
+        if self.rotary_dim is None and isinstance(self.head_dim, (int, np.integer)):
             self.rotary_dim = self.head_dim
+        check_config(self)
+
+
+def _real(x, name):
+    """``x`` as a float; KVSimdTypeError naming ``name`` unless it is a real number (bools are not)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise KVSimdTypeError("%s must be a real number, got %r" % (name, x))
+    return float(x)
+
+
+def check_config(cfg, what="config"):
+    """Every field the forward pass reads, checked once (at construction and whenever a model
+    re-validates after an assignment)."""
+    need_int = _kvsimd._need_int
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                 "max_positions"):
+        v = need_int(getattr(cfg, name), "%s.%s" % (what, name))
+        if v < 1:
+            raise KVSimdValueError("%s.%s must be >= 1, got %d" % (what, name, v))
+    if need_int(cfg.position_offset, what + ".position_offset") < 0:
+        raise KVSimdValueError("%s.position_offset must be >= 0, got %d" % (what, cfg.position_offset))
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
+    for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
+        if getattr(cfg, name) not in allowed:
+            raise KVSimdValueError("%s.%s must be one of %s, got %r"
+                                   % (what, name, ", ".join(allowed), getattr(cfg, name)))
+    for name, lo in (("norm_eps", 0.0), ("embed_scale", None), ("rope_theta", None)):
+        v = _real(getattr(cfg, name), "%s.%s" % (what, name))
+        if not math.isfinite(v) or (lo is not None and v < lo):
+            raise KVSimdValueError("%s.%s must be finite%s, got %r"
+                                   % (what, name, "" if lo is None else " and >= 0", v))
+    if cfg.position == "rope":
+        if not cfg.rope_theta > 0:
+            raise KVSimdValueError("%s.rope_theta must be > 0, got %r" % (what, cfg.rope_theta))
+        if cfg.rope_style not in ("gptj", "neox"):
+            raise KVSimdValueError("%s.rope_style must be 'gptj' or 'neox', got %r" % (what, cfg.rope_style))
+        rd = need_int(cfg.rotary_dim, what + ".rotary_dim")
+        if rd < 2 or rd % 2 or rd > cfg.head_dim:
+            raise KVSimdValueError("%s.rotary_dim must be even and in 2..head_dim=%d, got %d"
+                                   % (what, cfg.head_dim, rd))
+
 
 
 # ------------------------------------------------------------------------------ functions
@@ -153,8 +213,28 @@ def causal_attention(q, k, v, q_start, slopes=None, causal=True):
 
 
 # ------------------------------------------------------------------------------ weights
+def _f32(a, name):
+    """``a`` as a C-contiguous float32 array (weights are converted once, at construction)."""
+    if a is None:
+        raise KVSimdTypeError("%s must be an array of real numbers, got None" % name)
+    try:
+        return np.ascontiguousarray(a, dtype=F32)
+    except (TypeError, ValueError) as e:
+        raise KVSimdTypeError("%s must be an array of real numbers, got %s: %s"
+                              % (name, type(a).__name__, e)) from None
+
+
+def _fuse_columns(parts, what):
+    """Concatenate 2-D ``[in, out_i]`` matrices (or 1-D biases) along their last axis."""
+    shapes = [getattr(p, "shape", None) for p in parts]
+    if any(sh is None or len(sh) != len(shapes[0]) or sh[:-1] != shapes[0][:-1] for sh in shapes):
+        raise KVSimdValueError("%s: the parts must agree in all but their last dimension, got shapes %s"
+                               % (what, ", ".join(str(sh) for sh in shapes)))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
 @dataclass
-class AttentionWeights:
+class AttentionWeights(_Tracked):
     wq: np.ndarray
     wk: np.ndarray
     wv: np.ndarray
@@ -166,23 +246,36 @@ class AttentionWeights:
     wqkv: np.ndarray = field(init=False, repr=False)
     bqkv: Optional[np.ndarray] = field(init=False, repr=False)
 
+    _PARTS = ("wq", "wk", "wv", "bq", "bk", "bv")
+
     def __post_init__(self):
         for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo"):
             a = getattr(self, name)
             if a is not None:
-                setattr(self, name, np.ascontiguousarray(a, dtype=F32))
+                object.__setattr__(self, name, _f32(a, name))
+        self._fuse()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name, value):
+        # assigning wq/wk/wv (or their biases) after construction re-fuses wqkv/bqkv, so the
+        # fused matrices the decoder multiplies never go stale
+        super().__setattr__(name, value)
+        if name in self._PARTS and self.__dict__.get("_ready"):
+            self._fuse()
+
+    def _fuse(self):
         # one matrix product for q, k and v
-        self.wqkv = np.ascontiguousarray(np.concatenate([self.wq, self.wk, self.wv], axis=1))
+        self.wqkv = _fuse_columns([self.wq, self.wk, self.wv], "wq, wk, wv")
         if self.bq is None and self.bk is None and self.bv is None:
             self.bqkv = None
         else:
-            z = lambda b, n: b if b is not None else np.zeros(n, F32)  # noqa: E731
-            self.bqkv = np.concatenate([z(self.bq, self.wq.shape[1]), z(self.bk, self.wk.shape[1]),
-                                        z(self.bv, self.wv.shape[1])])
+            z = lambda b, w: b if b is not None else np.zeros(w.shape[-1], F32)  # noqa: E731
+            self.bqkv = _fuse_columns([z(self.bq, self.wq), z(self.bk, self.wk), z(self.bv, self.wv)],
+                                      "bq, bk, bv")
 
 
 @dataclass
-class FFNWeights:
+class FFNWeights(_Tracked):
     w1: np.ndarray
     w2: np.ndarray
     w3: Optional[np.ndarray] = None   # gate partner (gated FFN)
@@ -194,24 +287,32 @@ class FFNWeights:
         for name in ("w1", "w2", "w3", "b1", "b2"):
             a = getattr(self, name)
             if a is not None:
-                setattr(self, name, np.ascontiguousarray(a, dtype=F32))
-        if self.w3 is not None:
-            self.w13 = np.ascontiguousarray(np.concatenate([self.w1, self.w3], axis=1))
+                object.__setattr__(self, name, _f32(a, name))
+        self._fuse()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in ("w1", "w3") and self.__dict__.get("_ready"):
+            self._fuse()
+
+    def _fuse(self):
+        self.w13 = None if self.w3 is None else _fuse_columns([self.w1, self.w3], "w1, w3")
 
 
 @dataclass
-class NormWeights:
+class NormWeights(_Tracked):
     w: np.ndarray
     b: Optional[np.ndarray] = None
 
     def __post_init__(self):
-        self.w = np.ascontiguousarray(self.w, dtype=F32)
+        self.w = _f32(self.w, "w")
         if self.b is not None:
-            self.b = np.ascontiguousarray(self.b, dtype=F32)
+            self.b = _f32(self.b, "b")
 
 
 @dataclass
-class LayerWeights:
+class LayerWeights(_Tracked):
     attn: AttentionWeights
     ffn: FFNWeights
     norm1: NormWeights                  # before (pre-norm) / after (post-norm) self-attention
@@ -246,3 +347,70 @@ def rope(cfg, x, positions):
     if cfg.position == "rope":
         ops.apply_rope(x, positions, theta=cfg.rope_theta, style=cfg.rope_style, rotary_dim=cfg.rotary_dim)
     return x
+
+
+# ------------------------------------------------------------------------------ validation
+def need_weight(a, name, shape, optional=False):
+    """``a`` must be a float32, C-contiguous, aligned array of exactly ``shape`` (the compiled
+    decode step reads weights by pointer with lengths taken from the ModelConfig)."""
+    if a is None:
+        if optional:
+            return None
+        raise KVSimdTypeError("%s must be a float32 array of shape %s, got None" % (name, shape))
+    _kvsimd._need_array(a, name, (np.dtype(F32),), len(shape), str(shape))
+    if any(want is not None and got != want for got, want in zip(a.shape, shape)) or 0 in a.shape:
+        raise KVSimdValueError("%s must have shape %s, got %s"
+                               % (name, str(shape).replace("None", "n >= 1"), a.shape))
+    return a
+
+
+def need_norm(nw, name, d, optional=False):
+    if nw is None and optional:
+        return
+    if not isinstance(nw, NormWeights):
+        raise KVSimdTypeError("%s must be a NormWeights, got %r" % (name, type(nw).__name__))
+    need_weight(nw.w, name + ".w", (d,))
+    need_weight(nw.b, name + ".b", (d,), optional=True)
+
+
+def _need_attention(a, name, d, d_kv_in, H, Hkv, Dh, fused):
+    if not isinstance(a, AttentionWeights):
+        raise KVSimdTypeError("%s must be an AttentionWeights, got %r" % (name, type(a).__name__))
+    for part, shape in (("wq", (d, H * Dh)), ("wk", (d_kv_in, Hkv * Dh)), ("wv", (d_kv_in, Hkv * Dh)),
+                        ("wo", (H * Dh, d))):
+        need_weight(getattr(a, part), "%s.%s" % (name, part), shape)
+    for part, n in (("bq", H * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh), ("bo", d)):
+        need_weight(getattr(a, part), "%s.%s" % (name, part), (n,), optional=True)
+    if fused:
+        n = (H + 2 * Hkv) * Dh
+        need_weight(a.wqkv, name + ".wqkv", (d, n))
+        need_weight(a.bqkv, name + ".bqkv", (n,), optional=True)
+
+
+def check_layer(cfg, lw, name, d_source=None):
+    """Every array of one layer against the ModelConfig: shapes, float32, C-contiguity.
+    ``d_source``: width of the encoder output when the layer has cross-attention."""
+    if not isinstance(lw, LayerWeights):
+        raise KVSimdTypeError("%s must be a LayerWeights, got %r" % (name, type(lw).__name__))
+    d, H, Hkv, Dh, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    need_norm(lw.norm1, name + ".norm1", d)
+    need_norm(lw.norm2, name + ".norm2", d)
+    _need_attention(lw.attn, name + ".attn", d, d, H, Hkv, Dh, True)
+    if d_source is not None:
+        need_norm(lw.norm_cross, name + ".norm_cross", d)
+        _need_attention(lw.cross, name + ".cross", d, d_source, H, Hkv, Dh, False)
+    f = lw.ffn
+    if not isinstance(f, FFNWeights):
+        raise KVSimdTypeError("%s.ffn must be an FFNWeights, got %r" % (name, type(f).__name__))
+    need_weight(f.w1, name + ".ffn.w1", (d, F))
+    need_weight(f.w2, name + ".ffn.w2", (F, d))
+    need_weight(f.b2, name + ".ffn.b2", (d,), optional=True)
+    if cfg.ffn_gated:
+        need_weight(f.w3, name + ".ffn.w3", (d, F))
+        need_weight(f.w13, name + ".ffn.w13", (d, 2 * F))
+        if f.b1 is not None:
+            raise KVSimdValueError("%s.ffn.b1: a gated FFN (ffn_gated=True) takes no b1" % name)
+    else:
+        if f.w3 is not None or f.w13 is not None:
+            raise KVSimdValueError("%s.ffn.w3 is set but the config has ffn_gated=False" % name)
+        need_weight(f.b1, name + ".ffn.b1", (F,), optional=True)

@@ -276,7 +276,22 @@ def test_stop_tokens_and_max_new_tokens(rng):
     assert len(greedy) == 20
     stop = greedy[5]
     first = greedy.index(stop)
-    assert list(d.generate(p, max_new_tokens=20, stop_tokens=[stop])) == greedy[:first + 1]
+    # the stop token ends the stream and is not yielded
+    assert list(d.generate(p, max_new_tokens=20, stop_tokens=[stop])) == greedy[:first]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_stop_token_matches_transformers_without_the_eos(name, rng):
+    """transformers' generate includes the eos token that ends it; kvsimd's does not yield it."""
+    m, d = causal(name)
+    prompt = list(rng.integers(0, V, 6))
+    ours_free = list(d.generate(prompt, max_new_tokens=16, cache_dtype="float32"))
+    eos = ours_free[4]
+    with torch.no_grad():
+        hf = m.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                        pad_token_id=0)[0, len(prompt):].tolist()
+    assert hf[-1] == eos and eos not in hf[:-1]
+    assert list(d.generate(prompt, max_new_tokens=16, cache_dtype="float32", stop_tokens=[eos])) == hf[:-1]
 
 
 def test_bad_input_raises_and_leaves_cache_unchanged(rng):
@@ -302,7 +317,7 @@ def test_bad_input_raises_and_leaves_cache_unchanged(rng):
     with pytest.raises(ValueError, match="one token per sequence"):
         d.step([1, 2, 3], cache=cache)
     same()
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(TypeError, match="integer token ids, got dtype float64"):
         d.step(np.array([1.0, 2.0]), cache=cache)
     same()
     with pytest.raises(KVSimdCapacityError, match="exceeds capacity 16"):
