@@ -6,6 +6,8 @@ jinja2, as transformers does.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from kvsimd.errors import KVSimdValueError
 
 CONTROL = 3
@@ -23,27 +25,29 @@ class Tokenizer:
         self.add_bos = add_bos
 
     @classmethod
-    def from_gguf(cls, reader):
+    def from_gguf(cls, gf):
+        """The tokenizer of a parsed GGUF file (:func:`kvsimd.gguf_model.open_gguf`), from its checked
+        metadata (:func:`kvsimd.gguf_model.tokenizer_spec`); built once per file."""
+        if getattr(gf, "_tokenizer", None) is not None:
+            return gf._tokenizer
         from tokenizers import AddedToken, Tokenizer as TK, decoders, models, pre_tokenizers
 
-        from kvsimd.gguf_model import field
-        kind = field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise KVSimdValueError("GGUF tokenizer model %r is not supported (supported: gpt2 byte-level BPE)" % kind)
-        tokens = field(reader, "tokenizer.ggml.tokens")
-        merges = field(reader, "tokenizer.ggml.merges") or []
-        types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {t: i for i, t in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        tk = TK(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tk.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-                   if ty in (CONTROL, USER_DEFINED)]
-        tk.add_special_tokens(special)
-        bos, eos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")
-        return cls(tk, None if bos is None else int(bos), None if eos is None else int(eos),
-                   field(reader, "tokenizer.chat_template"), bool(field(reader, "tokenizer.ggml.add_bos_token", False)))
+        from kvsimd.gguf_model import GGUFError, tokenizer_spec
+        spec = tokenizer_spec(gf)
+        tokens = spec["tokens"]
+        try:
+            vocab = {t: i for i, t in enumerate(tokens)}
+            pairs = [tuple(m.split(" ", 1)) for m in spec["merges"]]
+            tk = TK(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            tk.decoder = decoders.ByteLevel()
+            tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                   for t, ty in zip(tokens, spec["types"]) if ty in (CONTROL, USER_DEFINED)])
+        except Exception as e:  # the tokenizers library rejects e.g. a merge of tokens not in the vocabulary
+            raise GGUFError("%s: the tokenizer metadata (tokenizer.ggml.tokens/merges/token_type) is not a valid "
+                            "BPE tokenizer: %s" % (gf.path, e)) from None
+        gf._tokenizer = cls(tk, spec["bos_id"], spec["eos_id"], spec["chat_template"], spec["add_bos"])
+        return gf._tokenizer
 
     @property
     def vocab_size(self):
@@ -59,16 +63,9 @@ class Tokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
 
     def stream(self, skip_special=False):
-        """An incremental decoder: ``step(id)`` returns the new text (or '' while a multi-byte
-        character is incomplete)."""
-        from tokenizers.decoders import DecodeStream
-        ds = DecodeStream(skip_special_tokens=skip_special)
-        tk = self.tk
-
-        class _Stream:
-            def step(self, token_id):
-                return ds.step(tk, int(token_id)) or ""
-        return _Stream()
+        """A streaming detokenizer for one sequence (see :class:`TextStream`): ``step(id)`` returns
+        the text that token completes, ``flush()`` what is still pending at the end."""
+        return TextStream(self, skip_special)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         if not self.chat_template:
@@ -84,3 +81,40 @@ class Tokenizer:
         eos = self.tk.id_to_token(self.eos_id) if self.eos_id is not None else ""
         return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
                           eos_token=eos)
+
+
+class TextStream:
+    """Incremental decoding of one sequence of token ids.
+
+    ``step(id)`` returns the new text, or ``''`` while the bytes so far end inside a multi-byte
+    UTF-8 character (a character split over several byte-level tokens is held back until it is
+    complete, never printed as U+FFFD halves).  At the end of a sequence ``flush()`` returns what
+    is still held back (an incomplete character as U+FFFD, as ``decode`` gives it) and starts a new
+    sequence; ``reset()`` starts a new sequence dropping it.  The concatenation of every ``step``
+    and the final ``flush`` equals ``tokenizer.decode(ids)``.
+    """
+
+    def __init__(self, tokenizer, skip_special=False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self.reset()
+
+    def reset(self):
+        from tokenizers.decoders import DecodeStream
+        self._ds = DecodeStream(skip_special_tokens=self._skip)
+        self._pending = []      # ids fed since the last text returned
+
+    def step(self, token_id):
+        n = self._tok.vocab_size
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not 0 <= token_id < n:
+            raise KVSimdValueError("token id must be an integer in [0, %d), got %r" % (n, token_id))
+        self._pending.append(int(token_id))
+        text = self._ds.step(self._tok.tk, int(token_id)) or ""
+        if text:
+            self._pending = []
+        return text
+
+    def flush(self):
+        text = self._tok.decode(self._pending, skip_special=self._skip) if self._pending else ""
+        self.reset()
+        return text
