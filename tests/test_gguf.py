@@ -414,9 +414,10 @@ def test_cli_generates_the_same_tokens(ours, model_dir):
 
 
 def test_cli_reads_stdin_and_chat(model_dir):
-    r = run_cli(["generate", "--chat", "--max-new-tokens", "16", "--threads", "2"], stdin="What is 2 + 2?")
+    r = run_cli(["generate", "--chat", "--max-new-tokens", "32", "--threads", "2"], stdin="What is 2 + 2?")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
+    assert "<|im_end|>" not in r.stdout       # generate() does not yield the stop token: the answer ends
 
 
 def test_cli_errors(tmp_path):
@@ -437,4 +438,4 @@ def test_cli_infinite_generation(model_dir):
     assert r.returncode == 0, r.stderr
     assert "decode 60 tokens" in r.stderr or "decode" in r.stderr
     r = run_cli(["generate", "--policy", "shift", "--window", "3", "Once upon a time there was"])
-    assert r.returncode == 1 and "see --window" in r.stderr
+    assert r.returncode == 2 and "see --window" in r.stderr
