@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvsimd.errors import KVSimdError, KVSimdValueError
+from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -116,15 +116,21 @@ class GGUFFile:
     stays on disk (memory-mapped) until :meth:`read`."""
 
     def __init__(self, path):
-        path = os.fspath(path)
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise KVSimdTypeError("path must be a str or os.PathLike, got %r" % (path,)) from None
         self.path = path
         if not os.path.isfile(path):
             raise GGUFError("GGUF file not found: %s" % path)
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < 24:
-                raise GGUFError("%s is not a readable GGUF file (truncated or damaged?): %d bytes" % (path, size))
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < 24:
+                    raise GGUFError("%s is not a readable GGUF file (truncated or damaged?): %d bytes" % (path, size))
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise GGUFError("cannot read %s: %s" % (path, e.strerror or e)) from None
         self.size = size
         self._parse(memoryview(self._map))
 
@@ -188,6 +194,13 @@ class GGUFFile:
                                 % (path, name, qtype.name, nbytes, offset, self.size, data_start, align.value))
             self.tensors[name] = TensorInfo(name, shape, qtype, data_start + offset, nbytes)
 
+    def close(self):
+        """Unmap the file (metadata and the tensors already read stay valid)."""
+        try:
+            self._map.close()
+        except BufferError:   # a view of a tensor is still alive somewhere: the map goes with it
+            pass
+
     def get(self, key, default=None):
         v = self.meta.get(key)
         return default if v is None else v.value
@@ -214,11 +227,6 @@ class GGUFFile:
 def open_gguf(path):
     """Parse a GGUF file's header, metadata and tensor directory (no tensor data is read)."""
     return GGUFFile(path)
-
-
-def field(gf, key, default=None):
-    """A metadata value, or ``default`` when the key is absent (no checks: see :func:`meta_int` etc.)."""
-    return gf.get(key, default)
 
 
 # ------------------------------------------------------------------------------ typed, checked metadata
@@ -396,7 +404,10 @@ def decoder_kwargs_from_gguf(path):
     gf = open_gguf(path)
     cfg, _ = check_gguf(gf)
     Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read
-    w = load_tensors(gf)
+    try:
+        w = load_tensors(gf)
+    finally:
+        gf.close()
     layers = []
     for i in range(cfg.n_layers):
         p = "blk.%d." % i

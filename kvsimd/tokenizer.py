@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsimd.errors import KVSimdValueError
+from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 
 CONTROL = 3
 USER_DEFINED = 4
@@ -23,6 +23,8 @@ class Tokenizer:
         self.eos_id = eos_id
         self.chat_template = chat_template
         self.add_bos = add_bos
+        self._n = tk.get_vocab_size(with_added_tokens=True)
+        self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
     def from_gguf(cls, gf):
@@ -46,21 +48,34 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library rejects e.g. a merge of tokens not in the vocabulary
             raise GGUFError("%s: the tokenizer metadata (tokenizer.ggml.tokens/merges/token_type) is not a valid "
                             "BPE tokenizer: %s" % (gf.path, e)) from None
-        gf._tokenizer = cls(tk, spec["bos_id"], spec["eos_id"], spec["chat_template"], spec["add_bos"])
+        try:
+            gf._tokenizer = cls(tk, spec["bos_id"], spec["eos_id"], spec["chat_template"], spec["add_bos"])
+        except KVSimdValueError as e:
+            raise GGUFError("%s: metadata tokenizer.chat_template: %s" % (gf.path, e)) from None
         return gf._tokenizer
 
     @property
     def vocab_size(self):
-        return self.tk.get_vocab_size(with_added_tokens=True)
+        return self._n
+
+    def token_id(self, token_id):
+        """``token_id`` as an int, checked: an integer in [0, vocab_size)."""
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not 0 <= token_id < self._n:
+            raise KVSimdValueError("token id must be an integer in [0, %d), got %r" % (self._n, token_id))
+        return int(token_id)
 
     def encode(self, text, add_bos=None):
+        if not isinstance(text, str):
+            raise KVSimdTypeError("text must be a str, got %s" % type(text).__name__)
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids, skip_special=False):
-        return self.tk.decode(list(ids), skip_special_tokens=skip_special)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise KVSimdTypeError("ids must be a sequence of token ids, got %s" % type(ids).__name__)
+        return self.tk.decode([self.token_id(t) for t in ids], skip_special_tokens=skip_special)
 
     def stream(self, skip_special=False):
         """A streaming detokenizer for one sequence (see :class:`TextStream`): ``step(id)`` returns
@@ -68,20 +83,34 @@ class Tokenizer:
         return TextStream(self, skip_special)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        if not self.chat_template:
+        """The model's chat template rendered for ``messages`` (a list of {"role", "content"} dicts)."""
+        if self._template is None:
             raise KVSimdValueError("this model has no chat template")
-        import jinja2
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-
-        def raise_exception(msg):
-            raise KVSimdValueError("chat template: %s" % msg)
-        env.globals["raise_exception"] = raise_exception
-        tpl = env.from_string(self.chat_template)
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise KVSimdTypeError("messages must be a list of dicts like {'role': 'user', 'content': '...'}, got %r"
+                                  % (messages,))
         bos = self.tk.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.tk.id_to_token(self.eos_id) if self.eos_id is not None else ""
-        return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                          eos_token=eos)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos, eos_token=eos)
+        except KVSimdError:    # the template's own raise_exception()
+            raise
+        except Exception as e:  # jinja2's errors (a message without "content"...) or the template's own
+            raise KVSimdValueError("chat template: %s: %s (messages=%r)" % (type(e).__name__, e, messages)) from None
 
+
+def _compile_template(source):
+    import jinja2
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+
+    def raise_exception(msg):
+        raise KVSimdValueError("chat template: %s" % msg)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise KVSimdValueError("not a valid jinja2 template: %s" % e) from None
 
 class TextStream:
     """Incremental decoding of one sequence of token ids.
@@ -105,11 +134,9 @@ class TextStream:
         self._pending = []      # ids fed since the last text returned
 
     def step(self, token_id):
-        n = self._tok.vocab_size
-        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not 0 <= token_id < n:
-            raise KVSimdValueError("token id must be an integer in [0, %d), got %r" % (n, token_id))
-        self._pending.append(int(token_id))
-        text = self._ds.step(self._tok.tk, int(token_id)) or ""
+        token_id = self._tok.token_id(token_id)
+        self._pending.append(token_id)
+        text = self._ds.step(self._tok.tk, token_id) or ""
         if text:
             self._pending = []
         return text

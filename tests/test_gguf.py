@@ -164,6 +164,27 @@ def test_streaming_rejects_bad_ids(tok, bad):
         tok.stream().step(bad)
 
 
+def test_tokenizer_arguments_are_checked(tok):
+    with pytest.raises(kvsimd.KVSimdValueError, match=r"token id .*got -1"):
+        tok.decode([5, -1])
+    with pytest.raises(kvsimd.KVSimdValueError, match=r"token id .*got 49152"):
+        tok.decode([49152])
+    with pytest.raises(kvsimd.KVSimdTypeError, match="ids must be a sequence of token ids, got int"):
+        tok.decode(5)
+    with pytest.raises(kvsimd.KVSimdTypeError, match="text must be a str, got NoneType"):
+        tok.encode(None)
+    with pytest.raises(kvsimd.KVSimdTypeError, match="messages must be a list of dicts"):
+        tok.apply_chat_template("hi")
+    with pytest.raises(kvsimd.KVSimdValueError, match="chat template: .*content"):
+        tok.apply_chat_template([{"role": "user"}])
+    assert tok.decode(np.array(tok.encode("ok"))) == "ok"
+
+
+def test_decode_from_gguf_path_type(tmp_path):
+    with pytest.raises(kvsimd.KVSimdTypeError, match="path must be a str or os.PathLike, got None"):
+        Decoder.from_gguf(None)
+
+
 # ------------------------------------------------------------------------------ synthetic GGUF files
 def llama_metadata(vocab=40, d=32, layers=1, heads=4, kv=2, ffn=64):
     """key -> (value, GGUF value type) of a small valid Llama GGUF with a byte-free toy vocabulary."""
@@ -340,6 +361,10 @@ BAD_FILES = {
     "merge without a space": (dict(meta={"tokenizer.ggml.merges": (["ab"], V.ARRAY)}), r"merges\[0\]='ab'"),
     "merge of unknown tokens": (dict(meta={"tokenizer.ggml.merges": (["q z"], V.ARRAY)}),
                                 r"tokenizer metadata .* is not a valid BPE tokenizer"),
+    "chat template syntax": (dict(meta={"tokenizer.chat_template": ("{% for m in messages %}", V.STRING)}),
+                             r"tokenizer\.chat_template: not a valid jinja2 template"),
+    "chat template not a string": (dict(meta={"tokenizer.chat_template": (7, V.UINT32)}),
+                                   r"tokenizer\.chat_template has type UINT32"),
     # tensors against the table of shapes from the config
     "attn_q dims": (dict(shapes={"blk.0.attn_q.weight": (32, 16)}),
                     r"blk\.0\.attn_q\.weight has shape \[32, 16\], expected \[32, 32\]"),
