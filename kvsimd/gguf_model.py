@@ -306,13 +306,17 @@ def config_from_gguf(gf):
     if rot % 2 or rot > head_dim:
         raise GGUFError("%s: metadata llama.rope.dimension_count=%d: must be even and at most the head dimension %d"
                         % (p, rot, head_dim))
+    n_layers = meta_int(gf, "llama.block_count")
+    if n_layers > len(gf.tensors):   # each layer has tensors: this bounds the table of expected shapes
+        raise GGUFError("%s: metadata llama.block_count=%d but the file holds only %d tensors"
+                        % (p, n_layers, len(gf.tensors)))
     tok = tokenizer_spec(gf)
     vocab = meta_int(gf, "llama.vocab_size", len(tok["tokens"]))
     if vocab != len(tok["tokens"]):   # token ids index the embedding rows: both must agree
         raise GGUFError("%s: metadata llama.vocab_size=%d but tokenizer.ggml.tokens has %d tokens"
                         % (p, vocab, len(tok["tokens"])))
     return ModelConfig(
-        vocab_size=vocab, d_model=d, n_layers=meta_int(gf, "llama.block_count"), n_heads=H, n_kv_heads=Hkv,
+        vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=Hkv,
         head_dim=head_dim, ffn_dim=meta_int(gf, "llama.feed_forward_length"), activation="silu", ffn_gated=True,
         norm="rmsnorm", norm_eps=meta_float(gf, "llama.attention.layer_norm_rms_epsilon", 1e-5),
         position="rope", rope_theta=meta_float(gf, "llama.rope.freq_base", 10000.0), rope_style="gptj",
@@ -333,6 +337,12 @@ def tokenizer_spec(gf):
     if not tokens:
         raise GGUFError("%s: metadata tokenizer.ggml.tokens is empty" % p)
     n = len(tokens)
+    if len(set(tokens)) != n:   # a repeated token would leave one of its ids undecodable
+        first = {}
+        for i, t in enumerate(tokens):
+            if t in first:
+                raise GGUFError("%s: metadata tokenizer.ggml.tokens[%d]=%r repeats tokens[%d]" % (p, i, t, first[t]))
+            first[t] = i
     merges = meta_list(gf, "tokenizer.ggml.merges", "STRING", [])
     for i, m in enumerate(merges):
         if " " not in m:
