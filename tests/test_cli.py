@@ -140,3 +140,10 @@ def test_bad_model_file_is_one_line(tmp_path):
     r = cli(["generate", "--model", str(bad), "hi"])
     assert r.returncode == 1
     assert "claims" in one_error_line(r)
+
+
+def test_unknown_model_name_is_one_line():
+    r = cli(["generate", "--model", "smollm", "hi"])
+    assert r.returncode == 1
+    line = one_error_line(r)
+    assert "unknown model 'smollm'" in line and "smollm2" in line
