@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from test_gguf import write_llama_gguf
+import kvsimd
+
+from test_gguf import model_dir, ours, write_llama_gguf  # noqa: F401  (fixtures: SmolLM2 from the pytest cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +26,7 @@ def tiny(tmp_path_factory):
     return path
 
 
-def cli(args, env=None, timeout=120, **kw):
+def cli(args, env=None, timeout=300, **kw):
     e = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "kvsimd", *args], capture_output=True, text=True, env=e,
                           timeout=timeout, cwd=ROOT, **kw)
@@ -147,3 +149,43 @@ def test_unknown_model_name_is_one_line():
     assert r.returncode == 1
     line = one_error_line(r)
     assert "unknown model 'smollm'" in line and "smollm2" in line
+
+
+def test_usage_errors():
+    for args in (["generate", "--bogus"], [], ["generate", "--top-p", "0", "hi"]):
+        r = cli(args)
+        assert r.returncode == 2
+        assert one_error_line(r)
+
+
+def test_missing_model_file_is_one_line(tmp_path):
+    r = cli(["generate", "--model", str(tmp_path / "missing.gguf"), "hi"])
+    assert r.returncode == 1
+    assert "GGUF file not found" in one_error_line(r)
+
+
+def test_sliding_window_generates_past_the_window(tiny):
+    r = cli(["generate", "--model", tiny, "--policy", "sink_query", "--window", "12", "--max-new-tokens", "60", "hi"])
+    assert r.returncode == 0, r.stderr
+    assert "decode 60 tokens" in r.stderr
+    r = cli(["generate", "--model", tiny, "--policy", "shift", "--window", "3", "abcdef"])
+    assert r.returncode == 2 and "see --window" in one_error_line(r)
+
+
+# ------------------------------------------------------------------------------ the real model (SmolLM2)
+def test_cli_generates_the_same_tokens(ours):
+    prompt = "The old king said to his daughters:"
+    r = cli(["generate", "--model", ours.source, "--max-new-tokens", "12", "--cache-dtype", "float32", prompt])
+    assert r.returncode == 0, r.stderr
+    want = ours.tokenizer.decode(list(ours.generate(ours.tokenizer.encode(prompt), max_new_tokens=12,
+                                                    cache_dtype="float32")))
+    assert r.stdout == want + "\n"
+    for key in ("load", "prefill", "decode", "tok/s", "KV cache", "isa " + kvsimd.active_isa()):
+        assert key in r.stderr
+
+
+def test_cli_reads_stdin_and_chat(model_dir):
+    r = cli(["generate", "--chat", "--max-new-tokens", "32", "--threads", "2"], input="What is 2 + 2?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "<|im_end|>" not in r.stdout       # generate() does not yield the stop token: the answer ends
