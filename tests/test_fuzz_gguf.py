@@ -5,7 +5,7 @@ model that loads and runs a step): no other exception, no signal, no hang, bound
 The cases run in a child process (this file run as a script) under a timeout and an RLIMIT_AS
 memory limit, so a crash, a hang or a huge allocation fails this test instead of the test run or
 the machine; the child writes the case it is about to run first, so a crash names it.  Cases are
-drawn from a seeded generator: KVSIMD_FUZZ_CASES (default 1200 per seed file) and KVSIMD_FUZZ_SEED
+drawn from a seeded generator: KVSIMD_FUZZ_CASES (default 1200 per seed file, 3 files) and KVSIMD_FUZZ_SEED
 reproduce or widen a run."""
 import json
 import os
@@ -141,9 +141,11 @@ if __name__ == "__main__":
 def test_fuzz_gguf_loader(tmp_path):
     from test_gguf import write_llama_gguf
     seeds = []
-    for qtype in ("F32", "Q8_0"):
+    for qtype, extra in (("F32", {}), ("Q8_0", {}),     # and 2 layers, biases, an untied output, Q4_1
+                         ("Q4_1", dict(layers=2, shapes={"output.weight": (40, 32), "blk.1.attn_q.bias": (32,),
+                                                         "blk.1.attn_k.bias": (16,)}))):
         p = str(tmp_path / ("seed-%s.gguf" % qtype))
-        write_llama_gguf(p, qtype, vocab=40, d=32, heads=4, kv=2, ffn=64)
+        write_llama_gguf(p, qtype, **extra)
         seeds.append(p)
     n = int(os.environ.get("KVSIMD_FUZZ_CASES", "1200"))
     seed = int(os.environ.get("KVSIMD_FUZZ_SEED", "20261123"))
@@ -162,5 +164,6 @@ def test_fuzz_gguf_loader(tmp_path):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     print("GGUF fuzz: %d cases (seed %d): %d refused with a KVSimdError, %d loaded and ran a step, %d bad"
           % (report["cases"], seed, report["refused"], report["loaded"], len(report["bad"])))
-    assert report["cases"] == 2 * n and report["refused"] + report["loaded"] + len(report["bad"]) == 2 * n
+    total = len(seeds) * n
+    assert report["cases"] == total and report["refused"] + report["loaded"] + len(report["bad"]) == total
     assert not report["bad"], "\n\n".join("%s\n%s" % b for b in report["bad"][:5])
