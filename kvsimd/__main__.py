@@ -71,6 +71,10 @@ def parser():
     return ap
 
 
+class _Usage(Exception):
+    """A usage error found after parsing (exit status 2)."""
+
+
 def _error(msg):
     print("kvsimd: error: %s" % msg, file=sys.stderr)
 
@@ -83,10 +87,6 @@ def _read_prompt(args):
     return sys.stdin.read()
 
 
-class _Usage(Exception):
-    """A usage error found after parsing (exit status 2)."""
-
-
 def _generate(args, stats):
     import kvsimd
     from kvsimd import models
@@ -96,8 +96,8 @@ def _generate(args, stats):
     if args.threads is not None:
         cores = available_cores()
         if args.threads > cores:
-            print("kvsimd: warning: --threads %d is more than the %d cores this process may use; using %d"
-                  % (args.threads, cores, cores), file=sys.stderr)
+            print("kvsimd: warning: --threads %d is more than the %d core%s this process may use; using %d"
+                  % (args.threads, cores, "" if cores == 1 else "s", cores), file=sys.stderr)
         kvsimd.set_num_threads(min(args.threads, cores))
     prompt = _read_prompt(args)
     if not prompt:

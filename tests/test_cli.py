@@ -68,7 +68,7 @@ def test_threads_capped_at_the_cores_this_process_may_use(tiny):
             preexec_fn=lambda: os.sched_setaffinity(0, one_cpu), timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
-    assert lines[0] == ("kvsimd: warning: --threads 100000 is more than the 1 cores this process may use; "
+    assert lines[0] == ("kvsimd: warning: --threads 100000 is more than the 1 core this process may use; "
                         "using 1"), r.stderr
     assert len(lines) == 2 and "decode 8 tokens" in lines[1]
 
