@@ -28,13 +28,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gf):
-        """The tokenizer of a parsed GGUF file (:func:`kvsimd.gguf_model.open_gguf`), from its checked
-        metadata (:func:`kvsimd.gguf_model.tokenizer_spec`); built once per file."""
+        """The tokenizer of a GGUF file (a path, or a file parsed by :func:`kvsimd.gguf_model.open_gguf`),
+        from its checked metadata (:func:`kvsimd.gguf_model.tokenizer_spec`); built once per file."""
+        from kvsimd.gguf_model import GGUFError, GGUFFile, open_gguf, tokenizer_spec
+        if not isinstance(gf, GGUFFile):
+            gf = open_gguf(gf)
         if getattr(gf, "_tokenizer", None) is not None:
             return gf._tokenizer
         from tokenizers import AddedToken, Tokenizer as TK, decoders, models, pre_tokenizers
 
-        from kvsimd.gguf_model import GGUFError, tokenizer_spec
         spec = tokenizer_spec(gf)
         tokens = spec["tokens"]
         try:

@@ -91,9 +91,8 @@ def test_tokenizer_matches_transformers_and_round_trips(ours, theirs):
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    from kvsimd.gguf_model import open_gguf
     from kvsimd.tokenizer import Tokenizer
-    return Tokenizer.from_gguf(open_gguf(os.path.join(model_dir, models.SMOLLM2_FILE)))
+    return Tokenizer.from_gguf(os.path.join(model_dir, models.SMOLLM2_FILE))
 
 
 def byte_token_ids(tok, data, strict=True):
