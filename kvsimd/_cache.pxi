@@ -83,7 +83,7 @@ cdef class KVCache:
         if key not in _DTYPES:
             raise KVSimdTypeError("dtype must be float16 or float32, got %r" % (dtype,))
         self._kv_dtype, self._np_dtype = _DTYPES[key]
-        nbytes = nl * 2 * bt * hkv * cap * hd * self._np_dtype.itemsize      # exact (Python ints)
+        nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(hd) * self._np_dtype.itemsize  # exact: Python ints
         what = ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
                 % (nl, hkv, hd, cap, bt, key, nbytes))
         if nbytes > _physical_memory():
@@ -293,7 +293,7 @@ cdef class KVCache:
                 raise KVSimdCapacityError("slots %s outside 0..%d" % (slots.tolist(), C - 1))
             _need_positions(kpos, "kpos", B, "batch")
             _need_positions(spos, "spos", B, "batch")
-            if isinstance(ranges, (str, bytes, _np.ndarray)) or not hasattr(ranges, "__len__"):
+            if isinstance(ranges, (str, bytes)) or not hasattr(ranges, "__len__"):
                 raise KVSimdTypeError("ranges must be a list of one list of key ranges per sequence, got %r" % (ranges,))
             if len(ranges) != B:
                 raise KVSimdValueError("ranges must have one list per sequence (%d), got %d" % (B, len(ranges)))

@@ -74,12 +74,16 @@ def _need_no_overlap(out, str oname, inputs):
                                    "with any input" % (oname, name, o0, o1, i0, i1))
 
 
+def _as_int(x, str name):
+    if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, _np.integer)):
+        raise KVSimdTypeError("%s must be an integer, got %r" % (name, x))
+    return int(x)
+
+
 def _need_int(x, str name, lo=_I64_MIN, hi=_I64_MAX):
     """The one conversion of an integer argument: an int (not a bool), in lo..hi (by default
     the int64 range C takes), else a KVSimdTypeError/KVSimdValueError naming it."""
-    if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, _np.integer)):
-        raise KVSimdTypeError("%s must be an integer, got %r" % (name, x))
-    x = int(x)
+    x = _as_int(x, name)
     if not lo <= x <= hi:
         if hi == _I64_MAX:
             raise KVSimdValueError("%s must be >= %d (and < 2**63), got %d" % (name, lo, x))
@@ -106,7 +110,7 @@ def _need_flag(x, str name):
 def _need_pos(x, str name):
     """A token position or position delta: an integer within +-2**53 (exact in double precision,
     and a difference of two cannot overflow int64)."""
-    x = _need_int(x, name)
+    x = _as_int(x, name)
     if not -_MAX_EXACT_POS <= x <= _MAX_EXACT_POS:
         raise KVSimdPositionError("%s must be within +-2**53 to stay exact in double precision, got %d" % (name, x))
     return x
@@ -171,7 +175,7 @@ def _key_ranges(ranges, int64_t N, qpos, bint alt_first):
     with ``alt_first``, ``(use_q_alt, t0, t1, query_position)`` (KVCache.step_plan).
     Returns a list of (use_q_alt, t0, t1, query_position) in the given order."""
     form = "(use_q_alt, t0, t1, query_position)" if alt_first else "(t0, t1[, use_q_alt[, query_position]])"
-    if isinstance(ranges, (str, bytes, _np.ndarray)):
+    if isinstance(ranges, (str, bytes)):
         raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges))
     try:
         items = [tuple(r) for r in ranges]
