@@ -59,6 +59,11 @@ cdef class KVCache:
     length, then :meth:`commit` makes them part of the cache: a pass that fails half-way
     leaves the cache as it was.  Writing past ``capacity`` raises
     :class:`kvsimd.KVSimdCapacityError` and changes nothing.
+
+    One thread at a time: write, commit, attend, step_plan, step_attend, shift_range and reset
+    hold the cache for their duration (see ``_claim``, which a decoder holds for a whole step), and
+    a call from another thread meanwhile raises :class:`kvsimd.KVSimdBusyError`.  The views that
+    keys() and values() return are the caller's to synchronise.
     """
     cdef kv_cache c
     cdef dict __dict__
