@@ -21,6 +21,7 @@ cdef extern from "kvsimd.h" nogil:
 
     int KV_MAX_HEAD_DIM
     long long KV_MAX_TOKENS
+    int KV_MAX_THREADS
     const char *KV_VERSION
     uint32_t KV_FEAT_AVX2, KV_FEAT_AVX512FP16, KV_FEAT_OSXSAVE, KV_FEAT_OS_YMM, KV_FEAT_OS_ZMM
     uint32_t KV_FEAT_AVX, KV_FEAT_AVX2_ONLY, KV_FEAT_FMA, KV_FEAT_F16C, KV_FEAT_AVX512F
@@ -95,10 +96,10 @@ cdef extern from "kvsimd.h" nogil:
     const char *kv_compiler() noexcept
 
     size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
-    size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
+    size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads) noexcept
     void kv_set_num_threads(int n) noexcept
     int kv_get_num_threads() noexcept
-    void kv_attend(const kv_attn_params *p, void *workspace) noexcept
+    void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, double theta, kv_rope_style style,
                             int64_t rotary_dim) noexcept

@@ -6,6 +6,7 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrtf, expf, erff, tanhf
+from cpython.pythread cimport PyThread_get_thread_ident
 
 from kvsimd._capi cimport *
 

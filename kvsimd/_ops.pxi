@@ -5,29 +5,42 @@ import time as _time
 
 import numpy as _np
 
-from kvsimd.errors import KVSimdPositionError, KVSimdTypeError, KVSimdValueError
+from kvsimd.errors import KVSimdMemoryError, KVSimdPositionError, KVSimdTypeError, KVSimdValueError
 
 _F16 = _np.dtype(_np.float16)
 _F32 = _np.dtype(_np.float32)
 _I64 = _np.dtype(_np.int64)
 _KV_DTYPES = (_F16, _F32)
 _STYLES = {"gptj": KV_ROPE_GPTJ, "neox": KV_ROPE_NEOX}
-_MAX_EXACT_POS = 2 ** 53  # integers beyond this are not exact in double precision
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
+_MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kpos cannot overflow int64
+_FLT_MAX = 3.4028234663852886e38
+_MIN_THETA = 1e-200       # every angle |position| * theta**-1 stays finite
+_MAX_HEADS = 1 << 16      # query heads per attention call (bounds workspace sizes)
 
 
 cdef inline void *_ptr(cnp.ndarray a) noexcept:
     return cnp.PyArray_DATA(a)
 
 
-def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False):
-    """Check type, dtype, rank, contiguity and alignment; return the array."""
+# ---------------------------------------------------------------------------------------------
+# The boundary checks: one function per concept, used by every entry point (ops.*, KVCache.*).
+
+def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False, shape=None):
+    """Check type (no masked arrays), dtype (None: any), rank (-1: any), shape, contiguity,
+    alignment and, for a buffer kvsimd writes, writability; return the array."""
     if not isinstance(a, _np.ndarray):
         raise KVSimdTypeError("%s must be a numpy.ndarray, got %s" % (name, type(a).__name__))
-    if a.dtype not in dtypes:
+    if isinstance(a, _np.ma.MaskedArray):
+        raise KVSimdTypeError("%s is a numpy.ma.MaskedArray: kvsimd would ignore its mask; pass "
+                              "%s.filled(...) or the data you mean" % (name, name))
+    if dtypes is not None and a.dtype not in dtypes:
         raise KVSimdTypeError("%s must have dtype %s, got %s"
                               % (name, " or ".join(str(d) for d in dtypes), a.dtype))
     if ndim >= 0 and a.ndim != ndim:
         raise KVSimdValueError("%s must be %d-D %s, got shape %s" % (name, ndim, dims, a.shape))
+    if shape is not None and a.shape != tuple(shape):
+        raise KVSimdValueError("%s must have shape %s, got %s" % (name, tuple(shape), a.shape))
     if not a.flags.c_contiguous:
         raise KVSimdValueError("%s must be C-contiguous (shape %s, strides %s); use numpy.ascontiguousarray"
                                % (name, a.shape, a.strides))
@@ -38,25 +51,177 @@ def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False):
     return a
 
 
-def _need_int(x, str name):
+cdef inline size_t _addr(cnp.ndarray a) noexcept:
+    return <size_t>cnp.PyArray_DATA(a)
+
+
+def _need_no_overlap(out, str oname, inputs):
+    """Refuse an output (a validated, C-contiguous array) whose bytes overlap any input of the
+    call: ``inputs`` lists (name, array or None) or (name, (start address, nbytes))."""
+    cdef size_t o0 = _addr(out), o1 = o0 + <size_t>out.nbytes, i0, i1
+    if o1 == o0:
+        return
+    for name, a in inputs:
+        if a is None:
+            continue
+        if isinstance(a, tuple):
+            i0, i1 = a[0], a[0] + a[1]
+        else:
+            i0 = _addr(a)
+            i1 = i0 + <size_t>a.nbytes
+        if i0 < o1 and o0 < i1:
+            raise KVSimdValueError("%s overlaps %s (bytes %#x..%#x and %#x..%#x): an output must not share memory "
+                                   "with any input" % (oname, name, o0, o1, i0, i1))
+
+
+def _as_int(x, str name):
     if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, _np.integer)):
         raise KVSimdTypeError("%s must be an integer, got %r" % (name, x))
     return int(x)
 
 
-def _rope_args(x, theta, style, rotary_dim):
-    cdef int64_t D = x.shape[2]
-    if style not in _STYLES:
+def _need_int(x, str name, lo=_I64_MIN, hi=_I64_MAX):
+    """The one conversion of an integer argument: an int (not a bool), in lo..hi (by default
+    the int64 range C takes), else a KVSimdTypeError/KVSimdValueError naming it."""
+    x = _as_int(x, name)
+    if not lo <= x <= hi:
+        if hi == _I64_MAX:
+            raise KVSimdValueError("%s must be >= %d (and < 2**63), got %d" % (name, lo, x))
+        raise KVSimdValueError("%s must be in %d..%d, got %d" % (name, lo, hi, x))
+    return x
+
+
+def _need_real(x, str name):
+    """A real number (int or float, not a bool or a string) as a Python float."""
+    if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, float, _np.integer, _np.floating)):
+        raise KVSimdTypeError("%s must be a real number, got %r" % (name, x))
+    try:
+        return float(x)
+    except OverflowError:
+        raise KVSimdValueError("%s=%r does not fit a double" % (name, x)) from None
+
+
+def _need_flag(x, str name):
+    if isinstance(x, (bool, _np.bool_)) or (isinstance(x, (int, _np.integer)) and x in (0, 1)):
+        return bool(x)
+    raise KVSimdTypeError("%s must be a bool, got %r" % (name, x))
+
+
+def _need_pos(x, str name):
+    """A token position or position delta: an integer within +-2**53 (exact in double precision,
+    and a difference of two cannot overflow int64)."""
+    x = _as_int(x, name)
+    if not -_MAX_EXACT_POS <= x <= _MAX_EXACT_POS:
+        raise KVSimdPositionError("%s must be within +-2**53 to stay exact in double precision, got %d" % (name, x))
+    return x
+
+
+def _need_positions(a, str name, int64_t n, str nname="N"):
+    """int64 [n] positions, each within +-2**53 (see _need_pos)."""
+    _need_array(a, name, (_I64,), 1, "[%s]" % nname)
+    if a.shape[0] != n:
+        raise KVSimdValueError("%s must have %s=%d entries, got %d" % (name, nname, n, a.shape[0]))
+    if n and (a.min() < -_MAX_EXACT_POS or a.max() > _MAX_EXACT_POS):
+        raise KVSimdPositionError("%s must be within +-2**53 to stay exact in double precision, got min %d max %d"
+                                  % (name, a.min(), a.max()))
+    return a
+
+
+def _need_scale(scale, int64_t D):
+    """The attention scale: default 1/sqrt(D); else a finite real that float32 can hold."""
+    if scale is None:
+        return 1.0 / _math.sqrt(D)
+    s = _need_real(scale, "scale")
+    if not (_math.isfinite(s) and abs(s) <= _FLT_MAX):
+        raise KVSimdValueError("scale must be finite and within float32 range (|scale| <= %r), got %r"
+                               % (_FLT_MAX, s))
+    return s
+
+
+def _need_slopes(a, int64_t H):
+    """ALiBi slopes: float32 [H], finite."""
+    _need_array(a, "alibi_slopes", (_F32,), 1, "[H]")
+    if a.shape[0] != H:
+        raise KVSimdValueError("alibi_slopes must have H=%d entries, got %d" % (H, a.shape[0]))
+    if not _np.isfinite(a).all():
+        raise KVSimdValueError("alibi_slopes must be finite, got %s" % (a.tolist(),))
+    return a
+
+
+def _need_head_dim(int64_t D, str name="head_dim"):
+    if not 1 <= D <= KV_MAX_HEAD_DIM:
+        raise KVSimdValueError("%s must be in 1..%d, got %d" % (name, KV_MAX_HEAD_DIM, D))
+
+
+def _rope_params(theta, style, rotary_dim, int64_t D):
+    """RoPE parameters for rows of head_dim D: (theta, kv_rope_style, rotary_dim), validated."""
+    if not isinstance(style, str) or style not in _STYLES:
         raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
-    theta = float(theta)
-    if not (theta > 0.0 and _math.isfinite(theta)):
-        raise KVSimdValueError("theta must be a positive finite number, got %r" % (theta,))
+    th = _need_real(theta, "theta")
+    if not (th >= _MIN_THETA and _math.isfinite(th)):
+        raise KVSimdValueError("theta must be a positive finite number (at least %g), got %r" % (_MIN_THETA, th))
     if D > KV_MAX_HEAD_DIM:
         raise KVSimdValueError("head_dim (last axis) is %d; at most %d is supported" % (D, KV_MAX_HEAD_DIM))
     rd = D if rotary_dim is None else _need_int(rotary_dim, "rotary_dim")
     if rd <= 0 or rd % 2 or rd > D:
         raise KVSimdValueError("rotary_dim must be even and in 2..head_dim=%d, got %d" % (D, rd))
-    return theta, _STYLES[style], rd
+    return th, _STYLES[style], rd
+
+
+def _key_ranges(ranges, int64_t N, qpos, bint alt_first):
+    """Key ranges, one rule for every path: a non-empty sequence of non-empty, non-overlapping
+    integer ranges within 0..N, each with a query position within +-2**53.  Items are
+    ``(t0, t1[, use_q_alt[, query_position]])`` (ops.attend; default query position ``qpos``) or,
+    with ``alt_first``, ``(use_q_alt, t0, t1, query_position)`` (KVCache.step_plan).
+    Returns a list of (use_q_alt, t0, t1, query_position) in the given order."""
+    form = "(use_q_alt, t0, t1, query_position)" if alt_first else "(t0, t1[, use_q_alt[, query_position]])"
+    if isinstance(ranges, (str, bytes)):
+        raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges))
+    try:
+        items = [tuple(r) for r in ranges]
+    except TypeError:
+        raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges)) from None
+    if not items:
+        raise KVSimdValueError("ranges is empty: attention needs at least one key")
+    rows = []
+    for i, r in enumerate(items):
+        if alt_first:
+            if len(r) != 4:
+                raise KVSimdValueError("range %d must be %s, got %r" % (i, form, r))
+            alt, t0, t1, qp = r
+        else:
+            if not 2 <= len(r) <= 4:
+                raise KVSimdValueError("range %d must be %s, got %r" % (i, form, r))
+            t0, t1 = r[0], r[1]
+            alt = r[2] if len(r) > 2 else False
+            qp = r[3] if len(r) > 3 else qpos
+        t0, t1 = _need_int(t0, "t0"), _need_int(t1, "t1")
+        if not 0 <= t0 < t1 <= N:
+            raise KVSimdValueError("key range %d: keys %d..%d must be non-empty and within 0..%d" % (i, t0, t1, N))
+        rows.append((_need_flag(alt, "use_q_alt"), t0, t1, _need_pos(qp, "query_position")))
+    srt = sorted(rows, key=lambda r: r[1])
+    for a, b in zip(srt, srt[1:]):
+        if b[1] < a[2]:
+            raise KVSimdValueError("key ranges overlap: %d..%d and %d..%d" % (a[1], a[2], b[1], b[2]))
+    return rows
+
+
+def _threads_now():
+    """The kernel thread count for one call, read once (see kv_attend in kvsimd.h)."""
+    return kv_get_num_threads()
+
+
+def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt):
+    """Scratch for one kv_attend call with ``nt`` threads (plus 64 bytes to align it)."""
+    cdef size_t n = kv_attend_workspace_bytes(H, Hkv, D, nt)
+    if n == 0:
+        raise KVSimdValueError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d: sizes out of range"
+                               % (H, Hkv, D))
+    return _np.empty(n + 64, dtype=_np.uint8)
+
+
+cdef inline void *_aligned64(cnp.ndarray ws) noexcept:
+    return <void *>((<size_t>cnp.PyArray_DATA(ws) + 63) & ~(<size_t>63))
 
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
@@ -87,19 +252,14 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     cdef int64_t H = q.shape[0], D = q.shape[1], Hkv = k.shape[0], N = k.shape[1]
     if k.shape[2] != D:
         raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, k.shape))
-    if D < 1 or D > KV_MAX_HEAD_DIM:
-        raise KVSimdValueError("head_dim must be in 1..%d, got %d" % (KV_MAX_HEAD_DIM, D))
+    _need_head_dim(D)
     if Hkv < 1 or H < 1 or H % Hkv:
         raise KVSimdValueError("query heads H=%d must be a positive multiple of KV heads Hkv=%d" % (H, Hkv))
     if N < 1:
         raise KVSimdValueError("the cache is empty (N=0): attention needs at least one key")
     if N > KV_MAX_TOKENS:
         raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (N, KV_MAX_TOKENS))
-    if scale is None:
-        scale = 1.0 / _math.sqrt(D)
-    scale = float(scale)
-    if not _math.isfinite(scale):
-        raise KVSimdValueError("scale must be finite, got %r" % (scale,))
+    cdef float sc = _need_scale(scale, D)
     cdef const float *alibi = NULL
     cdef const int64_t *kpos = NULL
     cdef int64_t qpos = N - 1
@@ -107,41 +267,33 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         if key_positions is not None or query_position is not None:
             raise KVSimdValueError("key_positions and query_position only apply with alibi_slopes")
     else:
-        _need_array(alibi_slopes, "alibi_slopes", (_F32,), 1, "[H]")
-        if alibi_slopes.shape[0] != H:
-            raise KVSimdValueError("alibi_slopes must have H=%d entries, got %d" % (H, alibi_slopes.shape[0]))
-        alibi = <const float *>_ptr(alibi_slopes)
+        alibi = <const float *>_ptr(_need_slopes(alibi_slopes, H))
         if key_positions is not None:
-            _need_array(key_positions, "key_positions", (_I64,), 1, "[N]")
-            if key_positions.shape[0] != N:
-                raise KVSimdValueError("key_positions must have N=%d entries, got %d" % (N, key_positions.shape[0]))
-            kpos = <const int64_t *>_ptr(key_positions)
+            kpos = <const int64_t *>_ptr(_need_positions(key_positions, "key_positions", N))
         if query_position is not None:
-            qpos = _need_int(query_position, "query_position")
+            qpos = _need_pos(query_position, "query_position")
+    if q_alt is not None:
+        _need_array(q_alt, "q_alt", (_F32,), 2, "[H, D]", shape=q.shape)
+        p.q_alt = <const float *>_ptr(q_alt)
     if out is None:
         out = _np.empty((H, D), dtype=_np.float32)
     else:
-        _need_array(out, "out", (_F32,), 2, "[H, D]", writeable=True)
-        if out.shape != (H, D):
-            raise KVSimdValueError("out must have shape %s, got %s" % ((H, D), out.shape))
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            if _np.may_share_memory(out, a):
-                raise KVSimdValueError("out overlaps %s" % name)
-    if q_alt is not None:
-        _need_array(q_alt, "q_alt", (_F32,), 2, "[H, D]")
-        if q_alt.shape != q.shape:
-            raise KVSimdValueError("q_alt must have the shape of q %s, got %s" % (q.shape, q_alt.shape))
-        p.q_alt = <const float *>_ptr(q_alt)
+        _need_array(out, "out", (_F32,), 2, "[H, D]", writeable=True, shape=(H, D))
+        _need_no_overlap(out, "out", (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                                      ("key_positions", key_positions), ("q_alt", q_alt)))
     rng = None
     if ranges is not None:
-        rng = _attend_ranges(ranges, N, qpos, q_alt is not None)
+        rng = _np.array(_key_ranges(ranges, N, qpos, False), dtype=_np.int64).reshape(-1, 4)
+        if q_alt is None and rng[:, 0].any():
+            raise KVSimdValueError("range %d uses q_alt, but q_alt was not given" % int(_np.argmax(rng[:, 0])))
         p.ranges = <const kv_attn_range *>_ptr(rng)
         p.n_ranges = rng.shape[0]
     elif q_alt is not None:
         raise KVSimdValueError("q_alt is only used by ranges that ask for it (ranges=...)")
+    cdef int nt = _threads_now()
     ml = _np.empty(2 * H, dtype=_np.float32)
-    ws = _np.empty(kv_attend_workspace_bytes(H, Hkv, D), dtype=_np.uint8)
-    cdef size_t wsp = (<size_t>_ptr(ws) + 63) & ~(<size_t>63)
+    ws = _workspace(H, Hkv, D, nt)
+    cdef void *wsp = _aligned64(ws)
     p.q = <const float *>_ptr(q)
     p.k = _ptr(k)
     p.v = _ptr(v)
@@ -154,37 +306,12 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     p.H, p.Hkv, p.D = H, Hkv, D
     p.n_total, p.t0, p.t1 = N, 0, N
     p.g0, p.g1 = 0, Hkv
-    p.scale = scale
+    p.scale = sc
     p.dtype = KV_F16 if k.dtype == _F16 else KV_F32
     p.init, p.finalize = 1, 1
     with nogil:
-        kv_attend(&p, <void *>wsp)
+        kv_attend(&p, wsp, nt)
     return out
-
-
-def _attend_ranges(ranges, int64_t N, int64_t qpos, bint have_alt):
-    """int64 [n, 4] rows (use q_alt, t0, t1, query position) of kv_attn_range, validated."""
-    try:
-        items = [tuple(r) for r in ranges]
-    except TypeError:
-        raise KVSimdValueError("ranges must be a sequence of (t0, t1[, use_q_alt[, query_position]]) tuples") from None
-    if not items:
-        raise KVSimdValueError("ranges is empty: attention needs at least one key")
-    rng = _np.empty((len(items), 4), dtype=_np.int64)
-    for i, r in enumerate(items):
-        if not 2 <= len(r) <= 4:
-            raise KVSimdValueError("range %d must be (t0, t1[, use_q_alt[, query_position]]), got %r" % (i, r))
-        t0, t1 = _need_int(r[0], "t0"), _need_int(r[1], "t1")
-        if not 0 <= t0 < t1 <= N:
-            raise KVSimdValueError("range %d: keys %d..%d must be non-empty and within 0..%d" % (i, t0, t1, N))
-        alt = bool(r[2]) if len(r) > 2 else False
-        if alt and not have_alt:
-            raise KVSimdValueError("range %d uses q_alt, but q_alt was not given" % i)
-        rng[i] = (1 if alt else 0, t0, t1, _need_int(r[3], "query_position") if len(r) > 3 else qpos)
-    order = _np.argsort(rng[:, 1], kind="stable")
-    if (rng[order[1:], 1] < rng[order[:-1], 2]).any():
-        raise KVSimdValueError("ranges overlap: %s" % [(int(a), int(b)) for a, b in rng[:, 1:3]])
-    return rng
 
 
 def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
@@ -195,15 +322,12 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
     ``position * theta ** (-2i / rotary_dim)``, the angle computed in double precision from the
     integer position.  fp16 values are rounded once."""
     _need_array(x, "x", _KV_DTYPES, 3, "[H, N, D]", writeable=True)
-    _need_array(positions, "positions", (_I64,), 1, "[N]")
     cdef int64_t H = x.shape[0], N = x.shape[1], D = x.shape[2]
-    if positions.shape[0] != N:
-        raise KVSimdValueError("positions must have N=%d entries (x is %s), got %d" % (N, x.shape, positions.shape[0]))
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("x is empty (shape %s)" % (x.shape,))
-    theta, st, rd = _rope_args(x, theta, style, rotary_dim)
-    if N and int(_np.abs(positions).max()) > _MAX_EXACT_POS:
-        raise KVSimdPositionError("positions must be within +-2**53 to stay exact in double precision")
+    _need_positions(positions, "positions", N)
+    _need_no_overlap(x, "x", (("positions", positions),))
+    theta, st, rd = _rope_params(theta, style, rotary_dim, D)
     cdef double th = theta
     cdef kv_rope_style cst = st
     cdef int64_t crd = rd
@@ -228,10 +352,8 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
     cdef int64_t H = k.shape[0], N = k.shape[1], D = k.shape[2]
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("k is empty (shape %s)" % (k.shape,))
-    theta, st, rd = _rope_args(k, theta, style, rotary_dim)
-    d = _need_int(delta, "delta")
-    if abs(d) > _MAX_EXACT_POS:
-        raise KVSimdPositionError("delta must be within +-2**53, got %d" % d)
+    theta, st, rd = _rope_params(theta, style, rotary_dim, D)
+    d = _need_pos(delta, "delta")
     t0 = _need_int(start, "start")
     t1 = N if stop is None else _need_int(stop, "stop")
     if not (0 <= t0 <= t1 <= N):
@@ -248,15 +370,18 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
         raise KVSimdValueError("shift_keys: bad arguments (status %d)" % s)
 
 
+def _convert_out(x, out, dtype):
+    if out is None:
+        return _np.empty(x.shape, dtype=dtype)
+    _need_array(out, "out", (dtype,), -1, "", writeable=True, shape=x.shape)
+    _need_no_overlap(out, "out", (("x", x),))
+    return out
+
+
 def to_float16(x, out=None):
     """float32 -> float16, round to nearest even; bit-identical to ``x.astype(numpy.float16)``."""
     _need_array(x, "x", (_F32,), -1, "")
-    if out is None:
-        out = _np.empty(x.shape, dtype=_np.float16)
-    else:
-        _need_array(out, "out", (_F16,), -1, "", writeable=True)
-        if out.shape != x.shape:
-            raise KVSimdValueError("out must have shape %s, got %s" % (x.shape, out.shape))
+    out = _convert_out(x, out, _F16)
     cdef uint16_t *d = <uint16_t *>_ptr(out)
     cdef const float *s = <const float *>_ptr(x)
     cdef size_t n = x.size
@@ -268,12 +393,7 @@ def to_float16(x, out=None):
 def to_float32(x, out=None):
     """float16 -> float32, exact; bit-identical to ``x.astype(numpy.float32)``."""
     _need_array(x, "x", (_F16,), -1, "")
-    if out is None:
-        out = _np.empty(x.shape, dtype=_np.float32)
-    else:
-        _need_array(out, "out", (_F32,), -1, "", writeable=True)
-        if out.shape != x.shape:
-            raise KVSimdValueError("out must have shape %s, got %s" % (x.shape, out.shape))
+    out = _convert_out(x, out, _F32)
     cdef float *d = <float *>_ptr(out)
     cdef const uint16_t *s = <const uint16_t *>_ptr(x)
     cdef size_t n = x.size
@@ -282,8 +402,9 @@ def to_float32(x, out=None):
     return out
 
 
-def _bench_read(cnp.ndarray buf):
+def _bench_read(buf):
     """Stream-read ``buf`` once (benchmark roofline); returns a checksum."""
+    _need_array(buf, "buf", None, -1, "")
     cdef const void *p = _ptr(buf)
     cdef size_t n = buf.nbytes
     cdef uint64_t r
@@ -292,8 +413,11 @@ def _bench_read(cnp.ndarray buf):
     return r
 
 
-def _bench_copy(cnp.ndarray dst, cnp.ndarray src):
+def _bench_copy(dst, src):
     """Copy ``src`` into ``dst`` with plain loads and stores (benchmark roofline)."""
+    _need_array(src, "src", None, -1, "")
+    _need_array(dst, "dst", None, -1, "", writeable=True)
+    _need_no_overlap(dst, "dst", (("src", src),))
     cdef void *d = _ptr(dst)
     cdef const void *s = _ptr(src)
     cdef size_t n = min(dst.nbytes, src.nbytes)
@@ -304,46 +428,62 @@ def _bench_copy(cnp.ndarray dst, cnp.ndarray src):
 _BENCH_OPS = {"read": KV_BENCH_READ, "write": KV_BENCH_WRITE, "copy": KV_BENCH_COPY}
 
 
-def _bench_mem(op, cnp.ndarray dst, cnp.ndarray src, int threads=1):
+def _bench_mem(op, dst, src, threads=1):
     """Stream ``op`` ("read" src, "write" dst, "copy" src to dst) over the whole buffer, split
     across ``threads`` OpenMP threads (benchmark roofline)."""
+    if not isinstance(op, str) or op not in _BENCH_OPS:
+        raise KVSimdValueError("op must be one of %s, got %r" % (", ".join(_BENCH_OPS), op))
     cdef int o = _BENCH_OPS[op]
+    _need_array(src, "src", None, -1, "")
+    _need_array(dst, "dst", None, -1, "", writeable=op != "read")
+    if op == "copy":
+        _need_no_overlap(dst, "dst", (("src", src),))
+    cdef int nt = _need_int(threads, "threads", 1, KV_MAX_THREADS)
     cdef void *d = _ptr(dst)
     cdef const void *s = _ptr(src)
     cdef size_t n = min(dst.nbytes, src.nbytes)
     cdef uint64_t r
-    if threads < 1:
-        raise KVSimdValueError("threads must be >= 1")
     with nogil:
-        r = kv_bench_run(o, d, s, n, threads)
+        r = kv_bench_run(o, d, s, n, nt)
     return r
 
 
-def _fma_peak(isa, int64_t iters):
+def _fma_peak(isa, iters):
     """(flops, seconds) of ``iters`` rounds of the fp32 multiply-add probe on ISA row ``isa``."""
     cdef const kv_kernels *row = NULL
     for i in range(kv_isa_count()):
-        if kv_isa_name(i).decode() == isa and kv_isa_supported(i):
+        if isinstance(isa, str) and kv_isa_name(i).decode() == isa and kv_isa_supported(i):
             row = kv_isa_row(i)
     if row == NULL:
         raise KVSimdValueError("ISA %r is not supported here" % (isa,))
+    cdef int64_t n = _need_int(iters, "iters", 0, 2 ** 40)
     cdef float sink
     cdef uint64_t flops
     t0 = _time.perf_counter()
     with nogil:
-        flops = row.fma_peak(iters, &sink)
+        flops = row.fma_peak(n, &sink)
     return flops, _time.perf_counter() - t0
 
 
-def _attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D):
+def _attn_workspace_bytes(H, Hkv, D):
     """Bytes of scratch the attention kernel needs (for tests driving kernels directly)."""
-    return kv_attn_workspace_bytes(H, Hkv, D)
+    cdef int64_t h = _need_int(H, "H", 1), g = _need_int(Hkv, "Hkv", 1), d = _need_int(D, "D", 1, KV_MAX_HEAD_DIM)
+    if h % g:
+        raise KVSimdValueError("H=%d must be a multiple of Hkv=%d" % (h, g))
+    cdef size_t n = kv_attn_workspace_bytes(h, g, d)
+    if n == 0:
+        raise KVSimdValueError("H=%d query heads: the workspace size does not fit a size_t" % h)
+    return n
 
 
-def _rope_table(double units, double theta, int64_t R, int64_t rotary_dim):
+def _rope_table(units, theta, R, rotary_dim):
     """The (cos, sin) float32 pairs ops.c hands the rotation kernel for ``units`` positions."""
-    if R < 0 or 2 * R > rotary_dim or rotary_dim > KV_MAX_HEAD_DIM:
-        raise KVSimdValueError("bad rotary sizes")
-    cs = _np.empty(2 * R, dtype=_np.float32)
-    kv_rope_table(<float *>_ptr(cs), units, theta, R, rotary_dim)
+    u = _need_real(units, "units")
+    if not _math.isfinite(u):
+        raise KVSimdValueError("units must be finite, got %r" % (u,))
+    cdef int64_t rd = _need_int(rotary_dim, "rotary_dim", 2, KV_MAX_HEAD_DIM)
+    th, _, rd = _rope_params(theta, "gptj", rd, KV_MAX_HEAD_DIM)
+    cdef int64_t r = _need_int(R, "R", 0, rd // 2)
+    cs = _np.empty(2 * r, dtype=_np.float32)
+    kv_rope_table(<float *>_ptr(cs), u, th, r, rd)
     return cs

@@ -148,8 +148,12 @@ def _kernel_addresses():
     }
 
 
-def _set_kernel_threads(int n):
-    kv_set_num_threads(n)
+MAX_THREADS = KV_MAX_THREADS
+
+
+def _set_kernel_threads(n):
+    """Set the default kernel thread count (1..KV_MAX_THREADS = 1024); each call reads it once."""
+    kv_set_num_threads(_need_int(n, "n", 1, KV_MAX_THREADS))
 
 
 def _get_kernel_threads():

@@ -29,6 +29,10 @@ class KVSimdPositionError(KVSimdValueError):
     """A token position is out of the range an operation accepts."""
 
 
+class KVSimdMemoryError(KVSimdError, MemoryError):
+    """A cache (or other buffer kvsimd allocates) larger than this machine can hold."""
+
+
 class KVSimdBusyError(KVSimdError, RuntimeError):
     """An object that allows one user at a time (a KVCache during a call or a decode step)
     is in use by another thread.  Share a model between threads, never a cache."""

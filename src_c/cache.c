@@ -17,11 +17,16 @@ kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t 
     memset(c, 0, sizeof *c);
     if (n_layers < 1 || batch < 1 || n_kv_heads < 1 || capacity < 1 || head_dim < 1 || head_dim > KV_MAX_HEAD_DIM)
         return KV_ERR_ARG;
-    const size_t esize = dtype == KV_F16 ? 2 : 4;
-    const size_t head = (size_t)capacity * (size_t)head_dim * esize;
-    const size_t total = (size_t)n_layers * 2 * (size_t)batch * (size_t)n_kv_heads * head;
-    if (total / head != (size_t)n_layers * 2 * (size_t)batch * (size_t)n_kv_heads)
-        return KV_ERR_NOMEM;
+    if (dtype != KV_F16 && dtype != KV_F32)
+        return KV_ERR_ARG;
+    /* every product checked before it is used: n_layers * 2 * batch * n_kv_heads * capacity * head_dim * esize */
+    size_t total = dtype == KV_F16 ? 2 : 4;
+    const int64_t dims[6] = {n_layers, 2, batch, n_kv_heads, capacity, head_dim};
+    for (int i = 0; i < 6; i++)
+        if (__builtin_mul_overflow(total, (uint64_t)dims[i], &total))
+            return KV_ERR_CAPACITY;
+    if (total > SIZE_MAX - ((size_t)2 << 20))
+        return KV_ERR_CAPACITY;
     void *p = NULL;
     /* Large caches on 2 MiB boundaries, and asking Linux for transparent huge pages: attention
        streams the whole cache every step, and 4 KiB pages cost a TLB miss every 4 KiB. */
@@ -55,7 +60,8 @@ void kv_cache_destroy(kv_cache *c)
 
 /* Start of the [Hkv, capacity, D] block of K (which = 0) or V (which = 1). */
 void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq)
-{
+{   /* callers check 0 <= layer < n_layers, which in {0, 1}, 0 <= seq < batch: no product can then
+       exceed nbytes, which kv_cache_create checked */
     const size_t esize = c->dtype == KV_F16 ? 2 : 4;
     const size_t block = (size_t)c->n_kv_heads * (size_t)c->capacity * (size_t)c->head_dim * esize;
     return (char *)c->data + (((size_t)layer * 2 + (size_t)which) * (size_t)c->batch + (size_t)seq) * block;

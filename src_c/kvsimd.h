@@ -56,6 +56,7 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 
 #define KV_MAX_HEAD_DIM 512
 #define KV_MAX_TOKENS (1LL << 24)
+#define KV_MAX_THREADS 1024 /* kv_set_num_threads clamps to 1..KV_MAX_THREADS */
 /* Tokens per attention block and floats per vector, upper bounds over all ISAs
    (used to size workspaces). */
 #define KV_MAX_BLOCK 16
@@ -164,12 +165,16 @@ int kv_forced(void);
 uint32_t kv_features(void);                        /* cached kv_cpu_features() */
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
 
-/* ops.c: entry points over the active row.  Arguments are validated by the caller. */
+/* ops.c: entry points over the active row.  Arguments are validated by the caller.
+   Workspace sizes are 0 when the arguments are out of range or the size does not fit a size_t. */
 size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D);   /* one kernel call */
-void kv_set_num_threads(int n);                                      /* OpenMP threads for kv_attend */
+/* The process-wide default thread count (clamped to 1..KV_MAX_THREADS).  It is only a default:
+   a caller reads it once per call and passes that same value to kv_attend_workspace_bytes and
+   kv_attend, so a concurrent kv_set_num_threads never changes a call under way. */
+void kv_set_num_threads(int n);
 int kv_get_num_threads(void);
-size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D); /* what kv_attend needs */
-void kv_attend(const kv_attn_params *p, void *workspace);
+size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads); /* what kv_attend needs */
+void kv_attend(const kv_attn_params *p, void *workspace, int threads);
 kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                         const int64_t *positions, double theta, kv_rope_style style, int64_t rotary_dim);
 kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,

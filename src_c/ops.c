@@ -11,32 +11,54 @@
 
 #include "kvsimd.h"
 
+/* a * b + c into *r; 0 on overflow (sizes here come from caller integers) */
+static int mul_add(size_t a, size_t b, size_t c, size_t *r)
+{
+    size_t m;
+    return !__builtin_mul_overflow(a, b, &m) && !__builtin_add_overflow(m, c, r);
+}
+
 size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
 {
-    const int64_t G = H / Hkv, Dp = (D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH;
+    if (H < 1 || Hkv < 1 || D < 1 || D > KV_MAX_HEAD_DIM)
+        return 0;
+    const size_t G = (size_t)(H / Hkv), Dp = (size_t)((D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH);
     /* qbuf, qalt, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk] */
-    return sizeof(float) * (size_t)(3 * G * Dp + 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH +
-                                    G * KV_MAX_CHUNK) + 64;
+    const size_t fixed = 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH;
+    size_t floats, bytes;
+    if (!mul_add(G, 3 * Dp + KV_MAX_CHUNK, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
+        return 0;
+    return bytes;
 }
 
 static int kv_threads = 1;
 
-void kv_set_num_threads(int n) { kv_threads = n < 1 ? 1 : n; }
-int kv_get_num_threads(void) { return kv_threads; }
-
-size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
+void kv_set_num_threads(int n)
 {
-    const size_t one = (kv_attn_workspace_bytes(H, Hkv, D) + 63) / 64 * 64;
-    return one * (size_t)kv_threads + 64;
+    __atomic_store_n(&kv_threads, n < 1 ? 1 : n > KV_MAX_THREADS ? KV_MAX_THREADS : n, __ATOMIC_RELAXED);
+}
+int kv_get_num_threads(void) { return __atomic_load_n(&kv_threads, __ATOMIC_RELAXED); }
+
+static int clamp_threads(int threads) { return threads < 1 ? 1 : threads > KV_MAX_THREADS ? KV_MAX_THREADS : threads; }
+
+size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
+{
+    const size_t one = kv_attn_workspace_bytes(H, Hkv, D);
+    size_t total;
+    if (one == 0 || one > SIZE_MAX - 63 || !mul_add((one + 63) / 64 * 64, (size_t)clamp_threads(threads), 64, &total))
+        return 0;
+    return total;
 }
 
 /* Work is split across threads by KV head only: a head's tokens are never split, so each
-   head's result is computed the same way whatever the thread count (bit-identical). */
-void kv_attend(const kv_attn_params *p, void *workspace)
+   head's result is computed the same way whatever the thread count (bit-identical).
+   `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
+void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
     const kv_kernels *row = kv_active();
     const int64_t heads = p->g1 - p->g0;
-    const int nt = (int)(heads < kv_threads ? heads : kv_threads);
+    threads = clamp_threads(threads);
+    const int nt = (int)(heads < threads ? heads : threads);
     if (nt <= 1) {
         row->attn(p, workspace);
         return;

@@ -174,6 +174,29 @@ static void test_dispatch(void)
     CHECK(!(f & KV_FEAT_AVX512FP16) || (f & KV_FEAT_OS_ZMM), "AVX512 usable without OS ZMM state");
 }
 
+/* Sizes from caller integers are checked before use: no product wraps. */
+static void test_sizes(void)
+{
+    kv_cache c;
+    CHECK(kv_cache_create(&c, 1000000, 1000000, 1000000, 1000000, 512, KV_F16) == KV_ERR_CAPACITY,
+          "a cache whose size wraps size_t was accepted");
+    CHECK(c.data == NULL && c.nbytes == 0, "a refused cache holds memory");
+    CHECK(kv_cache_create(&c, INT64_MAX, 1, 1, 1, 1, KV_F32) == KV_ERR_CAPACITY, "n_layers * 2 wraps");
+    CHECK(kv_cache_create(&c, 1, 1, 1, (int64_t)1 << 62, 64, KV_F32) == KV_ERR_CAPACITY, "capacity * head_dim wraps");
+    CHECK(kv_cache_create(&c, 1, 1, 1, 1, 1, (kv_dtype)7) == KV_ERR_ARG, "an unknown dtype was accepted");
+    CHECK(kv_cache_create(&c, 2, 3, 4, 5, 6, KV_F16) == KV_OK && c.nbytes == (size_t)2 * 2 * 3 * 4 * 5 * 6 * 2,
+          "nbytes %zu", c.nbytes);
+    kv_cache_destroy(&c);
+    CHECK(kv_attn_workspace_bytes(4, 0, 64) == 0, "Hkv = 0 has a workspace");
+    CHECK(kv_attn_workspace_bytes((int64_t)1 << 62, 1, 64) == 0, "a workspace size that wraps was returned");
+    CHECK(kv_attend_workspace_bytes(8, 2, 64, 1 << 30) == kv_attend_workspace_bytes(8, 2, 64, KV_MAX_THREADS),
+          "thread count not clamped in the workspace size");
+    kv_set_num_threads(1 << 30);
+    CHECK(kv_get_num_threads() == KV_MAX_THREADS, "kv_set_num_threads not clamped: %d", kv_get_num_threads());
+    kv_set_num_threads(-5);
+    CHECK(kv_get_num_threads() == 1, "kv_set_num_threads(-5) gave %d", kv_get_num_threads());
+}
+
 int main(void)
 {
     char msg[256];
@@ -191,6 +214,7 @@ int main(void)
         test_conversion(row);
     }
     test_dispatch();
+    test_sizes();
     printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
     return failures ? 1 : 0;
 }
