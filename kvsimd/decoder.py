@@ -483,25 +483,26 @@ class _Stack:
         hidden rows [T, d_model], or ``finish`` of them (the logits).  Checked up front, and undone
         on any failure or interrupt (until ``finish`` has returned), so a prefill either completes
         or leaves the cache as it was."""
-        t = _tokens_1d(tokens, self.cfg.vocab_size)
-        start = cache.length(seq)
-        if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
-            raise KVSimdValueError("sequence %d has wrapped its ring buffer: feed further tokens with step()" % seq)
-        if start + t.size > cache.capacity:
-            raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
-                                      % (t.size, start, cache.capacity, seq))
-        if cross is not None and cross.length(seq) == 0:
-            raise KVSimdValueError("cross has no source tokens for sequence %d" % seq)
-        self._check_position(start + t.size - 1)
-        undo = _Undo(cache)
-        try:
-            out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
-                   for i in range(0, t.size, self.prefill_chunk)]
-            x = out[0] if len(out) == 1 else np.concatenate(out)
-            return x if finish is None else finish(x)
-        except BaseException:
-            undo.restore()
-            raise
+        with cache._claim():   # one thread at a time (KVSimdBusyError otherwise)
+            t = _tokens_1d(tokens, self.cfg.vocab_size)
+            start = cache.length(seq)
+            if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
+                raise KVSimdValueError("sequence %d has wrapped its ring buffer: feed further tokens with step()" % seq)
+            if start + t.size > cache.capacity:
+                raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
+                                          % (t.size, start, cache.capacity, seq))
+            if cross is not None and cross.length(seq) == 0:
+                raise KVSimdValueError("cross has no source tokens for sequence %d" % seq)
+            self._check_position(start + t.size - 1)
+            undo = _Undo(cache)
+            try:
+                out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
+                       for i in range(0, t.size, self.prefill_chunk)]
+                x = out[0] if len(out) == 1 else np.concatenate(out)
+                return x if finish is None else finish(x)
+            except BaseException:
+                undo.restore()
+                raise
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
         start, T = cache.length(seq), t.size
@@ -521,26 +522,27 @@ class _Stack:
         """One token per sequence of the batch: returns the hidden rows [B, d_model], or ``finish``
         of them (the logits).  The step, the discard a full window makes first, and ``finish`` are
         one transaction: on any failure or interrupt the cache is put back as it was."""
-        cfg = self.cfg
-        t = _tokens_1d(tokens, cfg.vocab_size)
-        B = t.size
-        if B != cache.batch:
-            raise KVSimdValueError("step needs one token per sequence: cache batch is %d, got %d tokens"
-                                   % (cache.batch, B))
-        lengths = cache.lengths
-        if (lengths == 0).any():
-            raise KVSimdValueError("sequences %s have no prompt yet: prefill them first"
-                                   % np.nonzero(lengths == 0)[0].tolist())
-        if cache.policy == "fixed" and (lengths + 1 > cache.capacity).any():
-            raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
-                                      % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
-        undo = _Undo(cache)
-        try:
-            x = self._step_body(t, cache, cross, undo)
-            return x if finish is None else finish(x)
-        except BaseException:      # the step and its discard are one transaction
-            undo.restore()
-            raise
+        with cache._claim():   # one thread at a time (KVSimdBusyError otherwise)
+            cfg = self.cfg
+            t = _tokens_1d(tokens, cfg.vocab_size)
+            B = t.size
+            if B != cache.batch:
+                raise KVSimdValueError("step needs one token per sequence: cache batch is %d, got %d tokens"
+                                       % (cache.batch, B))
+            lengths = cache.lengths
+            if (lengths == 0).any():
+                raise KVSimdValueError("sequences %s have no prompt yet: prefill them first"
+                                       % np.nonzero(lengths == 0)[0].tolist())
+            if cache.policy == "fixed" and (lengths + 1 > cache.capacity).any():
+                raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
+                                          % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
+            undo = _Undo(cache)
+            try:
+                x = self._step_body(t, cache, cross, undo)
+                return x if finish is None else finish(x)
+            except BaseException:      # the step and its discard are one transaction
+                undo.restore()
+                raise
 
     def _step_body(self, t, cache, cross, undo):
         cfg, B = self.cfg, t.size
@@ -708,10 +710,9 @@ class Decoder(_Stack):
     def from_gguf(cls, path):
         """Load a Llama-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized
         to float32).  The tokenizer from the file's metadata is ``.tokenizer``."""
-        from kvsimd.gguf_model import decoder_kwargs_from_gguf
-        from kvsimd.tokenizer import Tokenizer
         from kvsimd.errors import KVSimdError
-        from kvsimd.gguf_model import GGUFError
+        from kvsimd.gguf_model import GGUFError, decoder_kwargs_from_gguf
+        from kvsimd.tokenizer import Tokenizer
         kwargs, reader = decoder_kwargs_from_gguf(path)
         try:
             model = cls(**kwargs)

@@ -607,4 +607,4 @@ def test_a_plan_serves_only_its_cache(rng):
             KVSimdValueError, "plan was made by another KVCache")
     np.testing.assert_array_equal(small.keys(0, length=20), before)
     refused(lambda: _kvsimd._decode_stack([layer] * 3, x, big, plan, True, 1e-5, "silu", False, False),
-            KVSimdValueError, "layer must be in 0..1, got 2")
+            KVSimdValueError, "3 layers for a cache of 2 layers")

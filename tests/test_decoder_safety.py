@@ -358,7 +358,7 @@ def new_cache_capacity_string():
     model().new_cache(capacity="x")
 
 
-@case(r"batch must be >= 1, got 0")
+@case(r"batch must be >= 1 .*got 0")
 def new_cache_batch_zero():
     model().new_cache(batch=0)
 
@@ -500,8 +500,8 @@ def test_gguf_tensor_that_does_not_fit_its_metadata_is_a_gguf_error(tmp_path, mo
     write_llama_gguf(path)
     real = gguf_model.load_tensors
 
-    def short_norm(reader, p="<gguf>"):
-        w = real(reader, p)
+    def short_norm(gf):
+        w = real(gf)
         w["blk.0.attn_norm.weight"] = w["blk.0.attn_norm.weight"][:-1].copy()
         return w
 
