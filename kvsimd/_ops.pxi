@@ -320,7 +320,8 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
     ``style="gptj"`` pairs ``(x[2i], x[2i+1])``; ``style="neox"`` pairs ``(x[i], x[i + rotary_dim/2])``.
     Only the first ``rotary_dim`` dims (even, default D) rotate; pair i turns by
     ``position * theta ** (-2i / rotary_dim)``, the angle computed in double precision from the
-    integer position.  fp16 values are rounded once."""
+    integer position.  fp16 results are rounded as :func:`kvsimd.bounds.rope_bound` states (once on
+    the scalar and avx2 rows, each component twice on avx512fp16)."""
     _need_array(x, "x", _KV_DTYPES, 3, "[H, N, D]", writeable=True)
     cdef int64_t H = x.shape[0], N = x.shape[1], D = x.shape[2]
     if N == 0 or H == 0 or D == 0:
@@ -346,7 +347,7 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
     tokens ``start..stop-1`` had moved by the integer ``delta`` positions (negative after a discard).
 
     Same pairing and frequencies as :func:`apply_rope`; the angle comes from the integer delta in
-    double precision and each element is rounded once per call, so ``apply_rope`` at p then
+    double precision and each call adds at most one :func:`kvsimd.bounds.rope_bound` of rounding, so ``apply_rope`` at p then
     ``shift_keys(delta)`` equals ``apply_rope`` at ``p + delta`` up to rounding."""
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]", writeable=True)
     cdef int64_t H = k.shape[0], N = k.shape[1], D = k.shape[2]

@@ -2,7 +2,9 @@
 
 All functions take C-contiguous, aligned arrays, never copy their inputs, release the GIL
 while the kernel runs, and raise :class:`kvsimd.KVSimdValueError` / :class:`kvsimd.KVSimdTypeError`
-naming the problem for bad input.
+naming the argument and the value for bad input.  An output (``out``, or the array rotated in
+place) must not share memory with any input of the same call; positions, deltas and ALiBi
+positions are integers within +-2**53; ``scale`` is finite and within float32's range.
 
 Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the functions of
 :mod:`kvsimd.bounds` state the same bounds, ``u = 2**-11``, per output component):
