@@ -2,7 +2,8 @@
 
 With no subcommand: an overview of roofline, attention, rope, decode, complexity and streaming
 (about ten minutes; add --quick for a smoke run).  --json writes the schema of
-kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib)."""
+kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib: pip install -e ".[plot]"
+from the source checkout), after the JSON."""
 import argparse
 import os
 import sys
@@ -138,9 +139,8 @@ def run_streaming(args, roof):
 
 def run_quality(args, roof):
     from kvsimd.bench import quality
-    png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
     rows, curves = quality.main(n_tokens=256 if args.quick else 2304, windows=(64,) if args.quick else (256, 512),
-                                oracle_every=args.oracle_every, text_path=_shared_text(), png=png)
+                                oracle_every=args.oracle_every, text_path=_shared_text())
     for r in rows:
         print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
               % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
@@ -165,7 +165,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="small cases, few repeats (each subcommand < 1 min)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (see kvsimd.bench.schema)")
-    ap.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
+    ap.add_argument("--plot", metavar="DIR", help='write PNG charts into DIR (needs matplotlib: pip install -e ".[plot]")')
     ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
                     help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
     ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
@@ -200,12 +200,17 @@ def main(argv=None):
                       "seconds": time.perf_counter() - t_start},
            "results": results}
     doc.update(args.extra)
+    if args.json:      # first: whatever happens to the charts, the run is kept
+        common.write_json(args.json, doc)
     if args.plot:
         from kvsimd.bench import plots
-        for path in plots.write_all(doc, args.plot):
-            print("plot: %s" % path)
-    if args.json:
-        common.write_json(args.json, doc)
+        try:
+            for path in plots.write_all(doc, args.plot):
+                print("plot: %s" % path)
+        except plots.PlotUnavailable as e:
+            print("kvsimd.bench: %s%s" % (e, "; the results are in %s" % args.json if args.json else ""),
+                  file=sys.stderr)
+            return 1
     return 0
 
 
