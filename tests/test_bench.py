@@ -105,6 +105,29 @@ def test_quality_curves_plot_from_the_json_document(tmp_path):
     assert all(os.path.getsize(x) > 1000 for x in paths)
 
 
+def test_decode_contention_quick_json(tmp_path):
+    """decode --contention: 1 thread, 2 threads and the default, with and without a busy
+    neighbour, each as a paired ratio to 1 thread; the neighbour process is gone afterwards."""
+    doc, p = run_bench(tmp_path, "decode", "--contention")
+    schema.validate(doc)
+    rows = doc["results"]["contention"]
+    assert list(doc["results"]) == ["contention"]
+    assert {(r["neighbour"], r["setting"]) for r in rows} == {(n, s) for n in ("none", "busy core")
+                                                              for s in ("1 thread", "2 threads", "default")}
+    from kvsimd import threads
+    assert {r["threads"] for r in rows if r["setting"] == "default"} == {threads.default_num_threads()}
+    assert all(r["vs_1_thread"] == 1 and r["vs_1_thread_ci95"] == [1, 1] for r in rows if r["setting"] == "1 thread")
+    assert "### Decode beside a busy core" in report.render(doc)
+    spinners = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split()
+    assert not spinners, spinners
+
+
+def test_contention_flag_needs_decode():
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--contention"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "--contention goes with the decode subcommand" in p.stderr
+
+
 def schema_counts():
     from kvsimd.bench.complexity import SEED_COUNTS
     return SEED_COUNTS
