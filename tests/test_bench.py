@@ -118,8 +118,16 @@ def test_decode_contention_quick_json(tmp_path):
     assert {r["threads"] for r in rows if r["setting"] == "default"} == {threads.default_num_threads()}
     assert all(r["vs_1_thread"] == 1 and r["vs_1_thread_ci95"] == [1, 1] for r in rows if r["setting"] == "1 thread")
     assert "### Decode beside a busy core" in report.render(doc)
-    spinners = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split()
-    assert not spinners, spinners
+
+
+def test_busy_neighbour_spins_on_one_core_and_is_gone_after():
+    from kvsimd.bench.contention import BusyNeighbour
+    with BusyNeighbour() as nb:
+        assert nb.proc.poll() is None
+        assert os.sched_getaffinity(nb.proc.pid) == {max(os.sched_getaffinity(0))}
+        with open("/proc/%d/stat" % nb.proc.pid) as fh:
+            assert fh.read().rsplit(")", 1)[1].split()[0] == "R"      # running, not sleeping
+    assert nb.proc.poll() is not None
 
 
 def test_contention_flag_needs_decode():
