@@ -159,7 +159,7 @@ def run_contention(args, roof):
         print("contention %-15s context=%-5d neighbour=%-9s %-9s (%d threads) %7.1f tok/s  step time %.3f x "
               "1 thread [%.3f, %.3f]" % (r["model"], r["context"], r["neighbour"], r["setting"], r["threads"],
                                           r["tok_per_s"], r["vs_1_thread"], *r["vs_1_thread_ci95"]), flush=True)
-    return contention.run(contexts=(128,) if args.quick else (128, 2048), steps=6 if args.quick else 60,
+    return contention.run(contexts=(128,) if args.quick else (128, 2048, 8192), steps=6 if args.quick else 60,
                           progress=show)
 
 
