@@ -78,6 +78,15 @@ def _apply(n):
         kvsimd.set_num_threads(n)
 
 
+def _blas_threads():
+    """Threads of the BLAS libraries loaded now (the largest, 0 if none is found)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        return 0
+    return max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] or [0])
+
+
 def _round_robin(dec, cache, configs, steps, warmup=2):
     """Seconds of each step of each setting, settings in turn (order rotated every round)."""
     tok = [1]
@@ -102,7 +111,10 @@ def run(contexts=(128, 2048), steps=40, progress=None):
     cfg = dec.cfg
     rng = np.random.default_rng(0)
     configs = settings()
-    default = kthreads.default_num_threads()
+    counts = {}
+    for name, n in configs.items():      # (kernel, BLAS) threads of each setting
+        _apply(n)
+        counts[name] = (kvsimd.get_num_threads(), _blas_threads())
     rows = []
     before = kvsimd.get_num_threads()
     try:
@@ -122,7 +134,7 @@ def run(contexts=(128, 2048), steps=40, progress=None):
                     med, lo, hi = median_ci([a / b for a, b in zip(t, times["1 thread"])])
                     rows.append({"op": "contention", "model": "smollm2-shaped", "context": n_ctx,
                                  "neighbour": "busy core" if busy else "none", "setting": name,
-                                 "threads": default if configs[name] is None else configs[name],
+                                 "threads": counts[name][0], "blas_threads": counts[name][1],
                                  "tok_per_s": 1.0 / float(np.median(t)), "vs_1_thread": med,
                                  "vs_1_thread_ci95": [lo, hi], "rounds": len(t),
                                  "available_cores": kthreads.available_cores()})

@@ -155,11 +155,13 @@ def decode_md(rows):
 
 
 def contention_md(rows):
-    body = [[r["model"], r["context"], r["neighbour"], r["setting"], r["threads"], _f(r["tok_per_s"]),
+    body = [[r["model"], r["context"], r["neighbour"], r["setting"], r["threads"], r.get("blas_threads", "-"),
+             _f(r["tok_per_s"]),
              "%s [%s, %s]" % (_f(r["vs_1_thread"], 3), _f(r["vs_1_thread_ci95"][0], 3), _f(r["vs_1_thread_ci95"][1], 3))
              if r["setting"] != "1 thread" else "1"] for r in rows]
     cores = sorted({r.get("available_cores") for r in rows if r.get("available_cores")})
-    return _table(["model", "context", "neighbour", "setting", "kernel threads", "tok/s", "step time / 1-thread step time"],
+    return _table(["model", "context", "neighbour", "setting", "kernel threads", "BLAS threads", "tok/s",
+                   "step time / 1-thread step time"],
                   body) + (
         "\n\nThe neighbour is a process spinning on one of the %s cores this process may use.  Settings timed round "
         "robin, step by step; ratio: median over rounds of the two step times of the same round, 95%% bootstrap "
