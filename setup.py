@@ -36,6 +36,12 @@ def compiler_accepts(flags):
             return False
 
 
+# KVSIMD_SANITIZE=1: AddressSanitizer + UBSan in the kernel libraries and the extension (CI's
+# sanitizer step; run Python with libasan/libubsan in LD_PRELOAD).  Never for a normal install.
+SANITIZE = os.environ.get("KVSIMD_SANITIZE") == "1"
+SAN_CFLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if SANITIZE else []
+SAN_LDFLAGS = ["-fsanitize=address,undefined"] if SANITIZE else []
+
 rows = ["scalar", "avx2"]
 if compiler_accepts(ISA_FLAGS["avx512fp16"]):
     rows.append("avx512fp16")
@@ -47,7 +53,7 @@ libraries = [
     ("kv_" + isa, {
         "sources": ["src_c/kernels/tu_%s.c" % isa],
         "include_dirs": ["src_c", "src_c/kernels"],
-        "cflags": BASE_CFLAGS + ["-fPIC"] + ISA_FLAGS[isa],
+        "cflags": BASE_CFLAGS + ["-fPIC"] + ISA_FLAGS[isa] + SAN_CFLAGS,
         "obj_deps": {"": [os.path.join("src_c", "kvsimd.h")] +
                      [os.path.join("src_c", "kernels", f) for f in os.listdir("src_c/kernels")]},
     })
@@ -70,8 +76,8 @@ ext = Extension(
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     + ([("KV_HAVE_AVX512FP16", "1")] if "avx512fp16" in rows else []),
-    extra_compile_args=["-O2", "-fvisibility=hidden", "-fopenmp"],
-    extra_link_args=["-fopenmp"],
+    extra_compile_args=["-O2", "-fvisibility=hidden", "-fopenmp"] + SAN_CFLAGS,
+    extra_link_args=["-fopenmp"] + SAN_LDFLAGS,
     libraries=["m"],
 )
 

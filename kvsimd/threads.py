@@ -1,25 +1,80 @@
 """Thread control: attention kernels split across KV heads with OpenMP; BLAS (NumPy's matrix
-products) limited through threadpoolctl."""
+products) limited through threadpoolctl.
+
+The default, applied at import unless ``KVSIMD_NUM_THREADS`` says otherwise (measured with
+``python -m kvsimd.bench decode --contention``): the attention kernels use every core this process
+may use (up to ``DEFAULT_MAX_THREADS``), and BLAS one thread.  OpenMP threads wait passively (see
+``kvsimd/__init__.py``), so a busy neighbour core costs them little; BLAS threads that share a
+busy core stall every matrix-vector product of a step: a SmolLM2-shaped decode step with 2 BLAS
+threads ran 2-8x slower than with 1 beside one spinning process on a 2-core machine.  An
+explicit BLAS thread variable (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ...) is respected:
+kvsimd then leaves BLAS alone."""
+import operator
 import os
 
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdValueError
 
+# The largest thread count set_num_threads and KVSIMD_NUM_THREADS accept.  Each kernel thread
+# gets its own scratch block for every attend call, so an absurd count would mean an absurd
+# allocation; no CPU this library targets runs more hardware threads than this.
+MAX_THREADS = 1024
+
+# The default kernel thread count never exceeds this: each thread has its own attend scratch,
+# and a decode step has few KV heads to share out.
+DEFAULT_MAX_THREADS = 8
+# Variables through which a user sizes the BLAS thread pool; when one is set, the default leaves BLAS alone.
+BLAS_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                 "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
 _blas_limit = None
 
 
-def set_num_threads(n):
-    """Use ``n`` threads: for kvsimd's attention kernels (split by KV head, so results are
-    bit-identical for any ``n``) and for the BLAS library behind NumPy's matrix products."""
+def check_thread_count(n, what="set_num_threads(n)"):
+    """``n`` as an int if it is an integer in 1..MAX_THREADS; else KVSimdValueError naming
+    ``what`` and the value.  (Integers of any kind: Python ints and NumPy integers, not bools.)"""
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        v = operator.index(n)
+    except TypeError:
+        raise KVSimdValueError("%s needs a positive integer from 1 to %d, got %r" % (what, MAX_THREADS, n)) from None
+    if not 1 <= v <= MAX_THREADS:
+        raise KVSimdValueError("%s needs a positive integer from 1 to %d (kvsimd.threads.MAX_THREADS), got %d"
+                               % (what, MAX_THREADS, v))
+    return v
+
+
+def _limit_blas(n):
     global _blas_limit
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise KVSimdValueError("set_num_threads needs a positive integer, got %r" % (n,))
-    _kvsimd._set_kernel_threads(n)
     try:
         from threadpoolctl import threadpool_limits
         _blas_limit = threadpool_limits(limits=n, user_api="blas")
     except ImportError:  # pragma: no cover - threadpoolctl is a dependency
         pass
+
+
+def set_num_threads(n):
+    """Use ``n`` threads (1 to MAX_THREADS = 1024): for kvsimd's attention kernels (split by KV
+    head, so results are bit-identical for any ``n``) and for the BLAS library behind NumPy's
+    matrix products.  A bad ``n`` raises KVSimdValueError and changes nothing."""
+    n = check_thread_count(n)
+    _kvsimd._set_kernel_threads(n)
+    _limit_blas(n)
+
+
+def default_num_threads():
+    """The kernel thread count kvsimd uses unless told otherwise: the cores this process may
+    use, at most DEFAULT_MAX_THREADS."""
+    return min(available_cores(), DEFAULT_MAX_THREADS)
+
+
+def use_default_threads():
+    """Back to the default (as at import without KVSIMD_NUM_THREADS): default_num_threads()
+    kernel threads and one BLAS thread, unless a BLAS thread variable is set in the environment."""
+    _kvsimd._set_kernel_threads(default_num_threads())
+    if not any(os.environ.get(v, "").strip() for v in BLAS_ENV_VARS):
+        _limit_blas(1)
 
 
 def available_cores():
@@ -37,9 +92,12 @@ def get_num_threads():
 
 def _init_from_env():
     v = os.environ.get("KVSIMD_NUM_THREADS")
-    if v:
-        try:
-            n = int(v)
-        except ValueError:
-            raise KVSimdValueError("KVSIMD_NUM_THREADS must be a positive integer, got %r" % v) from None
-        set_num_threads(n)
+    if v is None or not v.strip():
+        use_default_threads()
+        return
+    try:
+        n = int(v.strip())
+    except ValueError:
+        raise KVSimdValueError("KVSIMD_NUM_THREADS needs a positive integer from 1 to %d, got %r"
+                               % (MAX_THREADS, v)) from None
+    set_num_threads(check_thread_count(n, "KVSIMD_NUM_THREADS"))

@@ -14,13 +14,29 @@ from kvsimd.bench.__main__ import OVERVIEW, SUBCOMMANDS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_bench(tmp_path, *args):
+try:
+    import matplotlib  # noqa: F401
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+PLOT_HINT = 'pip install -e ".[plot]"'
+
+
+def run_bench(tmp_path, *args, expect_rc=0, env=None):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, KVSIMD_NUM_THREADS="1")
+    env = dict(os.environ if env is None else env, KVSIMD_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args, "--quick", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(out.read_text()), p.stdout
+    assert p.returncode == expect_rc, p.stderr[-3000:]
+    return json.loads(out.read_text()), p
+
+
+def check_missing_matplotlib_message(p, json_path):
+    """Without matplotlib, --plot ends in exit 1 and one line on stderr that says so, gives the
+    install hint that works from a source checkout, and names the JSON already written."""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert "needs matplotlib" in lines[0] and PLOT_HINT in lines[0] and str(json_path) in lines[0]
 
 
 HEADINGS = {"roofline": "### Roofline", "attention": "### Decode attention", "rope": "### K-cache shift",
@@ -30,7 +46,11 @@ HEADINGS = {"roofline": "### Roofline", "attention": "### Decode attention", "ro
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)
 def test_subcommand_quick_json(tmp_path, sub):
-    doc, stdout = run_bench(tmp_path, sub, *(["--plot", str(tmp_path)] if sub in ("attention", "complexity") else []))
+    plot = sub in ("attention", "complexity")
+    doc, p = run_bench(tmp_path, sub, *(["--plot", str(tmp_path)] if plot else []),
+                       expect_rc=1 if plot and not HAVE_MATPLOTLIB else 0)
+    if plot and not HAVE_MATPLOTLIB:
+        check_missing_matplotlib_message(p, tmp_path / "bench.json")
     schema.validate(doc)
     assert list(doc["results"]) == [sub]
     md = report.render(doc, quality=doc if sub == "quality" else None)
@@ -40,20 +60,80 @@ def test_subcommand_quick_json(tmp_path, sub):
         impls = {r["impl"] for r in rows}
         assert {"kvsimd", "numpy", "torch-sdpa"} <= impls
         assert {r["isa"] for r in rows if r["impl"] == "kvsimd"} == set(doc["header"]["isa"]["supported"])
-        assert (tmp_path / "attention.png").stat().st_size > 1000
+        assert not HAVE_MATPLOTLIB or (tmp_path / "attention.png").stat().st_size > 1000
     if sub == "roofline":
         assert {r["kind"] for r in rows} == {"read", "write", "copy", "fma"}
         assert {r["where"] for r in rows if r["kind"] != "fma"} == {"dram", "llc"}
     if sub == "complexity":
         seed = {r["regime"]: r for r in rows if r["op"] == "complexity-seed003"}
         assert {k: v["token_positions"] for k, v in seed.items()} == schema_counts()
-        assert (tmp_path / "complexity.png").stat().st_size > 1000
+        assert not HAVE_MATPLOTLIB or (tmp_path / "complexity.png").stat().st_size > 1000
     if sub == "decode":
         assert {r["impl"] for r in rows} == {"kvsimd", "transformers", "weights floor"}
     if sub == "streaming":
         assert {r["op"] for r in rows} == {"streaming-memory", "streaming-drift", "streaming-overhead"}
     if sub == "quality":
         assert len(doc["curves"]) == len(rows)
+
+
+def test_plot_without_matplotlib_keeps_the_results(tmp_path):
+    """matplotlib hidden (whether or not it is installed): the JSON is written before the charts,
+    and the missing extra is one line with a hint that works from a source checkout."""
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), ROOT]))
+    doc, p = run_bench(tmp_path, "complexity", "--plot", str(tmp_path / "png"), expect_rc=1, env=env)
+    schema.validate(doc)
+    assert list(doc["results"]) == ["complexity"]
+    check_missing_matplotlib_message(p, tmp_path / "bench.json")
+    assert not list((tmp_path / "png").glob("*.png"))
+
+
+def test_quality_curves_plot_from_the_json_document(tmp_path):
+    """The streaming NLL chart is drawn from the curves as the JSON stores them (None where a
+    position was not scored), after the JSON is written, like every other chart."""
+    from kvsimd.bench import plots
+    doc = _doc()
+    doc["curves"] = {"dense": [1.0, 2.0, None, 3.0], "W=64 oracle (re-prefill)": [None, 2.0, None, 3.0]}
+    if not HAVE_MATPLOTLIB:
+        with pytest.raises(plots.PlotUnavailable, match=r"needs matplotlib.*pip install -e \"\.\[plot\]\""):
+            plots.write_all(doc, str(tmp_path))
+        return
+    paths = plots.write_all(doc, str(tmp_path))
+    assert [os.path.basename(x) for x in paths] == ["decode.png", "streaming_nll.png"]
+    assert all(os.path.getsize(x) > 1000 for x in paths)
+
+
+def test_decode_contention_quick_json(tmp_path):
+    """decode --contention: 1 thread, 2 threads and the default, with and without a busy
+    neighbour, each as a paired ratio to 1 thread; the neighbour process is gone afterwards."""
+    doc, p = run_bench(tmp_path, "decode", "--contention")
+    schema.validate(doc)
+    rows = doc["results"]["contention"]
+    assert list(doc["results"]) == ["contention"]
+    assert {(r["neighbour"], r["setting"]) for r in rows} == {(n, s) for n in ("none", "busy core")
+                                                              for s in ("1 thread", "2 threads", "default")}
+    from kvsimd import threads
+    assert {r["threads"] for r in rows if r["setting"] == "default"} == {threads.default_num_threads()}
+    assert all(r["vs_1_thread"] == 1 and r["vs_1_thread_ci95"] == [1, 1] for r in rows if r["setting"] == "1 thread")
+    assert "### Decode beside a busy core" in report.render(doc)
+
+
+def test_busy_neighbour_spins_on_one_core_and_is_gone_after():
+    from kvsimd.bench.contention import BusyNeighbour
+    with BusyNeighbour() as nb:
+        assert nb.proc.poll() is None
+        assert os.sched_getaffinity(nb.proc.pid) == {max(os.sched_getaffinity(0))}
+        with open("/proc/%d/stat" % nb.proc.pid) as fh:
+            assert fh.read().rsplit(")", 1)[1].split()[0] == "R"      # running, not sleeping
+    assert nb.proc.poll() is not None
+
+
+def test_contention_flag_needs_decode():
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--contention"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "--contention goes with the decode subcommand" in p.stderr
 
 
 def schema_counts():

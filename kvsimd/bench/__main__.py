@@ -1,8 +1,12 @@
 """python -m kvsimd.bench [roofline|attention|rope|decode|complexity|streaming|quality] [options]
 
+decode --contention: decode speed with 1 thread, 2 threads and kvsimd's default thread counts
+beside a process spinning on one core (and without it), as paired ratios to 1 thread.
+
 With no subcommand: an overview of roofline, attention, rope, decode, complexity and streaming
 (about ten minutes; add --quick for a smoke run).  --json writes the schema of
-kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib)."""
+kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib: pip install -e ".[plot]"
+from the source checkout), after the JSON."""
 import argparse
 import os
 import sys
@@ -138,9 +142,8 @@ def run_streaming(args, roof):
 
 def run_quality(args, roof):
     from kvsimd.bench import quality
-    png = os.path.join(args.plot, "streaming_nll.png") if args.plot else None
     rows, curves = quality.main(n_tokens=256 if args.quick else 2304, windows=(64,) if args.quick else (256, 512),
-                                oracle_every=args.oracle_every, text_path=_shared_text(), png=png)
+                                oracle_every=args.oracle_every, text_path=_shared_text())
     for r in rows:
         print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
               % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
@@ -149,9 +152,21 @@ def run_quality(args, roof):
     return rows
 
 
+def run_contention(args, roof):
+    from kvsimd.bench import contention
+
+    def show(r):
+        print("contention %-15s context=%-5d neighbour=%-9s %-9s (%d threads) %7.1f tok/s  step time %.3f x "
+              "1 thread [%.3f, %.3f]" % (r["model"], r["context"], r["neighbour"], r["setting"], r["threads"],
+                                          r["tok_per_s"], r["vs_1_thread"], *r["vs_1_thread_ci95"]), flush=True)
+    return contention.run(contexts=(128,) if args.quick else (128, 2048, 8192), steps=6 if args.quick else 60,
+                          progress=show)
+
+
 RUNNERS = {"roofline": run_roofline, "attention": lambda a, r: _kernel_section(a, r, a.isas, "attention"),
            "rope": lambda a, r: _kernel_section(a, r, a.isas, "rope"), "decode": run_decode,
-           "complexity": run_complexity, "streaming": run_streaming, "quality": run_quality}
+           "complexity": run_complexity, "streaming": run_streaming, "quality": run_quality,
+           "contention": run_contention}
 
 
 def main(argv=None):
@@ -165,9 +180,12 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="small cases, few repeats (each subcommand < 1 min)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (see kvsimd.bench.schema)")
-    ap.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
+    ap.add_argument("--plot", metavar="DIR", help='write PNG charts into DIR (needs matplotlib: pip install -e ".[plot]")')
     ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
                     help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
+    ap.add_argument("--contention", action="store_true",
+                    help="decode: 1 thread, 2 threads and the default beside a process spinning on one core "
+                         "(random SmolLM2-shaped model; results in the 'contention' section)")
     ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
                     help="quality: score the re-prefill oracle on every K-th position (1 = all; default 8)")
     args = ap.parse_args(argv)
@@ -179,11 +197,13 @@ def main(argv=None):
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
     if any(t < 1 for t in args.threads or []):
         ap.error("--threads must be >= 1")
+    if args.contention and args.what != "decode":
+        ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
     if args.plot:
         os.makedirs(args.plot, exist_ok=True)
     args.overview = args.what is None
     args.extra = {}
-    sections = OVERVIEW if args.overview else (args.what,)
+    sections = OVERVIEW if args.overview else ("contention",) if args.contention else (args.what,)
 
     t_start = time.perf_counter()
     machine = common.header()
@@ -200,12 +220,17 @@ def main(argv=None):
                       "seconds": time.perf_counter() - t_start},
            "results": results}
     doc.update(args.extra)
+    if args.json:      # first: whatever happens to the charts, the run is kept
+        common.write_json(args.json, doc)
     if args.plot:
         from kvsimd.bench import plots
-        for path in plots.write_all(doc, args.plot):
-            print("plot: %s" % path)
-    if args.json:
-        common.write_json(args.json, doc)
+        try:
+            for path in plots.write_all(doc, args.plot):
+                print("plot: %s" % path)
+        except plots.PlotUnavailable as e:
+            print("kvsimd.bench: %s%s" % (e, "; the results are in %s" % args.json if args.json else ""),
+                  file=sys.stderr)
+            return 1
     return 0
 
 

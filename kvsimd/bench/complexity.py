@@ -94,9 +94,8 @@ def run(ms=(25, 50, 100, 200, 400, 1000), n_src=64, seed_check=True, progress=No
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kvsimd.bench.plots import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     fits = {r["regime"]: r for r in rows if r["op"] == "complexity-fit"}
     for regime in REGIMES:

@@ -1,15 +1,29 @@
-"""PNG charts from a bench result document (matplotlib, an optional extra)."""
+"""PNG charts from a bench result document (matplotlib, an optional extra).
+
+Every chart gets pyplot from :func:`pyplot`, which raises :class:`PlotUnavailable` (one line, with
+the install hint) when matplotlib is missing; the command lines write their JSON before drawing."""
 import os
 
+# kvsimd is installed from its source checkout (it is on no package index): this is the hint that works
+INSTALL_HINT = 'pip install -e ".[plot]" (from the kvsimd source checkout)'
 
-def _plt():
+
+class PlotUnavailable(RuntimeError):
+    """--plot was asked for but matplotlib cannot be imported."""
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or PlotUnavailable."""
     try:
         import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvsimd[plot]'")
+    except ImportError as e:
+        raise PlotUnavailable("--plot needs matplotlib, which is not installed (%s): %s" % (e, INSTALL_HINT)) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+_plt = pyplot
 
 
 def _kernel_chart(rows, roof, key, title, path):
@@ -76,4 +90,8 @@ def write_all(doc, outdir):
         from kvsimd.bench import complexity
         out.append(os.path.join(outdir, "complexity.png"))
         complexity.plot(res["complexity"], out[-1])
+    if doc.get("curves"):
+        from kvsimd.bench import quality
+        out.append(os.path.join(outdir, "streaming_nll.png"))
+        quality.plot(doc["curves"], out[-1])
     return out

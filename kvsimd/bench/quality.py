@@ -7,6 +7,7 @@ W tokens at every scored step).  The oracle costs a W-token prefill per step, so
 on ``oracle_every``-spaced positions (all positions when 1); its PPL is compared with the other
 configurations on exactly those positions."""
 import math
+import sys
 import time
 
 import numpy as np
@@ -88,13 +89,15 @@ def summarize(curves, oracle_every):
 
 
 def plot(curves, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Running mean NLL of every configuration but the oracles (``curves``: name -> NLL per
+    position, as arrays or as the JSON's lists with None for unscored positions)."""
+    from kvsimd.bench.plots import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, c in curves.items():
         if "oracle" in name:
             continue
+        c = np.asarray([np.nan if x is None else x for x in c], dtype=float)
         run_mean = np.cumsum(c) / np.arange(1, len(c) + 1)
         ax.plot(np.arange(1, len(c) + 1), run_mean, label=name, lw=1)
     ax.set_xlabel("position (tokens)")
@@ -103,9 +106,10 @@ def plot(curves, path):
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None, png=None):
+def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None):
     from kvsimd import models
     model = kvsimd.Decoder.from_gguf(models.smollm2_path())
     tokens = load_tokens(model, text_path, n_tokens)
@@ -114,10 +118,7 @@ def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None, png=
                  progress=lambda name, c: print("quality  %-32s PPL %.3f  (%d scored, %.0f s)"
                                                 % (name, float(np.exp(np.nanmean(c))), int(np.isfinite(c).sum()),
                                                    time.perf_counter() - t0), flush=True))
-    rows = summarize(curves, oracle_every)
-    if png:
-        plot(curves, png)
-    return rows, curves
+    return summarize(curves, oracle_every), curves
 
 
 def _cli(argv=None):
@@ -174,8 +175,6 @@ def _cli(argv=None):
     rows = summarize(curves, 1)
     for r in rows:
         print("quality  %-32s PPL %.3f (%d scored)" % (r["config"], r["ppl_oracle_positions"], r["scored"]))
-    if a.plot:
-        plot(curves, os.path.join(a.plot, "streaming_nll.png"))
     if a.json:
         from kvsimd.bench import common
         from kvsimd.bench.schema import SCHEMA_VERSION
@@ -187,9 +186,15 @@ def _cli(argv=None):
                "curves": {k: [None if not np.isfinite(x) else round(float(x), 5) for x in v] for k, v in curves.items()}}
         with open(a.json, "w") as fh:
             json.dump(doc, fh, indent=1)
+    if a.plot:     # after the JSON: a missing matplotlib loses no result
+        from kvsimd.bench.plots import PlotUnavailable
+        try:
+            plot(curves, os.path.join(a.plot, "streaming_nll.png"))
+        except PlotUnavailable as e:
+            print("kvsimd.bench.quality: %s" % e, file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(_cli())

@@ -154,6 +154,23 @@ def decode_md(rows):
         "rounds cancels), 95% bootstrap interval in brackets." if any("speedup" in r for r in rows) else "")
 
 
+def contention_md(rows):
+    body = [[r["model"], r["context"], r["neighbour"], r["setting"], r["threads"], r.get("blas_threads", "-"),
+             _f(r["tok_per_s"]),
+             "%s [%s, %s]" % (_f(r["vs_1_thread"], 3), _f(r["vs_1_thread_ci95"][0], 3), _f(r["vs_1_thread_ci95"][1], 3))
+             if r["setting"] != "1 thread" else "1"] for r in rows]
+    cores = sorted({r.get("available_cores") for r in rows if r.get("available_cores")})
+    return _table(["model", "context", "neighbour", "setting", "kernel threads", "BLAS threads", "tok/s",
+                   "step time / 1-thread step time"],
+                  body) + (
+        "\n\nThe neighbour is a process spinning on one of the %s cores this process may use.  Settings timed round "
+        "robin, step by step; ratio: median over rounds of the two step times of the same round, 95%% bootstrap "
+        "interval in brackets (below 1: faster than 1 thread).  `1 thread` and `2 threads` are "
+        "`set_num_threads(n)` (n kernel and n BLAS threads); `default` is kvsimd's default (kernel threads = "
+        "the cores it may use, up to 8; BLAS 1 thread).  Target: the default never more than 10%% slower than "
+        "1 thread." % ("/".join(str(c) for c in cores) or "?"))
+
+
 def streaming_md(rows):
     out = []
     mem = [r for r in rows if r["op"] == "streaming-memory"]
@@ -254,6 +271,8 @@ def render(doc, quality=None, images=None):
                   "matrix-vector products alone (same BLAS): no implementation reading float32 weights can beat "
                   "it.  Targets (1 thread): >= 2x transformers at context 128, >= 3x at 8192.",
                   decode_md(res["decode"])]
+    if "contention" in res:
+        parts += ["### Decode beside a busy core (threads under contention)", contention_md(res["contention"])]
     if "streaming" in res:
         parts += ["### Infinite generation", streaming_md(res["streaming"])]
     if "complexity" in res:

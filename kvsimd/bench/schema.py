@@ -16,6 +16,9 @@ Sections and the keys every row has (figures are positive and finite):
                 median_s, GBps, pct_copy_roofline
 * decode     -- model, impl ("kvsimd" | "transformers" | "weights floor"), context, threads, tok_per_s;
                 peers also speedup (median per-round ratio of their step to kvsimd's) and speedup_ci95
+* contention -- op "contention", model, context, neighbour ("none" | "busy core"), setting ("1 thread" |
+                "2 threads" | "default"), threads, tok_per_s, vs_1_thread (median per-round ratio of the
+                setting's step time to the 1-thread step time) and vs_1_thread_ci95, rounds
 * complexity -- op "complexity" (regime, N, M, seconds, token_positions), "complexity-fit" (regime,
                 time_exponent, positions_exponent) or "complexity-seed003" (regime, token_positions,
                 expected)
@@ -35,6 +38,8 @@ ROW_KEYS = {
                          "pct_read_roofline"]},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"]},
+    "contention": {None: ["op", "model", "context", "neighbour", "setting", "threads", "tok_per_s", "vs_1_thread",
+                          "vs_1_thread_ci95", "rounds"]},
     "complexity": {"complexity": ["regime", "N", "M", "seconds", "token_positions"],
                    "complexity-fit": ["regime", "time_exponent", "positions_exponent"],
                    "complexity-seed003": ["regime", "token_positions", "expected"]},
@@ -46,7 +51,7 @@ ROW_KEYS = {
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
             "pct_copy_roofline", "context", "tok_per_s", "M", "seconds", "token_positions", "tokens",
-            "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored"}
+            "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored", "vs_1_thread", "rounds"}
 FINITE = POSITIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 
 
