@@ -10,20 +10,30 @@ import os as _os
 # user chose otherwise.  Read by libgomp when the extension loads, so set before importing it.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
+try:
+    from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
+except ImportError as _e:   # a bad KVSIMD_FORCE_ISA: under `python -m kvsimd`, one line and exit 2
+    from kvsimd.__main__ import exit_if_cli
+    exit_if_cli(_e)
+    raise
 from kvsimd import errors, ops
 from kvsimd._kvsimd import KVCache
 from kvsimd.decoder import CrossAttentionCache, Decoder, EncoderDecoder
 from kvsimd.layers import ModelConfig
 from kvsimd.threads import get_num_threads, set_num_threads
 from kvsimd.threads import _init_from_env as _threads_from_env
-from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdPositionError,
-                           KVSimdTypeError, KVSimdValueError)
+from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdMemoryError,
+                           KVSimdPositionError, KVSimdTypeError, KVSimdValueError)
 
 __all__ = [
     "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "set_num_threads", "get_num_threads", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
     "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
-    "KVSimdPositionError", "KVSimdBusyError",
+    "KVSimdPositionError", "KVSimdBusyError", "KVSimdMemoryError",
 ]
 
-_threads_from_env()
+try:
+    _threads_from_env()
+except KVSimdError as _e:   # a bad KVSIMD_NUM_THREADS: under `python -m kvsimd`, one line and exit 2
+    from kvsimd.__main__ import exit_if_cli
+    exit_if_cli(_e)
+    raise

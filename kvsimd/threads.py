@@ -15,10 +15,10 @@ import os
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdValueError
 
-# The largest thread count set_num_threads and KVSIMD_NUM_THREADS accept.  Each kernel thread
-# gets its own scratch block for every attend call, so an absurd count would mean an absurd
-# allocation; no CPU this library targets runs more hardware threads than this.
-MAX_THREADS = 1024
+# The largest thread count set_num_threads and KVSIMD_NUM_THREADS accept (the C core's
+# KV_MAX_THREADS).  Each kernel thread gets its own scratch block for every attend call, so an
+# absurd count would mean an absurd allocation.
+MAX_THREADS = _kvsimd.MAX_THREADS
 
 # The default kernel thread count never exceeds this: each thread has its own attend scratch,
 # and a decode step has few KV heads to share out.
