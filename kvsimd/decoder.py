@@ -22,6 +22,7 @@ from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, _f32, _r
                            check_config, check_layer, ffn, linear, merge_heads, need_norm, need_weight, norm, rope,
                            sinusoidal_table, split_heads, weights_generation)
 from kvsimd import _kvsimd
+from kvsimd import threads as _threads
 
 _need_int = _kvsimd._need_int
 
@@ -483,7 +484,8 @@ class _Stack:
         hidden rows [T, d_model], or ``finish`` of them (the logits).  Checked up front, and undone
         on any failure or interrupt (until ``finish`` has returned), so a prefill either completes
         or leaves the cache as it was."""
-        with cache._claim():   # one thread at a time (KVSimdBusyError otherwise)
+        # one thread at a time (KVSimdBusyError otherwise); BLAS sized for kvsimd only inside
+        with cache._claim(), _threads.blas_scope():
             t = _tokens_1d(tokens, self.cfg.vocab_size)
             start = cache.length(seq)
             if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
@@ -522,7 +524,8 @@ class _Stack:
         """One token per sequence of the batch: returns the hidden rows [B, d_model], or ``finish``
         of them (the logits).  The step, the discard a full window makes first, and ``finish`` are
         one transaction: on any failure or interrupt the cache is put back as it was."""
-        with cache._claim():   # one thread at a time (KVSimdBusyError otherwise)
+        # one thread at a time (KVSimdBusyError otherwise); BLAS sized for kvsimd only inside
+        with cache._claim(), _threads.blas_scope():
             cfg = self.cfg
             t = _tokens_1d(tokens, cfg.vocab_size)
             B = t.size

@@ -1,14 +1,17 @@
 """Thread control: attention kernels split across KV heads with OpenMP; BLAS (NumPy's matrix
-products) limited through threadpoolctl.
+products) limited through threadpoolctl, only inside kvsimd's own prefill and decode steps
+(:func:`blas_scope`): importing or using kvsimd never changes the thread count of the host
+program's own matrix products.
 
 The default, applied at import unless ``KVSIMD_NUM_THREADS`` says otherwise (measured with
 ``python -m kvsimd.bench decode --contention``): the attention kernels use every core this process
-may use (up to ``DEFAULT_MAX_THREADS``), and BLAS one thread.  OpenMP threads wait passively (see
+may use (up to ``DEFAULT_MAX_THREADS``), and BLAS one thread inside kvsimd's steps.  OpenMP threads wait passively (see
 ``kvsimd/__init__.py``), so a busy neighbour core costs them little; BLAS threads that share a
 busy core stall every matrix-vector product of a step: a SmolLM2-shaped decode step with 2 BLAS
 threads ran 2-8x slower than with 1 beside one spinning process on a 2-core machine.  An
 explicit BLAS thread variable (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ...) is respected:
 kvsimd then leaves BLAS alone."""
+import contextlib
 import operator
 import os
 
@@ -27,7 +30,8 @@ DEFAULT_MAX_THREADS = 8
 BLAS_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                  "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
-_blas_limit = None
+_blas_threads = None   # BLAS threads inside kvsimd's steps (None: leave BLAS alone)
+_controller = None
 
 
 def check_thread_count(n, what="set_num_threads(n)"):
@@ -46,18 +50,38 @@ def check_thread_count(n, what="set_num_threads(n)"):
 
 
 def _limit_blas(n):
-    global _blas_limit
-    try:
-        from threadpoolctl import threadpool_limits
-        _blas_limit = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-        pass
+    """BLAS threads inside kvsimd's steps from now on (None: leave BLAS as it is)."""
+    global _blas_threads
+    _blas_threads = n
+
+
+def blas_threads():
+    """BLAS threads kvsimd's prefill and decode steps run with (None: whatever BLAS has)."""
+    return _blas_threads
+
+
+@contextlib.contextmanager
+def blas_scope():
+    """Limit BLAS to :func:`blas_threads` for the duration of one kvsimd call, then restore it
+    (about 7 us).  The limit is process-wide while it lasts: host threads running matrix
+    products at the same moment share it."""
+    global _controller
+    n = _blas_threads
+    if n is None:
+        yield
+        return
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+        _controller = ThreadpoolController()   # the BLAS libraries loaded now (NumPy's)
+    with _controller.limit(limits=n, user_api="blas"):
+        yield
 
 
 def set_num_threads(n):
     """Use ``n`` threads (1 to MAX_THREADS = 1024): for kvsimd's attention kernels (split by KV
     head, so results are bit-identical for any ``n``) and for the BLAS library behind NumPy's
-    matrix products.  A bad ``n`` raises KVSimdValueError and changes nothing."""
+    matrix products inside kvsimd's prefill and decode steps (the host's own products keep
+    their thread count).  A bad ``n`` raises KVSimdValueError and changes nothing."""
     n = check_thread_count(n)
     _kvsimd._set_kernel_threads(n)
     _limit_blas(n)
@@ -71,10 +95,10 @@ def default_num_threads():
 
 def use_default_threads():
     """Back to the default (as at import without KVSIMD_NUM_THREADS): default_num_threads()
-    kernel threads and one BLAS thread, unless a BLAS thread variable is set in the environment."""
+    kernel threads and one BLAS thread inside kvsimd's steps, unless a BLAS thread variable is
+    set in the environment (then BLAS is left as the user sized it)."""
     _kvsimd._set_kernel_threads(default_num_threads())
-    if not any(os.environ.get(v, "").strip() for v in BLAS_ENV_VARS):
-        _limit_blas(1)
+    _limit_blas(None if any(os.environ.get(v, "").strip() for v in BLAS_ENV_VARS) else 1)
 
 
 def available_cores():

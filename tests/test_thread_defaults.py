@@ -66,13 +66,19 @@ def test_env_var_maximum_and_blank_accepted():
 
 
 def _threads_after_import(cpus=None, **env):
-    """(kernel threads, {BLAS library: threads}) in a fresh interpreter, restricted to ``cpus``."""
+    """(kernel threads, default kernel threads, ({BLAS library: threads} before importing kvsimd, after it,
+    inside a kvsimd step's blas_scope)) in a fresh interpreter, restricted to ``cpus``."""
     code = ("import os, sys\n"
             "cpus = %r\n"
             "if cpus is not None: os.sched_setaffinity(0, cpus)\n"
-            "import numpy, threadpoolctl, kvsimd\n"
-            "blas = {i['internal_api']: i['num_threads'] for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas'}\n"
-            "print(kvsimd.get_num_threads(), kvsimd.threads.default_num_threads(), blas)\n" % (cpus,))
+            "import numpy, threadpoolctl\n"
+            "def blas(): return {i['internal_api']: i['num_threads'] for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas'}\n"
+            "before = blas()\n"
+            "import kvsimd\n"
+            "after = blas()\n"
+            "with kvsimd.threads.blas_scope(): inside = blas()\n"
+            "assert blas() == after\n"
+            "print(kvsimd.get_num_threads(), kvsimd.threads.default_num_threads(), (before, after, inside))\n" % (cpus,))
     clean = {k: v for k, v in os.environ.items() if k not in kthreads.BLAS_ENV_VARS + ("KVSIMD_NUM_THREADS",)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(clean, **env), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -93,16 +99,18 @@ def test_default_kernel_threads_follow_the_cpus_this_process_may_use():
 
 def test_default_blas_is_one_thread_unless_the_user_sized_it():
     """BLAS threads sharing a busy core stall every matrix product of a step (see
-    kvsimd.threads): the default is one BLAS thread; a BLAS variable the user set wins."""
-    _, _, blas = _threads_after_import()
-    assert blas and set(blas.values()) == {1}, blas
-    _, _, blas = _threads_after_import(OPENBLAS_NUM_THREADS="2", OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
-    assert blas and set(blas.values()) == {2}, blas
+    kvsimd.threads): inside kvsimd's steps the default is one BLAS thread; a BLAS variable the
+    user set wins.  Importing kvsimd never changes the host program's own BLAS threads."""
+    _, _, (before, after, inside) = _threads_after_import()
+    assert before and after == before and set(inside.values()) == {1}, (before, after, inside)
+    _, _, (before, after, inside) = _threads_after_import(OPENBLAS_NUM_THREADS="2", OMP_NUM_THREADS="2",
+                                                          MKL_NUM_THREADS="2")
+    assert set(before.values()) == {2} and after == inside == before, (before, after, inside)
 
 
 def test_env_var_sets_kernel_and_blas_threads():
-    kernel, _, blas = _threads_after_import(KVSIMD_NUM_THREADS="2")
-    assert kernel == 2 and set(blas.values()) == {2}, blas
+    kernel, _, (before, after, inside) = _threads_after_import(KVSIMD_NUM_THREADS="2")
+    assert kernel == 2 and after == before and set(inside.values()) == {2}, (before, after, inside)
 
 
 def test_use_default_threads_restores_the_default(restore_threads):
@@ -110,3 +118,23 @@ def test_use_default_threads_restores_the_default(restore_threads):
     kthreads.use_default_threads()
     assert kvsimd.get_num_threads() == kthreads.default_num_threads() == min(kthreads.available_cores(),
                                                                               kthreads.DEFAULT_MAX_THREADS)
+
+
+def test_decoder_steps_run_inside_the_blas_scope(monkeypatch):
+    """prefill and step enter kvsimd.threads.blas_scope (the only place BLAS is sized for kvsimd)."""
+    import contextlib
+
+    from test_streaming import random_decoder
+    entered = []
+
+    @contextlib.contextmanager
+    def scope():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(kthreads, "blas_scope", scope)
+    dec = random_decoder()
+    cache = dec.new_cache(capacity=16)
+    dec.prefill([1, 2, 3], cache=cache)
+    dec.step([4], cache=cache)
+    assert len(entered) == 2

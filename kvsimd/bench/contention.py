@@ -84,7 +84,8 @@ def _blas_threads():
         from threadpoolctl import threadpool_info
     except ImportError:  # pragma: no cover - threadpoolctl is a dependency
         return 0
-    return max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] or [0])
+    with kthreads.blas_scope():      # as inside a decode step
+        return max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] or [0])
 
 
 def _round_robin(dec, cache, configs, steps, warmup=2):

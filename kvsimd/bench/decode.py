@@ -87,8 +87,9 @@ def weight_floor_fn(stack):
     xs = {m.shape[0]: np.ones((1, m.shape[0]), np.float32) for m in mats}
 
     def run():
-        for m in mats:
-            np.matmul(xs[m.shape[0]], m)
+        with kvsimd.threads.blas_scope():     # the BLAS threads of a kvsimd step
+            for m in mats:
+                np.matmul(xs[m.shape[0]], m)
     return run, sum(m.nbytes for m in mats)
 
 
