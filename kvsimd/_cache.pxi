@@ -20,6 +20,11 @@ def _init_streaming(cache, n_keep, policy, n_discard):
     n_discard = _need_int(n_discard, "n_discard")
     if not 1 <= n_discard <= window:
         raise KVSimdValueError("n_discard must be in 1..%d (the window), got %d" % (window, n_discard))
+    if policy == "reevaluate" and n_keep + window - n_discard < 1:
+        raise KVSimdValueError("policy 'reevaluate' re-prefills the tokens a discard keeps, so n_discard must leave "
+                               "at least one: with n_keep=0 and capacity %d, %s, got n_discard=%d"
+                               % (cache.capacity, "n_discard must be in 1..%d" % (window - 1) if window > 1
+                                  else "the capacity must be at least 2", n_discard))
     cache.n_keep, cache.policy, cache.n_discard = n_keep, policy, n_discard
     # position of the token in each slot (as its key was rotated; ALiBi distances use it)
     cache.positions = _np.zeros((cache.batch, cache.capacity), dtype=_np.int64)
@@ -105,6 +110,10 @@ cdef class KVCache:
 
     def __dealloc__(self):
         kv_cache_destroy(&self.c)
+
+    def __reduce__(self):
+        raise KVSimdTypeError("a KVCache cannot be pickled or copied (it owns C memory); make a new cache and "
+                              "prefill it, or copy its keys()/values() views")
 
     def __repr__(self):
         return ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
@@ -210,6 +219,10 @@ cdef class KVCache:
             if t0 < 0 or t0 + T > self.capacity:
                 raise KVSimdCapacityError("cache full: %d tokens at slot %d exceed capacity %d (sequence %d)"
                                           % (T, t0, self.capacity, s))
+            # k or v may be views of this cache's own storage: copied first, so that nothing is
+            # written before both are known to be usable
+            c0, c1 = <size_t>self.c.data, <size_t>self.c.data + self.c.nbytes
+            k, v = (_np.array(a) if _addr(a) < c1 and c0 < _addr(a) + <size_t>a.nbytes else a for a in (k, v))
             for which, src in ((0, k), (1, v)):
                 blk = self._block(l, which, s, True)
                 if self._kv_dtype == KV_F16:
@@ -223,7 +236,7 @@ cdef class KVCache:
         with self._claim():
             s = self._seq(seq)
             n = _need_int(n, "n")
-            if n < 0 or self._lengths[s] + n > self.capacity:
+            if n < 0 or n > self.capacity - int(self._lengths[s]):
                 raise KVSimdCapacityError("cannot commit %d tokens: sequence %d holds %d of %d"
                                           % (n, s, self._lengths[s], self.capacity))
             self._lengths[s] += n

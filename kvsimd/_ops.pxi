@@ -1,5 +1,6 @@
 # kvsimd.ops: kernels over NumPy arrays.  Everything is validated here, with the GIL, before
 # any kernel runs without it; kernels themselves never check anything.
+import itertools as _itertools
 import math as _math
 import time as _time
 
@@ -177,12 +178,14 @@ def _key_ranges(ranges, int64_t N, qpos, bint alt_first):
     form = "(use_q_alt, t0, t1, query_position)" if alt_first else "(t0, t1[, use_q_alt[, query_position]])"
     if isinstance(ranges, (str, bytes)):
         raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges))
-    try:
-        items = [tuple(r) for r in ranges]
+    try:   # non-empty and non-overlapping: at most N ranges of at most 4 items (bounds an endless iterable)
+        items = [tuple(_itertools.islice(r, 5)) for r in _itertools.islice(iter(ranges), N + 1)]
     except TypeError:
         raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges)) from None
     if not items:
         raise KVSimdValueError("ranges is empty: attention needs at least one key")
+    if len(items) > N:
+        raise KVSimdValueError("ranges has more than N=%d ranges: they cannot all be non-empty and disjoint" % N)
     rows = []
     for i, r in enumerate(items):
         if alt_first:
@@ -217,7 +220,11 @@ def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt):
     if n == 0:
         raise KVSimdValueError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d: sizes out of range"
                                % (H, Hkv, D))
-    return _np.empty(n + 64, dtype=_np.uint8)
+    try:
+        return _np.empty(n + 64, dtype=_np.uint8)
+    except MemoryError:
+        raise KVSimdMemoryError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d and %d threads needs "
+                                "%d bytes of scratch: cannot allocate them" % (H, Hkv, D, nt, n + 64)) from None
 
 
 cdef inline void *_aligned64(cnp.ndarray ws) noexcept:

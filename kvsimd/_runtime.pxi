@@ -149,6 +149,7 @@ def _kernel_addresses():
 
 
 MAX_THREADS = KV_MAX_THREADS
+MAX_TOKENS = KV_MAX_TOKENS     # the most tokens a cache holds or one call takes
 
 
 def _set_kernel_threads(n):

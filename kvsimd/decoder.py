@@ -76,6 +76,12 @@ def _short(x, n=80):
 def _tokens_1d(tokens, vocab, what="tokens"):
     """``tokens`` as a non-empty int64 array of ids in 0..vocab-1; KVSimdError naming ``what`` otherwise."""
     try:
+        n = len(tokens)
+    except TypeError:
+        n = 0
+    if n > _kvsimd.MAX_TOKENS:
+        raise KVSimdValueError("%s has %d ids, more than the %d tokens a cache can hold" % (what, n, _kvsimd.MAX_TOKENS))
+    try:
         t = np.asarray(tokens) if not isinstance(tokens, (str, bytes)) else None
     except (TypeError, ValueError):      # ragged nesting, objects NumPy cannot hold
         t = None
@@ -104,6 +110,8 @@ def _prompts(prompt, vocab, what):
     else:
         raise KVSimdTypeError("%s must be a list of token ids or a list of such lists, got %s"
                               % (what, _short(prompt)))
+    if batched and len(prompt) == 0:
+        raise KVSimdValueError("%s is an empty batch: it needs at least one sequence" % what)
     if batched:
         return [_tokens_1d(p, vocab, "%s[%d]" % (what, b)).tolist() for b, p in enumerate(prompt)], True
     return [_tokens_1d(prompt, vocab, what).tolist()], False
@@ -125,7 +133,13 @@ def _sampling_params(temperature, top_k, top_p):
 
 def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
     """sample() on checked parameters; refuses NaN / +inf logits instead of picking token 0 forever."""
-    z = np.asarray(logits, dtype=np.float64)
+    try:
+        z = np.asarray(logits)
+    except (TypeError, ValueError):
+        z = np.asarray(None)
+    if z.dtype == bool or not (np.issubdtype(z.dtype, np.integer) or np.issubdtype(z.dtype, np.floating)):
+        raise KVSimdTypeError("%s must be an array of real numbers, got %s" % (what, _short(logits)))
+    z = z.astype(np.float64)
     if z.ndim != 1 or z.size == 0:
         raise KVSimdValueError("%s must be a non-empty 1-D array, got shape %s" % (what, z.shape))
     if temperature == 0:
@@ -141,7 +155,8 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
         raise KVSimdValueError("%s are all -inf: no token can be chosen" % what)
     if temperature == 0:
         return best
-    z = z / temperature
+    with np.errstate(over="ignore"):
+        z = (z - top) / temperature      # <= 0 and finite or -inf, even for a tiny temperature
     order = np.argsort(-z, kind="stable")
     if top_k:
         order = order[:top_k]
@@ -484,8 +499,8 @@ class _Stack:
         hidden rows [T, d_model], or ``finish`` of them (the logits).  Checked up front, and undone
         on any failure or interrupt (until ``finish`` has returned), so a prefill either completes
         or leaves the cache as it was."""
-        # one thread at a time (KVSimdBusyError otherwise); BLAS sized for kvsimd only inside
-        with cache._claim(), _threads.blas_scope():
+        # one thread at a time (KVSimdBusyError otherwise)
+        with cache._claim():
             t = _tokens_1d(tokens, self.cfg.vocab_size)
             start = cache.length(seq)
             if cache.head[seq] != cache.n_keep or cache.seen[seq] != start:
@@ -497,14 +512,16 @@ class _Stack:
                 raise KVSimdValueError("cross has no source tokens for sequence %d" % seq)
             self._check_position(start + t.size - 1)
             undo = _Undo(cache)
-            try:
-                out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
-                       for i in range(0, t.size, self.prefill_chunk)]
-                x = out[0] if len(out) == 1 else np.concatenate(out)
-                return x if finish is None else finish(x)
+            try:     # everything that runs Python code after the first change is inside the try
+                with _threads.blas_scope():
+                    out = [self._prefill_chunk(t[i:i + self.prefill_chunk], cache, seq, cross)
+                           for i in range(0, t.size, self.prefill_chunk)]
+                    x = out[0] if len(out) == 1 else np.concatenate(out)
+                    result = x if finish is None else finish(x)
             except BaseException:
                 undo.restore()
                 raise
+            return result
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
         start, T = cache.length(seq), t.size
@@ -524,8 +541,8 @@ class _Stack:
         """One token per sequence of the batch: returns the hidden rows [B, d_model], or ``finish``
         of them (the logits).  The step, the discard a full window makes first, and ``finish`` are
         one transaction: on any failure or interrupt the cache is put back as it was."""
-        # one thread at a time (KVSimdBusyError otherwise); BLAS sized for kvsimd only inside
-        with cache._claim(), _threads.blas_scope():
+        # one thread at a time (KVSimdBusyError otherwise)
+        with cache._claim():
             cfg = self.cfg
             t = _tokens_1d(tokens, cfg.vocab_size)
             B = t.size
@@ -540,12 +557,14 @@ class _Stack:
                 raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
                                           % (np.nonzero(lengths + 1 > cache.capacity)[0].tolist(), cache.capacity))
             undo = _Undo(cache)
-            try:
-                x = self._step_body(t, cache, cross, undo)
-                return x if finish is None else finish(x)
-            except BaseException:      # the step and its discard are one transaction
+            try:     # the step and its discard are one transaction, BLAS scope exit included
+                with _threads.blas_scope():
+                    x = self._step_body(t, cache, cross, undo)
+                    result = x if finish is None else finish(x)
+            except BaseException:
                 undo.restore()
                 raise
+            return result
 
     def _step_body(self, t, cache, cross, undo):
         cfg, B = self.cfg, t.size
@@ -770,6 +789,9 @@ def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top
     if not isinstance(stop_tokens, (list, tuple, set, frozenset, range, np.ndarray)) or \
             (isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim != 1):
         raise KVSimdTypeError("stop_tokens must be a list of token ids, got %s" % _short(stop_tokens))
+    if len(stop_tokens) > model.cfg.vocab_size:
+        raise KVSimdValueError("stop_tokens has %d ids, more than the vocabulary's %d"
+                               % (len(stop_tokens), model.cfg.vocab_size))
     stop_tokens = list(stop_tokens)
     stop = set(_tokens_1d(stop_tokens, model.cfg.vocab_size, "stop_tokens").tolist()) if stop_tokens else set()
     longest = max(len(p) for p in prompts)
