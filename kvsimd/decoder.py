@@ -15,6 +15,8 @@ import numpy as np
 
 import math
 import operator
+import signal as _signal
+import threading as _threading
 
 from kvsimd._kvsimd import KVCache
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
@@ -217,6 +219,23 @@ class _Undo:
                             np.array(c.values(l, b, length=t1)[:, t0:t1])))
 
     def restore(self):
+        """Put everything back.  A Ctrl-C (SIGINT) arriving meanwhile is held until the cache is
+        whole again, then delivered as usual (main thread; Python runs signal handlers there)."""
+        held, old = [], None
+        if _threading.current_thread() is _threading.main_thread() and _signal.getsignal(_signal.SIGINT) is not None:
+            try:     # (None: a handler installed outside Python, left alone)
+                old = _signal.signal(_signal.SIGINT, lambda signum, frame: held.append(signum))
+            except (ValueError, OSError, TypeError):
+                old = None
+        try:
+            self._restore()
+        finally:
+            if old is not None:
+                _signal.signal(_signal.SIGINT, old)
+                if held:
+                    _signal.raise_signal(_signal.SIGINT)   # the handler the program had decides
+
+    def _restore(self):
         c = self.cache
         for l, b, t0, k, v in reversed(self.kv):      # fp16 -> fp32 -> fp16 is exact
             c.write(l, k.astype(F32), v.astype(F32), seq=b, start=t0)

@@ -125,3 +125,47 @@ def test_interrupt_as_the_step_returns_undoes_it(monkeypatch, phase):
     assert cache.lengths.tolist() == before[0].tolist() and list(cache.tokens[0]) == before[3]
     np.testing.assert_array_equal(cache.keys(0), before[1])
     np.testing.assert_array_equal(cache.keys(1), before[2])
+
+
+@pytest.mark.parametrize("policy", ["reevaluate", "shift"])
+def test_second_interrupt_during_the_rollback_waits_for_it(monkeypatch, policy):
+    """Ctrl-C twice: the first interrupts a discard step, the second arrives while the cache is
+    being put back.  The rollback completes, then the KeyboardInterrupt is raised; the cache
+    steps on as if nothing had happened."""
+    import os
+    import signal
+
+    from kvsimd import decoder
+    dec = random_decoder(n_layers=2)
+    kw = dict(capacity=12, dtype="float32", policy=policy, n_keep=2)
+    cache = dec.new_cache(**kw)
+    dec.prefill(list(range(1, 13)), cache=cache)       # the window is full: the next step discards
+    before = [(cache.keys(l).copy(), cache.values(l).copy()) for l in range(2)]
+    state = (cache.lengths.tolist(), cache.head.tolist(), cache.seen.tolist(), list(cache.tokens[0]),
+             cache.positions.copy())
+    real_matmul = np.matmul
+    calls = {"n": 0}
+
+    def interrupting_matmul(*a, **k):        # the step's layers: interrupted half-way
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_matmul(*a, **k)
+
+    monkeypatch.setattr(np, "matmul", interrupting_matmul)
+    restore = decoder._Undo._restore
+
+    def restore_with_signal(self):           # a second SIGINT as the rollback starts
+        os.kill(os.getpid(), signal.SIGINT)
+        restore(self)
+
+    monkeypatch.setattr(decoder._Undo, "_restore", restore_with_signal)
+    with pytest.raises(KeyboardInterrupt):
+        dec.step([5], cache=cache)
+    monkeypatch.undo()
+    assert (cache.lengths.tolist(), cache.head.tolist(), cache.seen.tolist(), list(cache.tokens[0])) == state[:4]
+    np.testing.assert_array_equal(cache.positions, state[4])
+    for l in range(2):
+        np.testing.assert_array_equal(cache.keys(l), before[l][0])
+        np.testing.assert_array_equal(cache.values(l), before[l][1])
+    dec.step([5], cache=cache)
