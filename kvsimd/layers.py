@@ -76,10 +76,12 @@ class ModelConfig(_Tracked):
 
 
 def _real(x, name):
-    """``x`` as a float; KVSimdTypeError naming ``name`` unless it is a real number (bools are not)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise KVSimdTypeError("%s must be a real number, got %r" % (name, x))
-    return float(x)
+    """``x`` as a float: a real number (bools are not) that fits a double, else a KVSimdError naming
+    ``name`` (the boundary's one rule, kvsimd._kvsimd._need_real)."""
+    return _kvsimd._need_real(x, name)
+
+
+BOOL_FIELDS = ("ffn_gated", "pre_norm", "parallel_residual", "embed_norm", "final_norm", "cross_attention")
 
 
 def check_config(cfg, what="config"):
@@ -93,6 +95,10 @@ def check_config(cfg, what="config"):
             raise KVSimdValueError("%s.%s must be >= 1, got %d" % (what, name, v))
     if need_int(cfg.position_offset, what + ".position_offset") < 0:
         raise KVSimdValueError("%s.position_offset must be >= 0, got %d" % (what, cfg.position_offset))
+    for name in BOOL_FIELDS:
+        v = getattr(cfg, name)
+        if not isinstance(v, (bool, np.bool_)):
+            raise KVSimdTypeError("%s.%s must be a bool, got %r" % (what, name, v))
     if cfg.n_heads % cfg.n_kv_heads:
         raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
     for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):

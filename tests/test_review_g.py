@@ -229,3 +229,51 @@ def test_decode_step_still_matches_the_numpy_layers():
         m.prefill([1, 2, 3], cache=cache)
         logits.append(m.step([4], cache=cache))
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- 2. config numbers and flags
+def cfg(**kw):
+    args = dict(vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=16)
+    args.update(kw)
+    return ModelConfig(**args)
+
+
+@pytest.mark.parametrize("field", ["norm_eps", "embed_scale", "rope_theta"])
+def test_config_number_too_large_for_a_double_is_named(field):
+    with pytest.raises(KVSimdValueError, match=r"config\.%s=%d does not fit a double" % (field, 2 ** 2000)):
+        cfg(**{field: 2 ** 2000})
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 2 ** 1100), ("top_p", -2 ** 1100)])
+def test_sampling_number_too_large_for_a_double_is_named(field, value):
+    logits = np.array([0.0, 1.0, 2.0], np.float32)
+    with pytest.raises(KVSimdValueError, match=r"%s=%d does not fit a double" % (field, value)):
+        sample(logits, np.random.default_rng(0), **{field: value})
+
+
+BOOLS = ("ffn_gated", "pre_norm", "parallel_residual", "embed_norm", "final_norm", "cross_attention")
+
+
+@pytest.mark.parametrize("field", BOOLS)
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0, None, 1.0, np.int64(1)])
+def test_config_flags_must_be_bools(field, value):
+    pattern = r"config\.%s must be a bool, got %s" % (field, re.escape(repr(value)))
+    with pytest.raises(KVSimdTypeError, match=pattern):
+        cfg(**{field: value})
+
+
+@pytest.mark.parametrize("field", BOOLS)
+def test_config_flags_take_python_and_numpy_bools(field):
+    for v in (True, False, np.bool_(True), np.bool_(False)):
+        c = cfg(**{field: v})
+        assert getattr(c, field) == v
+
+
+def test_config_flag_checked_again_when_a_model_revalidates():
+    """A flag assigned after construction is caught where the model re-validates its config."""
+    from test_streaming import random_decoder
+    m = random_decoder(n_layers=1)
+    cache = m.new_cache(capacity=8)
+    m.cfg.pre_norm = "no"
+    with pytest.raises(KVSimdTypeError, match=r"pre_norm must be a bool, got 'no'"):
+        m.prefill([1, 2], cache=cache)
