@@ -277,3 +277,45 @@ def test_config_flag_checked_again_when_a_model_revalidates():
     m.cfg.pre_norm = "no"
     with pytest.raises(KVSimdTypeError, match=r"pre_norm must be a bool, got 'no'"):
         m.prefill([1, 2], cache=cache)
+
+
+# ---------------------------------------------------------------------------------- 3. one rule for RoPE theta
+@pytest.mark.parametrize("theta", [1e-300, 1e-201, 0.0, -1.0, float("inf"), float("nan")])
+def test_config_theta_follows_the_kernel_rule(theta):
+    """Whatever theta the config accepts, the RoPE kernels accept (and the other way round)."""
+    with pytest.raises(KVSimdValueError) as boundary:
+        _kvsimd._rope_params(theta, "neox", 4, 4)
+    with pytest.raises(KVSimdValueError) as config:
+        cfg(rope_theta=theta)
+    assert str(config.value) == "config.rope_theta" + str(boundary.value)[len("theta"):]
+    assert "at least 1e-200" in str(config.value)
+
+
+@pytest.mark.parametrize("theta", [1e-200, 1e-150, 0.5, 10000.0, 1e300])
+def test_config_theta_the_kernels_take_prefills(theta):
+    from test_streaming import random_decoder
+    m = random_decoder(n_layers=1)
+    m.cfg = cfg(vocab_size=m.cfg.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
+                ffn_gated=True, rope_theta=theta, rope_style="neox", max_positions=8192)
+    logits = m.prefill([1, 2, 3], cache=m.new_cache(capacity=8))
+    assert logits.shape == (m.cfg.vocab_size,) and np.isfinite(logits).all()
+
+
+def test_config_rope_fields_named_with_the_boundary_rule():
+    with pytest.raises(KVSimdValueError, match=r"^config\.rope_style must be 'gptj' or 'neox', got 'llama'$"):
+        cfg(rope_style="llama")
+    with pytest.raises(KVSimdValueError, match=r"^config\.rotary_dim must be even and in 2\.\.head_dim=4, got 3$"):
+        cfg(rotary_dim=3)
+    with pytest.raises(KVSimdValueError, match=r"^config\.head_dim \(last axis\) is 1024; at most 512"):
+        cfg(d_model=2048, head_dim=1024)
+    assert cfg(position="alibi", rope_theta=1e-300).rope_theta == 1e-300   # only read for RoPE
+
+
+def test_gguf_rope_base_the_kernels_refuse_fails_at_load(tmp_path):
+    import gguf
+    from test_gguf import write_llama_gguf
+    from kvsimd import Decoder
+    path = str(tmp_path / "tiny_theta.gguf")
+    write_llama_gguf(path, meta={"llama.rope.freq_base": (1e-300, gguf.GGUFValueType.FLOAT64)})
+    with pytest.raises(KVSimdValueError, match=r"rope_theta must be a positive finite number \(at least 1e-200\)"):
+        Decoder.from_gguf(path)
