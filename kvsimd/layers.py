@@ -106,7 +106,10 @@ def check_config(cfg, what="config"):
         if getattr(cfg, name) not in allowed:
             raise KVSimdValueError("%s.%s must be one of %s, got %r"
                                    % (what, name, ", ".join(allowed), getattr(cfg, name)))
-    for name, lo in (("norm_eps", 0.0), ("embed_scale", None)) + ((("rope_theta", None),) if cfg.position != "rope" else ()):
+    reals = (("norm_eps", 0.0), ("embed_scale", None))
+    if cfg.position != "rope":        # with RoPE, theta follows the kernels' rule below
+        reals += (("rope_theta", None),)
+    for name, lo in reals:
         v = _real(getattr(cfg, name), "%s.%s" % (what, name))
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
