@@ -6,6 +6,7 @@ row of activations multiplies directly); attention over cached K/V runs in kvsim
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from kvsimd import ops
 from kvsimd import _kvsimd
-from kvsimd.errors import KVSimdTypeError, KVSimdValueError
+from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 
 F32 = np.float32
 
@@ -76,10 +77,12 @@ class ModelConfig(_Tracked):
 
 
 def _real(x, name):
-    """``x`` as a float; KVSimdTypeError naming ``name`` unless it is a real number (bools are not)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise KVSimdTypeError("%s must be a real number, got %r" % (name, x))
-    return float(x)
+    """``x`` as a float: a real number (bools are not) that fits a double, else a KVSimdError naming
+    ``name`` (the boundary's one rule, kvsimd._kvsimd._need_real)."""
+    return _kvsimd._need_real(x, name)
+
+
+BOOL_FIELDS = ("ffn_gated", "pre_norm", "parallel_residual", "embed_norm", "final_norm", "cross_attention")
 
 
 def check_config(cfg, what="config"):
@@ -93,27 +96,35 @@ def check_config(cfg, what="config"):
             raise KVSimdValueError("%s.%s must be >= 1, got %d" % (what, name, v))
     if need_int(cfg.position_offset, what + ".position_offset") < 0:
         raise KVSimdValueError("%s.position_offset must be >= 0, got %d" % (what, cfg.position_offset))
+    for name in BOOL_FIELDS:
+        v = getattr(cfg, name)
+        if not isinstance(v, (bool, np.bool_)):
+            raise KVSimdTypeError("%s.%s must be a bool, got %r" % (what, name, v))
     if cfg.n_heads % cfg.n_kv_heads:
         raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
     for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
         if getattr(cfg, name) not in allowed:
             raise KVSimdValueError("%s.%s must be one of %s, got %r"
                                    % (what, name, ", ".join(allowed), getattr(cfg, name)))
-    for name, lo in (("norm_eps", 0.0), ("embed_scale", None), ("rope_theta", None)):
+    reals = (("norm_eps", 0.0), ("embed_scale", None))
+    if cfg.position != "rope":        # with RoPE, theta follows the kernels' rule below
+        reals += (("rope_theta", None),)
+    for name, lo in reals:
         v = _real(getattr(cfg, name), "%s.%s" % (what, name))
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
                                    % (what, name, "" if lo is None else " and >= 0", v))
     if cfg.position == "rope":
-        if not cfg.rope_theta > 0:
-            raise KVSimdValueError("%s.rope_theta must be > 0, got %r" % (what, cfg.rope_theta))
-        if cfg.rope_style not in ("gptj", "neox"):
-            raise KVSimdValueError("%s.rope_style must be 'gptj' or 'neox', got %r" % (what, cfg.rope_style))
-        rd = need_int(cfg.rotary_dim, what + ".rotary_dim")
-        if rd < 2 or rd % 2 or rd > cfg.head_dim:
-            raise KVSimdValueError("%s.rotary_dim must be even and in 2..head_dim=%d, got %d"
-                                   % (what, cfg.head_dim, rd))
-
+        # the kernels' own rule for theta, style and rotary_dim (ops.apply_rope, KVCache.step_plan),
+        # so a config accepted here is never refused by every prefill
+        need_int(cfg.rotary_dim, what + ".rotary_dim")
+        try:
+            _kvsimd._rope_params(cfg.rope_theta, cfg.rope_style, cfg.rotary_dim, cfg.head_dim)
+        except KVSimdError as e:
+            # the boundary's message, which starts with the argument's name, naming the config field
+            arg, rest = re.match(r"(\w*)(.*)", str(e), re.S).groups()
+            field = {"theta": "rope_theta", "style": "rope_style"}.get(arg, arg)
+            raise type(e)("%s.%s%s" % (what, field, rest)) from None
 
 
 # ------------------------------------------------------------------------------ functions
