@@ -315,13 +315,17 @@ def config_from_gguf(gf):
     if vocab != len(tok["tokens"]):   # token ids index the embedding rows: both must agree
         raise GGUFError("%s: metadata llama.vocab_size=%d but tokenizer.ggml.tokens has %d tokens"
                         % (p, vocab, len(tok["tokens"])))
-    return ModelConfig(
+    fields = dict(
         vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=Hkv,
         head_dim=head_dim, ffn_dim=meta_int(gf, "llama.feed_forward_length"), activation="silu", ffn_gated=True,
         norm="rmsnorm", norm_eps=meta_float(gf, "llama.attention.layer_norm_rms_epsilon", 1e-5),
         position="rope", rope_theta=meta_float(gf, "llama.rope.freq_base", 10000.0), rope_style="gptj",
         rotary_dim=rot, max_positions=meta_int(gf, "llama.context_length", 4096),
         bos_token_id=tok["bos_id"], eos_token_id=tok["eos_id"], family="llama-gguf")
+    try:    # the config's own rules (e.g. RoPE theta as the kernels accept it), named as the file's
+        return ModelConfig(**fields)
+    except KVSimdError as e:
+        raise GGUFError("%s: the metadata gives an unusable config: %s" % (p, e)) from None
 
 
 def tokenizer_spec(gf):
