@@ -2,9 +2,11 @@
 
 GGUF stores a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) as its token list and merge
 list; control tokens (type 3) are the special tokens.  The chat template is rendered with
-jinja2, as transformers does.
+jinja2 in its immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
 """
 from __future__ import annotations
+
+import contextvars
 
 import numpy as np
 
@@ -94,25 +96,139 @@ class Tokenizer:
         bos = self.tk.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.tk.id_to_token(self.eos_id) if self.eos_id is not None else ""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos, eos_token=eos)
+            return _render(self._template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos, eos_token=eos)
         except KVSimdError:    # the template's own raise_exception()
             raise
-        except Exception as e:  # jinja2's errors (a message without "content"...) or the template's own
-            raise KVSimdValueError("chat template: %s: %s (messages=%r)" % (type(e).__name__, e, messages)) from None
+        except _TemplateTooLarge as e:
+            raise KVSimdValueError("the model's chat template (tokenizer.chat_template) is refused: %s (the limit "
+                                   "is kvsimd.tokenizer.CHAT_TEMPLATE_MAX_CHARS)" % e) from None
+        except Exception as e:  # jinja2's errors (a message without "content", the sandbox refusing an attribute...)
+            raise KVSimdValueError("the model's chat template (tokenizer.chat_template) failed: %s: %s (messages=%r)"
+                                   % (type(e).__name__, e, messages)) from None
 
 
-def _compile_template(source):
+#: The most characters a chat template may add to the messages' own text when it is rendered:
+#: the limit of one render is this plus twice the messages' text.  A template comes from the model
+#: file, so it is untrusted code: it runs in jinja2's immutable sandbox (no access to Python
+#: internals, no changes to the messages), and the rendered prompt, every string or list it makes
+#: (``*``, ``+``, ``%``, a call or a filter) and every integer it passes are bounded by that limit;
+#: ``**`` makes at most 4096-bit integers and all ``range()`` calls of a render together at most
+#: CHAT_TEMPLATE_MAX_CHARS numbers.
+CHAT_TEMPLATE_MAX_CHARS = 1 << 20
+_LIMIT = contextvars.ContextVar("kvsimd_chat_template_limit", default=CHAT_TEMPLATE_MAX_CHARS)
+
+
+class _TemplateTooLarge(Exception):
+    pass
+
+
+def _sandbox():
+    """A jinja2 ImmutableSandboxedEnvironment whose every size is bounded (built once per process)."""
+    global _SANDBOX
+    if _SANDBOX is not None:
+        return _SANDBOX
+    import functools
     import jinja2
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def need_small(args, what):
+        limit = _LIMIT.get()
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > limit:
+                raise _TemplateTooLarge("%s with the integer %d (more than %d)" % (what, a, limit))
+
+    def need_short(x, what):
+        limit = _LIMIT.get()
+        if isinstance(x, (str, bytes, list, tuple, dict)) and len(x) > limit:
+            raise _TemplateTooLarge("%s makes a %s of %d items (more than %d)" % (what, type(x).__name__, len(x),
+                                                                                    limit))
+        return x
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "+", "%", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            limit = _LIMIT.get()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and \
+                            len(seq) * n > limit:
+                        raise _TemplateTooLarge("'*' makes a %s of %d items (more than %d)"
+                                                % (type(seq).__name__, len(seq) * n, limit))
+            elif operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                        max(left.bit_length(), 1) * right > 64 * 64:
+                    raise _TemplateTooLarge("'**' makes an integer of about %d bits"
+                                            % (max(left.bit_length(), 1) * right))
+            elif operator == "%" and isinstance(left, str):
+                need_small(right if isinstance(right, tuple) else (right,), "'%'")
+            return need_short(super().call_binop(context, operator, left, right), repr(operator))
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            need_small(list(args) + list(kwargs.values()), "a call")
+            return need_short(super().call(__context, __obj, *args, **kwargs), "a call")
+
+    def bounded_filter(name, f):
+        @functools.wraps(f)
+        def g(*args, **kwargs):
+            need_small(list(args) + list(kwargs.values()), "the filter %r" % name)
+            return need_short(f(*args, **kwargs), "the filter %r" % name)
+        return g
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters = {k: bounded_filter(k, f) for k, f in env.filters.items()}
+    del env.globals["lipsum"]
 
     def raise_exception(msg):
         raise KVSimdValueError("chat template: %s" % msg)
     env.globals["raise_exception"] = raise_exception
+    _SANDBOX = env
+    return env
+
+
+_SANDBOX = None
+
+
+def _budgeted_range():
+    """``range`` for one render: at most CHAT_TEMPLATE_MAX_CHARS numbers over the whole render,
+    so nested loops are bounded too."""
+    left = [CHAT_TEMPLATE_MAX_CHARS]
+
+    def range_(*args):
+        r = range(*args)
+        left[0] -= len(r)
+        if left[0] < 0:
+            raise _TemplateTooLarge("range() loops over more than %d numbers in one render"
+                                    % CHAT_TEMPLATE_MAX_CHARS)
+        return r
+    return range_
+
+
+def _render(template, messages, **context):
+    """Render, refusing output longer than CHAT_TEMPLATE_MAX_CHARS plus twice the messages' text."""
+    own = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+    limit = CHAT_TEMPLATE_MAX_CHARS + 2 * own
+    out, n = [], 0
+    token = _LIMIT.set(limit)
     try:
-        return env.from_string(source)
+        for chunk in template.generate(messages=messages, range=_budgeted_range(), **context):
+            n += len(chunk)
+            if n > limit:
+                raise _TemplateTooLarge("the rendered prompt is longer than %d characters" % limit)
+            out.append(chunk)
+    finally:
+        _LIMIT.reset(token)
+    return "".join(out)
+
+
+def _compile_template(source):
+    import jinja2
+    try:
+        return _sandbox().from_string(source)
     except jinja2.TemplateError as e:
         raise KVSimdValueError("not a valid jinja2 template: %s" % e) from None
+
 
 class TextStream:
     """Incremental decoding of one sequence of token ids.
