@@ -11,6 +11,7 @@ import kvsimd
 from kvsimd import Decoder
 from kvsimd.tokenizer import CHAT_TEMPLATE_MAX_CHARS
 
+from test_cli import cli, one_error_line, tiny  # noqa: F401  (fixtures)
 from test_gguf import gguf, model_dir, tok, write_llama_gguf  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +94,46 @@ def test_smollm2_chat_template_renders_as_transformers_does(tok):
                 htok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
 
-def cli(args, env=None, timeout=300, **kw):
-    e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "kvsimd", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=ROOT, **kw)
+# ------------------------------------------------------------------------------ the CLI
+@pytest.mark.parametrize("seed", [str(2**63), str(2**64 - 1)])
+def test_cli_seed_beyond_generates_range_is_a_usage_error(tiny, seed):
+    r = cli(["generate", "--model", tiny, "--seed", seed, "--temperature", "1", "hi"])
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r)
+    assert "argument --seed:" in line and repr(seed) in line and str(2**63 - 1) in line, line
+
+
+def test_cli_largest_seed_generates_reproducibly(tiny):
+    args = ["generate", "--model", tiny, "--seed", str(2**63 - 1), "--temperature", "1", "--max-new-tokens", "6",
+            "hi"]
+    r1, r2 = cli(args), cli(args)
+    assert r1.returncode == 0, r1.stderr
+    assert r1.stdout == r2.stdout and len(r1.stdout) > 1
+
+
+@pytest.mark.parametrize("when", ["call", "first step"])
+def test_cli_error_from_generate_reaches_the_user(tiny, monkeypatch, capsys, when):
+    from kvsimd import __main__ as cli_main
+    from kvsimd.decoder import Decoder
+
+    def failing_generate(self, *a, **kw):
+        if when == "call":
+            raise kvsimd.KVSimdValueError("the real error, at the call")
+
+        def gen():
+            raise kvsimd.KVSimdValueError("the real error, at the first step")
+            yield
+        return gen()
+    monkeypatch.setattr(Decoder, "generate", failing_generate)
+    rc = cli_main.main(["generate", "--model", tiny, "--max-new-tokens", "3", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.splitlines()[-1] == "kvsimd: error: the real error, at the " + when, err
+
+
+def test_cli_closed_stdout_is_one_clear_line(tiny):
+    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", tiny, "--max-new-tokens", "3", "hi"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == "kvsimd: error: standard output is closed: nowhere to write the generated text\n", r.stderr
