@@ -80,11 +80,19 @@ def _error(msg):
 
 
 def _read_prompt(args):
-    if args.prompt is not None:
-        return args.prompt
-    if sys.stdin is None or sys.stdin.isatty():
+    if args.prompt is not None:   # the OS gives bytes; Python maps bytes that are not UTF-8 to lone surrogates
+        data, where = os.fsencode(args.prompt), "argument"
+    elif sys.stdin is None or sys.stdin.isatty():
         raise _Usage("no prompt: give it as an argument (python -m kvsimd generate \"PROMPT\") or pipe it on stdin")
-    return sys.stdin.read()
+    else:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
+            sys.stdin.read().encode("utf-8", "surrogatepass")     # a text stream put there by a caller
+        where = "on stdin"
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Usage("the prompt %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (where, data[e.start], e.start)) \
+            from None
 
 
 def _generate(args, stats):

@@ -71,6 +71,12 @@ class Tokenizer:
     def encode(self, text, add_bos=None):
         if not isinstance(text, str):
             raise KVSimdTypeError("text must be a str, got %s" % type(text).__name__)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate, e.g. from a surrogateescape'd non-UTF-8 byte
+            raise KVSimdValueError("text must be valid Unicode (encodable as UTF-8), got %s: %s at index %d"
+                                   % (_short_repr(text), "lone surrogate U+%04X" % ord(text[e.start]), e.start)) \
+                from None
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -228,6 +234,10 @@ def _compile_template(source):
         return _sandbox().from_string(source)
     except jinja2.TemplateError as e:
         raise KVSimdValueError("not a valid jinja2 template: %s" % e) from None
+
+
+def _short_repr(text, n=60):
+    return repr(text) if len(text) <= n else "%r... (%d characters)" % (text[:n], len(text))
 
 
 class TextStream:

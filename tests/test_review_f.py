@@ -137,3 +137,41 @@ def test_cli_closed_stdout_is_one_clear_line(tiny):
                        preexec_fn=lambda: os.close(1))
     assert r.returncode == 1, r.stderr
     assert r.stderr == "kvsimd: error: standard output is closed: nowhere to write the generated text\n", r.stderr
+
+
+# ------------------------------------------------------------------------------ text that is not UTF-8
+@pytest.fixture(scope="module")
+def tiny_tok(tiny):
+    return Decoder.from_gguf(tiny).tokenizer
+
+
+@pytest.mark.parametrize("text,index", [("\udcff", 0), ("ab\ud800c", 2), ("x" * 100 + "\udfff", 100)])
+def test_encode_refuses_lone_surrogates_naming_the_text(tiny_tok, text, index):
+    with pytest.raises(kvsimd.KVSimdValueError, match=r"text must be valid Unicode .*lone surrogate U\+%04X at index %d"
+                       % (ord(text[index]), index)) as e:
+        tiny_tok.encode(text)
+    assert repr(text[:20])[:-1] in str(e.value)
+    assert tiny_tok.encode("ab\U0001F600c") == tiny_tok.encode("ab") + tiny_tok.encode("\U0001F600") + \
+        tiny_tok.encode("c")      # a valid astral character (a surrogate pair in UTF-16) is fine
+
+
+def test_cli_prompt_argument_not_utf8_is_one_line(tiny):
+    r = subprocess.run([sys.executable.encode(), b"-m", b"kvsimd", b"generate", b"--model", tiny.encode(),
+                        b"ab\xffcd"], capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.decode() == ("kvsimd: error: the prompt argument is not valid UTF-8 (byte 0xff at offset 2)\n")
+
+
+@pytest.mark.parametrize("lang", ["C.UTF-8", "C"])
+def test_cli_prompt_on_stdin_not_utf8_is_one_line(tiny, lang):
+    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", tiny], input=b"hello \xc3(",
+                       capture_output=True, cwd=ROOT, timeout=120, env=dict(os.environ, LC_ALL=lang, LANG=lang))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.decode() == "kvsimd: error: the prompt on stdin is not valid UTF-8 (byte 0xc3 at offset 6)\n"
+
+
+def test_cli_utf8_prompt_still_works(tiny):
+    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", tiny, "--max-new-tokens", "2"],
+                       input="héllo ✿".encode(), capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert b"prefill %d tokens" % len(Decoder.from_gguf(tiny).tokenizer.encode("héllo ✿")) in r.stderr
