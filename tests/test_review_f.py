@@ -175,3 +175,39 @@ def test_cli_utf8_prompt_still_works(tiny):
                        input="héllo ✿".encode(), capture_output=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert b"prefill %d tokens" % len(Decoder.from_gguf(tiny).tokenizer.encode("héllo ✿")) in r.stderr
+
+
+# ------------------------------------------------------------------------------ KVSIMD_FORCE_ISA bytes
+def run_env(code_args, value):
+    env = dict(os.environb)
+    env[b"KVSIMD_FORCE_ISA"] = value
+    return subprocess.run([sys.executable, *code_args], capture_output=True, cwd=ROOT, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("value", [b"\xff", b"avx2\xe9", b"x" + "é".encode() * 300])
+def test_force_isa_not_utf8_or_long_is_an_import_error(value):
+    r = run_env(["-c", "import kvsimd"], value)
+    assert r.returncode == 1
+    last = r.stderr.decode("utf-8", "replace").splitlines()[-1]
+    assert last.startswith("ImportError: kvsimd: KVSIMD_FORCE_ISA=" + value[:7].decode("utf-8", "backslashreplace")), \
+        r.stderr
+    if len(value) < 100:
+        assert "unknown ISA" in last and "compiled: scalar" in last, last
+
+
+def test_force_isa_not_utf8_under_the_cli_is_one_line():
+    r = run_env(["-m", "kvsimd", "generate", "hi"], b"\xff")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.decode().startswith("kvsimd: error: KVSIMD_FORCE_ISA=\\xff: unknown ISA '\\xff' (compiled: ")
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("name,match", [("\udcff", "unknown ISA"), ("sc\ud800", "unknown ISA"),
+                                        ("scalar\x00avx2", "must not contain NUL")])
+def test_use_isa_odd_names_are_isa_errors(name, match):
+    from kvsimd.testing import use_isa
+    before = kvsimd.active_isa()
+    with pytest.raises(kvsimd.KVSimdISAError, match=match):
+        with use_isa(name):
+            pass
+    assert kvsimd.active_isa() == before
