@@ -114,19 +114,54 @@ class Tokenizer:
                                    % (type(e).__name__, e, messages)) from None
 
 
-#: The most characters a chat template may add to the messages' own text when it is rendered:
-#: the limit of one render is this plus twice the messages' text.  A template comes from the model
-#: file, so it is untrusted code: it runs in jinja2's immutable sandbox (no access to Python
-#: internals, no changes to the messages), and the rendered prompt, every string or list it makes
-#: (``*``, ``+``, ``%``, a call or a filter) and every integer it passes are bounded by that limit;
-#: ``**`` makes at most 4096-bit integers and all ``range()`` calls of a render together at most
-#: CHAT_TEMPLATE_MAX_CHARS numbers.
+#: The most characters a chat template may add to the messages' own text when it is rendered.
+#: A template comes from the model file, so it is untrusted code: it runs in jinja2's immutable
+#: sandbox (no access to Python internals, no changes to the messages), and one render is bounded
+#: by ``limit`` = CHAT_TEMPLATE_MAX_CHARS + 2 x the messages' text: the rendered prompt, every
+#: string or list it makes (``*``, ``+``, ``~``, ``%``, a call, a filter) and every integer it passes
+#: are at most ``limit``; ``**`` makes integers of at most 4096 bits; and its work (loop iterations
+#: plus the items of every value those operations make) is at most CHAT_TEMPLATE_WORK x ``limit``.
 CHAT_TEMPLATE_MAX_CHARS = 1 << 20
-_LIMIT = contextvars.ContextVar("kvsimd_chat_template_limit", default=CHAT_TEMPLATE_MAX_CHARS)
+CHAT_TEMPLATE_WORK = 8
 
 
 class _TemplateTooLarge(Exception):
     pass
+
+
+class _Budget:
+    """The bounds of one render (see CHAT_TEMPLATE_MAX_CHARS)."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.work = CHAT_TEMPLATE_WORK * limit
+
+    def charge(self, n):
+        self.work -= n
+        if self.work < 0:
+            raise _TemplateTooLarge("the template does more than %d units of work (loop iterations plus items made)"
+                                    % (CHAT_TEMPLATE_WORK * self.limit))
+
+    def small(self, args, what):
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limit:
+                raise _TemplateTooLarge("%s with the integer %d (more than %d)" % (what, a, self.limit))
+
+    def short(self, x, what):
+        n = len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 1
+        if n > self.limit:
+            raise _TemplateTooLarge("%s makes a %s of %d items (more than %d)" % (what, type(x).__name__, n,
+                                                                                    self.limit))
+        self.charge(n)
+        return x
+
+    def iterate(self, iterable):
+        for x in iterable:
+            self.charge(1)
+            yield x
+
+
+_BUDGET = contextvars.ContextVar("kvsimd_chat_template_budget", default=_Budget(CHAT_TEMPLATE_MAX_CHARS))
 
 
 def _sandbox():
@@ -136,50 +171,63 @@ def _sandbox():
         return _SANDBOX
     import functools
     import jinja2
+    import jinja2.compiler
+    from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def need_small(args, what):
-        limit = _LIMIT.get()
-        for a in args:
-            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > limit:
-                raise _TemplateTooLarge("%s with the integer %d (more than %d)" % (what, a, limit))
+    class Bounded(jinja2.compiler.CodeGenerator):
+        """``a ~ b`` (which the sandbox does not intercept) checked like the operators, and every
+        ``{% for %}`` iteration charged to the render's work."""
+        def visit_Concat(self, node, frame):
+            self.write("environment.kvsimd_short(")
+            super().visit_Concat(node, frame)
+            self.write(", '~')")
 
-    def need_short(x, what):
-        limit = _LIMIT.get()
-        if isinstance(x, (str, bytes, list, tuple, dict)) and len(x) > limit:
-            raise _TemplateTooLarge("%s makes a %s of %d items (more than %d)" % (what, type(x).__name__, len(x),
-                                                                                    limit))
-        return x
+        def visit_For(self, node, frame):
+            node.iter = nodes.Call(nodes.EnvironmentAttribute("kvsimd_iterate"), [node.iter], [], None, None,
+                                   lineno=node.lineno)
+            super().visit_For(node, frame)
 
     class Sandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "+", "%", "**"])
+        code_generator_class = Bounded
+
+        @staticmethod
+        def kvsimd_short(x, what):
+            return _BUDGET.get().short(x, repr(what))
+
+        @staticmethod
+        def kvsimd_iterate(iterable):
+            return _BUDGET.get().iterate(iterable)
 
         def call_binop(self, context, operator, left, right):
-            limit = _LIMIT.get()
+            budget = _BUDGET.get()
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and \
-                            len(seq) * n > limit:
+                            len(seq) * n > budget.limit:
                         raise _TemplateTooLarge("'*' makes a %s of %d items (more than %d)"
-                                                % (type(seq).__name__, len(seq) * n, limit))
+                                                % (type(seq).__name__, len(seq) * n, budget.limit))
             elif operator == "**":
                 if isinstance(left, int) and isinstance(right, int) and right > 0 and \
                         max(left.bit_length(), 1) * right > 64 * 64:
                     raise _TemplateTooLarge("'**' makes an integer of about %d bits"
                                             % (max(left.bit_length(), 1) * right))
             elif operator == "%" and isinstance(left, str):
-                need_small(right if isinstance(right, tuple) else (right,), "'%'")
-            return need_short(super().call_binop(context, operator, left, right), repr(operator))
+                budget.small(right if isinstance(right, tuple) else (right,), "'%'")
+            return budget.short(super().call_binop(context, operator, left, right), repr(operator))
 
         def call(__self, __context, __obj, *args, **kwargs):
-            need_small(list(args) + list(kwargs.values()), "a call")
-            return need_short(super().call(__context, __obj, *args, **kwargs), "a call")
+            budget = _BUDGET.get()
+            budget.small(list(args) + list(kwargs.values()), "a call")
+            return budget.short(super().call(__context, __obj, *args, **kwargs), "a call")
 
     def bounded_filter(name, f):
-        @functools.wraps(f)
+        @functools.wraps(f)     # keeps jinja2's pass_context/pass_environment marks
         def g(*args, **kwargs):
-            need_small(list(args) + list(kwargs.values()), "the filter %r" % name)
-            return need_short(f(*args, **kwargs), "the filter %r" % name)
+            budget = _BUDGET.get()
+            budget.small(list(args) + list(kwargs.values()), "the filter %r" % name)
+            return budget.short(f(*args, **kwargs), "the filter %r" % name)
         return g
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
@@ -196,35 +244,20 @@ def _sandbox():
 _SANDBOX = None
 
 
-def _budgeted_range():
-    """``range`` for one render: at most CHAT_TEMPLATE_MAX_CHARS numbers over the whole render,
-    so nested loops are bounded too."""
-    left = [CHAT_TEMPLATE_MAX_CHARS]
-
-    def range_(*args):
-        r = range(*args)
-        left[0] -= len(r)
-        if left[0] < 0:
-            raise _TemplateTooLarge("range() loops over more than %d numbers in one render"
-                                    % CHAT_TEMPLATE_MAX_CHARS)
-        return r
-    return range_
-
-
 def _render(template, messages, **context):
-    """Render, refusing output longer than CHAT_TEMPLATE_MAX_CHARS plus twice the messages' text."""
+    """Render within the bounds of CHAT_TEMPLATE_MAX_CHARS."""
     own = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
-    limit = CHAT_TEMPLATE_MAX_CHARS + 2 * own
+    budget = _Budget(CHAT_TEMPLATE_MAX_CHARS + 2 * own)
     out, n = [], 0
-    token = _LIMIT.set(limit)
+    token = _BUDGET.set(budget)
     try:
-        for chunk in template.generate(messages=messages, range=_budgeted_range(), **context):
+        for chunk in template.generate(messages=messages, **context):
             n += len(chunk)
-            if n > limit:
-                raise _TemplateTooLarge("the rendered prompt is longer than %d characters" % limit)
+            if n > budget.limit:
+                raise _TemplateTooLarge("the rendered prompt is longer than %d characters" % budget.limit)
             out.append(chunk)
     finally:
-        _LIMIT.reset(token)
+        _BUDGET.reset(token)
     return "".join(out)
 
 
