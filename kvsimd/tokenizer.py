@@ -147,6 +147,37 @@ class _Budget:
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limit:
                 raise _TemplateTooLarge("%s with the integer %d (more than %d)" % (what, a, self.limit))
 
+    def before(self, name, vals, kwargs, what, method):
+        """Refuse, before it runs, a call or filter ``name`` whose result would pass the limit:
+        every integer argument is at most ``limit`` and the operations that multiply sizes
+        (replace, indent, join, sum, expandtabs, wordwrap) are estimated first.  ``vals`` is the
+        string/list the call works on followed by its other arguments."""
+        self.small(list(vals) + list(kwargs.values()), what)
+        vals = [v for v in vals if not _is_jinja_object(v)]
+        if not vals:
+            return
+        s, rest, n = vals[0], vals[1:], None
+        arg = lambda i, key, default: kwargs.get(key, rest[i] if len(rest) > i else default)
+        size = lambda x: len(x) if isinstance(x, (str, list, tuple, dict)) else 1
+        if name == "replace" and isinstance(s, str) and len(rest) >= 2:
+            old, new = str(rest[0]), str(rest[1])
+            n = len(s) + (s.count(old) if old else len(s) + 1) * len(new)
+        elif name == "indent" and isinstance(s, str):
+            width = arg(0, "width", 4)
+            n = len(s) + (s.count("\n") + 1) * size(width) * (1 if isinstance(width, str) else max(width, 0))
+        elif name == "join" and isinstance(s, str if method else (list, tuple, str)):
+            seq, sep = (rest[0] if rest else (), s) if method else (s, arg(0, "d", ""))
+            if isinstance(seq, (list, tuple, str)):
+                n = len(seq) * size(sep) + sum(size(x) for x in seq)
+        elif name == "sum" and isinstance(s, (list, tuple)):
+            n = sum(size(x) for x in s)
+        elif name == "expandtabs" and isinstance(s, str):
+            n = len(s) + s.count("\t") * max(arg(0, "tabsize", 8), 0)
+        elif name == "wordwrap" and isinstance(s, str):
+            n = len(s) * (1 + size(arg(3, "wrapstring", None) or "\n"))
+        if n is not None and n > self.limit:
+            raise _TemplateTooLarge("%s would make %d items (more than %d)" % (what, n, self.limit))
+
     def short(self, x, what):
         n = len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 1
         if n > self.limit:
@@ -159,6 +190,11 @@ class _Budget:
         for x in iterable:
             self.charge(1)
             yield x
+
+
+def _is_jinja_object(v):
+    # the environment, context or eval context jinja2 passes a filter first
+    return any(c.__module__.startswith("jinja2.") for c in type(v).__mro__[:-1])
 
 
 _BUDGET = contextvars.ContextVar("kvsimd_chat_template_budget", default=_Budget(CHAT_TEMPLATE_MAX_CHARS))
@@ -219,14 +255,17 @@ def _sandbox():
 
         def call(__self, __context, __obj, *args, **kwargs):
             budget = _BUDGET.get()
-            budget.small(list(args) + list(kwargs.values()), "a call")
+            target = getattr(__obj, "__self__", None)
+            method = isinstance(target, (str, list, tuple, dict))
+            budget.before(getattr(__obj, "__name__", ""), ((target,) if method else ()) + args, kwargs,
+                          "a call of %s" % getattr(__obj, "__name__", "?"), method)
             return budget.short(super().call(__context, __obj, *args, **kwargs), "a call")
 
     def bounded_filter(name, f):
         @functools.wraps(f)     # keeps jinja2's pass_context/pass_environment marks
         def g(*args, **kwargs):
             budget = _BUDGET.get()
-            budget.small(list(args) + list(kwargs.values()), "the filter %r" % name)
+            budget.before(name, args, kwargs, "the filter %r" % name, False)
             return budget.short(f(*args, **kwargs), "the filter %r" % name)
         return g
 

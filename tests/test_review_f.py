@@ -58,7 +58,11 @@ HUGE = ["{% for i in range(10**9) %}{{ i }}{% endfor %}",
         "{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
         "{% for a in range(99999) %}{% set t = 'x' * 1000000 %}{% endfor %}",
         "{% for a in range(1000) %}{% for b in range(1000) %}{% for c in range(1000) %}{% endfor %}{% endfor %}"
-        "{% endfor %}"]
+        "{% endfor %}",
+        "{{ ('x\\n' * 500000)|indent(1000000) }}", "{{ ('x\\n' * 500000).replace('\\n', 'y' * 1000000) }}",
+        "{{ ('x\\n' * 500000)|replace('\\n', 'y' * 1000000) }}", "{{ (['y' * 1000000] * 1000)|join }}",
+        "{{ 'ab'.join(['y' * 1000000] * 1000) }}", "{{ ([['y'] * 1000000] * 1000)|sum(start=[]) }}",
+        "{{ ('\\t' * 1000000).expandtabs(1000000) }}", "{{ ('x ' * 500000)|wordwrap(1, wrapstring='y' * 1000000) }}"]
 
 
 @pytest.mark.parametrize("template", HUGE)
@@ -76,6 +80,10 @@ def test_chat_template_within_the_limit_renders(tmp_path):
     assert tk.apply_chat_template([{"role": "user", "content": "ab"}]) == "<user>abab----------0,1,2"
     big = "y" * (CHAT_TEMPLATE_MAX_CHARS + 10)     # long messages are the caller's: not refused
     assert tk.apply_chat_template([{"role": "user", "content": big}]) == "<user>" + big * 2 + "-" * 10 + "0,1,2"
+    tk = tokenizer_with_template(tmp_path, "{{ 'a-b'|replace('-', '+') }}|{{ ', '.join(['a', 'b']) }}|"
+                                           "{{ 'x\\ny'|indent(2) }}|{{ [[1], [2]]|sum(start=[]) }}|"
+                                           "{{ 'a b c'|wordwrap(2) }}|{{ 'a\\tb'.expandtabs(4) }}")
+    assert tk.apply_chat_template(MSG) == "a+b|a, b|x\n  y|[1, 2]|a\nb\nc|a   b"
 
 
 def test_cli_chat_with_a_hostile_template_is_one_line(tmp_path):
