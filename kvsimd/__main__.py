@@ -10,7 +10,6 @@ import os
 import sys
 import time
 
-SEED_MAX = 2**64 - 1
 INT_MAX = 2**31 - 1
 SLIDING_N_KEEP = 4       # attention sinks kept by the sliding policies unless --n-keep says otherwise
 
@@ -55,7 +54,8 @@ def parser():
     g.add_argument("--temperature", type=_number(0, 1e6), default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_integer(0), default=0, help="0 = no limit")
     g.add_argument("--top-p", type=_number(0, 1, lo_open=True), default=1.0)
-    g.add_argument("--seed", type=_integer(0, SEED_MAX), default=None)
+    from kvsimd._kvsimd import _I64_MAX     # generate()'s seed rule: an integer in [0, 2**63 - 1]
+    g.add_argument("--seed", type=_integer(0, _I64_MAX), default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=_integer(1), default=None,
                    help="threads (at most the cores this process may use; more are capped with a warning)")
@@ -80,11 +80,19 @@ def _error(msg):
 
 
 def _read_prompt(args):
-    if args.prompt is not None:
-        return args.prompt
-    if sys.stdin is None or sys.stdin.isatty():
+    if args.prompt is not None:   # the OS gives bytes; Python maps bytes that are not UTF-8 to lone surrogates
+        data, where = os.fsencode(args.prompt), "argument"
+    elif sys.stdin is None or sys.stdin.isatty():
         raise _Usage("no prompt: give it as an argument (python -m kvsimd generate \"PROMPT\") or pipe it on stdin")
-    return sys.stdin.read()
+    else:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
+            sys.stdin.read().encode("utf-8", "surrogatepass")     # a text stream put there by a caller
+        where = "on stdin"
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Usage("the prompt %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (where, data[e.start], e.start)) \
+            from None
 
 
 def _generate(args, stats):
@@ -123,13 +131,14 @@ def _generate(args, stats):
     if n_keep >= capacity - 1:
         raise _Usage("--n-keep %d leaves no sliding window in a %d-token cache (see --window)" % (n_keep, capacity))
     itemsize = 2 if args.cache_dtype == "float16" else 4
-    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * itemsize
-                 / 2**20, started=time.perf_counter())
     stream = tok.stream()
     out = sys.stdout
+    # generate() checks its arguments now and prefills at the first next(): statistics from here on
     gen = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
                          cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy)
+    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * itemsize
+                 / 2**20, started=time.perf_counter())
     try:
         for t in gen:
             if stats["n_new"] == 0:
@@ -147,7 +156,8 @@ def _print_stats(args, stats):
     import kvsimd
     if "started" not in stats:
         return
-    first, end, n = stats.get("first", stats["end"]), stats["end"], stats["n_new"]
+    end = stats.get("end") or time.perf_counter()
+    first, n = stats.get("first", end), stats["n_new"]
     print("load %.2f s | prefill %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | KV cache %.1f MiB %s | isa %s"
           % (stats["load_s"], stats["prompt"], stats["prompt"] / max(first - stats["started"], 1e-9), n,
              max(n - 1, 0) / max(end - first, 1e-9), stats["cache_mib"], args.cache_dtype, kvsimd.active_isa()),
@@ -168,6 +178,9 @@ def exit_if_cli(e):
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if sys.stdout is None:      # started with stdout closed (`... >&-`)
+        _error("standard output is closed: nowhere to write the generated text")
+        return 1
     stats = {"n_new": 0}
     try:
         try:

@@ -12,12 +12,17 @@ _FEATURE_BITS = (
 )
 
 
+cdef str _c_text(const char *msg):
+    """A C message as text: it may quote bytes that are not UTF-8, or end inside a character
+    where snprintf cut it."""
+    return (<bytes>msg).decode("utf-8", "backslashreplace")
+
+
 cdef _init_dispatch():
     cdef char msg[512]
-    force = _os.environ.get("KVSIMD_FORCE_ISA", "")
-    fb = force.encode()
-    if kv_init(fb, msg, sizeof(msg)) != KV_OK:
-        raise ImportError("kvsimd: KVSIMD_FORCE_ISA=%s: %s" % (force, msg.decode()))
+    force = _os.environb.get(b"KVSIMD_FORCE_ISA", b"")     # the bytes the environment holds, any encoding
+    if kv_init(force, msg, sizeof(msg)) != KV_OK:
+        raise ImportError("kvsimd: KVSIMD_FORCE_ISA=%s: %s" % (force.decode("utf-8", "backslashreplace"), _c_text(msg)))
 
 
 _init_dispatch()
@@ -64,8 +69,11 @@ def _set_isa(name):
     cdef char msg[512]
     if not isinstance(name, str):
         raise KVSimdISAError("ISA name must be a str, got %r" % (name,))
-    if kv_set_isa(name.encode(), msg, sizeof(msg)) != KV_OK:
-        raise KVSimdISAError(msg.decode())
+    nb = name.encode("utf-8", "surrogatepass")    # a name with lone surrogates is just an unknown name
+    if b"\0" in nb:                                # C would read it only up to the NUL
+        raise KVSimdISAError("ISA name must not contain NUL, got %r" % (name,))
+    if kv_set_isa(nb, msg, sizeof(msg)) != KV_OK:
+        raise KVSimdISAError(_c_text(msg))
     _forced_name = name
 
 
