@@ -95,7 +95,7 @@ kv_status kv_set_isa(const char *name, char *msg, size_t msg_len)
                           : !kv_isa_compiled(found) ? "ISA not compiled into this build"
                                                     : "this CPU cannot run ISA";
         if (msg && msg_len)
-            snprintf(msg, msg_len, "%s '%s' (compiled: %s; supported on this CPU: %s)", why,
+            snprintf(msg, msg_len, "%s '%.32s' (compiled: %s; supported on this CPU: %s)", why,
                      name ? name : "", compiled, supported);
         return KV_ERR_ISA;
     }
