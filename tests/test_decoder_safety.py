@@ -9,21 +9,16 @@
   a KeyboardInterrupt raised at any point inside leaves the cache exactly as it was, and
   generation continued afterwards gives the logits of an uninterrupted run, bit for bit.
 """
-import os
-import re
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+
+import childcases
 
 from kvsimd import Decoder, EncoderDecoder, KVCache, KVSimdError
 from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 from test_streaming import V, random_decoder
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def random_encoder_decoder(seed=0, d=32, H=4):
@@ -55,12 +50,7 @@ def random_encoder_decoder(seed=0, d=32, H=4):
 CASES = {}
 
 
-def case(pattern):
-    """Register a callable that must raise a KVSimdError whose message matches ``pattern``."""
-    def deco(fn):
-        CASES[fn.__name__] = (fn, pattern)
-        return fn
-    return deco
+case = childcases.registrar(CASES)
 
 
 def model(**kw):
@@ -423,41 +413,12 @@ def greedy_counting_bad_start():
     random_encoder_decoder().greedy_counting([5, 6], 2, decoder_start=1000)
 
 
-def _child(names):
-    """Run the named cases here, one result line each (run in a child process by the test below)."""
-    for name in names:
-        fn = CASES[name][0]
-        try:
-            fn()
-            res = ("NOERROR", "", "")
-        except KVSimdError as e:
-            res = ("KVSIMD", type(e).__name__, str(e))
-        except BaseException as e:  # noqa: B902 - reported to the parent
-            res = ("OTHER", type(e).__name__, str(e))
-        print("\t".join((name,) + tuple(x.replace("\t", " ").replace("\n", " ") for x in res)), flush=True)
-
-
-@pytest.fixture(scope="module")
-def child_results():
-    code = "import sys; sys.path.insert(0, %r); import test_decoder_safety as t; t._child(sys.argv[1:])" % HERE
-    env = dict(os.environ, KVSIMD_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", code] + list(CASES), cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    res = {}
-    for line in r.stdout.splitlines():
-        parts = line.split("\t")
-        if len(parts) == 4:
-            res[parts[0]] = parts[1:]
-    return res, r.returncode, r.stderr
+child_results = childcases.results_fixture(__name__, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_model_cache_or_argument_raises_a_kvsimd_error(name, child_results):
-    res, rc, err = child_results
-    assert name in res, "the child process died (exit status %d) before case %s:\n%s" % (rc, name, err[-3000:])
-    kind, cls, msg = res[name]
-    assert kind == "KVSIMD", "%s: expected a KVSimdError, got %s %s: %s" % (name, kind, cls, msg)
-    assert re.search(CASES[name][1], msg), "%s: %s: %s" % (name, cls, msg)
+    childcases.check(name, child_results, CASES)
 
 
 def test_child_process_exits_cleanly(child_results):

@@ -10,18 +10,18 @@
 """
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+import childcases
 
 from kvsimd import KVSimdError, KVSimdTypeError, KVSimdValueError, _kvsimd
 from kvsimd.decoder import sample
 from kvsimd.layers import ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 
@@ -29,12 +29,7 @@ sys.path.insert(0, HERE)
 CASES = {}
 
 
-def case(pattern):
-    """Register a callable that must raise a KVSimdError whose message matches ``pattern``."""
-    def deco(fn):
-        CASES[fn.__name__] = (fn, pattern)
-        return fn
-    return deco
+case = childcases.registrar(CASES)
 
 
 def _decoder(n_layers=2):
@@ -181,41 +176,12 @@ def direct_cross_wo():
                           False, 1e-5, "gelu", False, False, False, cross)
 
 
-def _child(names):
-    """Run the named cases here, one result line each (run in a child process by the test below)."""
-    for name in names:
-        fn = CASES[name][0]
-        try:
-            fn()
-            res = ("NOERROR", "", "")
-        except KVSimdError as e:
-            res = ("KVSIMD", type(e).__name__, str(e))
-        except BaseException as e:  # noqa: B902 - reported to the parent
-            res = ("OTHER", type(e).__name__, str(e))
-        print("\t".join((name,) + tuple(x.replace("\t", " ").replace("\n", " ") for x in res)), flush=True)
-
-
-@pytest.fixture(scope="module")
-def child_results():
-    code = "import sys; sys.path.insert(0, %r); import test_review_g as t; t._child(sys.argv[1:])" % HERE
-    env = dict(os.environ, KVSIMD_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", code] + list(CASES), cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    res = {}
-    for line in r.stdout.splitlines():
-        parts = line.split("\t")
-        if len(parts) == 4:
-            res[parts[0]] = parts[1:]
-    return res, r.returncode, r.stderr
+child_results = childcases.results_fixture(__name__, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_step_checks_every_array_it_reads(name, child_results):
-    res, rc, err = child_results
-    assert name in res, "the child process died (exit status %d) before case %s:\n%s" % (rc, name, err[-3000:])
-    kind, cls, msg = res[name]
-    assert kind == "KVSIMD", "%s: expected a KVSimdError, got %s %s: %s" % (name, kind, cls, msg)
-    assert re.search(CASES[name][1], msg), "%s: %s: %s" % (name, cls, msg)
+    childcases.check(name, child_results, CASES)
 
 
 def test_decode_step_still_matches_the_numpy_layers():
