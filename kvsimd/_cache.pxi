@@ -96,8 +96,13 @@ cdef class KVCache:
         nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(hd) * self._np_dtype.itemsize  # exact: Python ints
         what = ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
                 % (nl, hkv, hd, cap, bt, key, nbytes))
-        if nbytes > _physical_memory():
-            raise KVSimdMemoryError("%s, more than this machine's %d bytes of memory" % (what, _physical_memory()))
+        # the storage is zero-filled at once, and the bookkeeping (positions, rotations, token
+        # lists) grows with batch x capacity: both must fit what the machine can give now
+        need = nbytes + int(bt) * (12 * int(cap) + 128)
+        avail = _available_memory()
+        if need > avail:
+            raise KVSimdMemoryError("%s (%d with its bookkeeping), more than the %d bytes of memory available now"
+                                    % (what, need, avail))
         cdef kv_status s = kv_cache_create(&self.c, nl, bt, hkv, cap, hd, self._kv_dtype)
         if s == KV_ERR_NOMEM or s == KV_ERR_CAPACITY:
             raise KVSimdMemoryError("%s: cannot allocate them" % what)
@@ -589,8 +594,15 @@ cdef class _CacheClaim:
         return False
 
 
-def _physical_memory():
-    """Bytes of RAM on this machine (a cache larger than this cannot be used)."""
+def _available_memory():
+    """Bytes a new allocation can be given now without the kernel's OOM killer stepping in: Linux's
+    MemAvailable plus free swap; elsewhere the machine's RAM (a cache larger than that cannot be used)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
     try:
         return _cache_os.sysconf("SC_PHYS_PAGES") * _cache_os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not POSIX

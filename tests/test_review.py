@@ -169,3 +169,11 @@ def test_second_interrupt_during_the_rollback_waits_for_it(monkeypatch, policy):
         np.testing.assert_array_equal(cache.keys(l), before[l][0])
         np.testing.assert_array_equal(cache.values(l), before[l][1])
     dec.step([5], cache=cache)
+
+
+def test_cache_memory_check_counts_bookkeeping_and_what_is_available():
+    """The cache is zero-filled at once and its bookkeeping grows with batch x capacity: a cache
+    whose storage is small but whose bookkeeping would not fit (1 GiB of fp16 for 2**28
+    sequences, ~37 GiB of positions) is refused instead of being OOM-killed half-way."""
+    with pytest.raises(KVSimdMemoryError, match="with its bookkeeping"):
+        KVCache(1, 1, 1, 1, batch=2 ** 28)
