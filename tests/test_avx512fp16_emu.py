@@ -324,14 +324,21 @@ ATTN_CASES = [(1, 1, 1, 1), (4, 1, 15, 3), (9, 3, 16, 64), (8, 2, 17, 17), (6, 2
               (16, 2, 100, 64), (3, 3, 1000, 96), (8, 1, 64, 256), (2, 1, 20, 512)]
 
 
-@pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_attention_against_scalar_row(guest, rng, H, Hkv, N, D, dtype):
-    from test_attend import assert_within, make
+def _emulated_alibi_case(guest, rng, H, Hkv, N, D, dtype):
+    """Random q, k, v and ALiBi slopes at key positions 500..500+N-1 (query at 500+N), and the
+    emulated avx512fp16 row's attention of them."""
+    from test_attend import make
     q, k, v = make(rng, H, Hkv, N, D, dtype)
     slopes = rng.uniform(0, 0.3, H).astype(np.float32)
     kpos = np.arange(500, 500 + N, dtype=np.int64)
-    got = guest_attend(guest, q, k, v, slopes, kpos, 500 + N)
+    return q, k, v, slopes, kpos, guest_attend(guest, q, k, v, slopes, kpos, 500 + N)
+
+
+@pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_attention_against_scalar_row(guest, rng, H, Hkv, N, D, dtype):
+    from test_attend import assert_within
+    q, k, v, slopes, kpos, got = _emulated_alibi_case(guest, rng, H, Hkv, N, D, dtype)
     kw = dict(alibi_slopes=slopes, key_positions=kpos, query_position=500 + N)
     with use_isa("scalar"):
         want = ops.attend(q, k, v, **kw)
@@ -413,11 +420,7 @@ def test_native_rotation_equals_emulated(guest, rng, style, delta):
 @pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_native_attention_equals_emulated(guest, rng, H, Hkv, N, D, dtype):
-    from test_attend import make
-    q, k, v = make(rng, H, Hkv, N, D, dtype)
-    slopes = rng.uniform(0, 0.3, H).astype(np.float32)
-    kpos = np.arange(500, 500 + N, dtype=np.int64)
-    got = guest_attend(guest, q, k, v, slopes, kpos, 500 + N)
+    q, k, v, slopes, kpos, got = _emulated_alibi_case(guest, rng, H, Hkv, N, D, dtype)
     with use_isa("avx512fp16"):
         want = ops.attend(q, k, v, alibi_slopes=slopes, key_positions=kpos, query_position=500 + N)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
