@@ -17,9 +17,9 @@ except ImportError as _e:   # a bad KVSIMD_FORCE_ISA: under `python -m kvsimd`, 
     exit_if_cli(_e)
     raise
 from kvsimd import errors, ops
-from kvsimd._kvsimd import KVCache
-from kvsimd.decoder import CrossAttentionCache, Decoder, EncoderDecoder
-from kvsimd.layers import ModelConfig
+from kvsimd.cache import CrossAttentionCache, KVCache
+from kvsimd.nn import Decoder, EncoderDecoder
+from kvsimd.nn import ModelConfig
 from kvsimd.threads import get_num_threads, set_num_threads
 from kvsimd.threads import _init_from_env as _threads_from_env
 from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KVSimdISAError, KVSimdMemoryError,

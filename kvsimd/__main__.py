@@ -97,8 +97,8 @@ def _read_prompt(args):
 
 def _generate(args, stats):
     import kvsimd
-    from kvsimd import models
-    from kvsimd.decoder import Decoder
+    from kvsimd.loaders import registry as models
+    from kvsimd.nn import Decoder
     from kvsimd.threads import available_cores
 
     if args.threads is not None:

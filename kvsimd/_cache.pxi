@@ -1,62 +1,20 @@
-# KVCache: the self-attention cache of a whole model, owning its C memory.
+# The caches: C-owned K/V storage (_KVStore), the self-attention cache with its ring buffer and
+# streaming policies (KVCache), and the encoder-output cache of cross-attention (CrossAttentionCache).
 import os as _cache_os
+import signal as _signal
+import threading as _threading
 
-from kvsimd.errors import KVSimdBusyError, KVSimdCapacityError
+from kvsimd.errors import KVSimdBusyError, KVSimdCapacityError, KVSimdISAError
 
 _DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32)}
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
+cdef enum:
+    _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
 
 
-def _init_streaming(cache, n_keep, policy, n_discard):
-    """Attention-sink bookkeeping: slots [0, n_keep) hold the sinks, [n_keep, capacity) a ring."""
-    n_keep = _need_int(n_keep, "n_keep")
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise KVSimdValueError("policy must be one of %s, got %r" % (", ".join(POLICIES), policy))
-    if not 0 <= n_keep < cache.capacity:
-        raise KVSimdValueError("n_keep must be in 0..capacity-1=%d, got %d" % (cache.capacity - 1, n_keep))
-    window = cache.capacity - n_keep
-    if n_discard is None:
-        n_discard = max(1, window // 2)
-    n_discard = _need_int(n_discard, "n_discard")
-    if not 1 <= n_discard <= window:
-        raise KVSimdValueError("n_discard must be in 1..%d (the window), got %d" % (window, n_discard))
-    if policy == "reevaluate" and n_keep + window - n_discard < 1:
-        raise KVSimdValueError("policy 'reevaluate' re-prefills the tokens a discard keeps, so n_discard must leave "
-                               "at least one: with n_keep=0 and capacity %d, %s, got n_discard=%d"
-                               % (cache.capacity, "n_discard must be in 1..%d" % (window - 1) if window > 1
-                                  else "the capacity must be at least 2", n_discard))
-    cache.n_keep, cache.policy, cache.n_discard = n_keep, policy, n_discard
-    # position of the token in each slot (as its key was rotated; ALiBi distances use it)
-    cache.positions = _np.zeros((cache.batch, cache.capacity), dtype=_np.int64)
-    cache.head = _np.full(cache.batch, n_keep, dtype=_np.int64)   # ring slot of the oldest window token
-    cache.seen = _np.zeros(cache.batch, dtype=_np.int64)          # tokens ever appended (absolute position)
-    cache.rotations = _np.zeros((cache.batch, cache.capacity), dtype=_np.int32)
-    cache.tokens = [[] for _ in range(cache.batch)]               # ids in the cache, oldest first
-
-
-def _reset_streaming(cache, seq):
-    seqs = range(cache.batch) if seq is None else [seq]
-    for s in seqs:
-        cache.head[s] = cache.n_keep
-        cache.seen[s] = 0
-        cache.positions[s] = 0
-        cache.rotations[s] = 0
-        cache.tokens[s] = []
-
-
-cdef class _StepPlan:
-    """One decode step's validated slots, positions, key ranges and scratch (see KVCache.step_plan)."""
-    cdef object slots, kpos, spos, alibi, rng, nr, two, cs, ws, qs, ml, key_pos, owner
-    cdef int64_t B, H, HD, nrmax, rd
-    cdef int nt
-    cdef double theta
-    cdef kv_rope_style st
-    cdef bint do_rope
-    cdef float scale
-
-
-cdef class KVCache:
-    """Self-attention K/V cache for every layer of a model and every sequence of a batch.
+cdef class _KVStore:
+    """K/V storage for every layer of a model and every sequence of a batch (the part every cache
+    shares).
 
     Storage is one 64-byte-aligned C block, ``[layer][K|V][sequence][kv head][slot][head_dim]``,
     so attention reads each (layer, sequence, head) as one contiguous run.  A forward pass
@@ -65,22 +23,21 @@ cdef class KVCache:
     leaves the cache as it was.  Writing past ``capacity`` raises
     :class:`kvsimd.KVSimdCapacityError` and changes nothing.
 
-    One thread at a time: write, commit, attend, step_plan, step_attend, shift_range and reset
-    hold the cache for their duration (see ``_claim``, which a decoder holds for a whole step), and
-    a call from another thread meanwhile raises :class:`kvsimd.KVSimdBusyError`.  The views that
+    One thread at a time: every method that reads or writes the storage or the bookkeeping holds
+    the cache for its duration (see ``_claim``, which a decoder holds for a whole step), and a call
+    from another thread meanwhile raises :class:`kvsimd.KVSimdBusyError`.  The views that
     keys() and values() return are the caller's to synchronise.
     """
     cdef kv_cache c
-    cdef dict __dict__
     cdef readonly int64_t n_layers, n_kv_heads, head_dim, capacity, batch
     cdef object _np_dtype
     cdef kv_dtype _kv_dtype
     cdef object _lengths
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
+    cdef object _ws, _ml          # attention scratch kept between calls
 
-    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", n_keep=0,
-                  policy="fixed", n_discard=None):
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
         self._depth = 0
         self._owner = 0
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
@@ -94,8 +51,8 @@ cdef class KVCache:
             raise KVSimdTypeError("dtype must be float16 or float32, got %r" % (dtype,))
         self._kv_dtype, self._np_dtype = _DTYPES[key]
         nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(hd) * self._np_dtype.itemsize  # exact: Python ints
-        what = ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
-                % (nl, hkv, hd, cap, bt, key, nbytes))
+        what = ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
+                % (type(self).__name__, nl, hkv, hd, cap, bt, key, nbytes))
         # the storage is zero-filled at once, and the bookkeeping (positions, rotations, token
         # lists) grows with batch x capacity: both must fit what the machine can give now
         need = nbytes + int(bt) * (12 * int(cap) + 128)
@@ -106,23 +63,21 @@ cdef class KVCache:
         cdef kv_status s = kv_cache_create(&self.c, nl, bt, hkv, cap, hd, self._kv_dtype)
         if s == KV_ERR_NOMEM or s == KV_ERR_CAPACITY:
             raise KVSimdMemoryError("%s: cannot allocate them" % what)
-        if s != KV_OK:
-            raise KVSimdValueError("%s: bad dimensions (status %d)" % (what, s))
+        _check_status(s, what)
         self.n_layers, self.n_kv_heads, self.head_dim = nl, hkv, hd
         self.capacity, self.batch = cap, bt
         self._lengths = _np.zeros(bt, dtype=_np.int64)
-        _init_streaming(self, n_keep, policy, n_discard)
 
     def __dealloc__(self):
         kv_cache_destroy(&self.c)
 
     def __reduce__(self):
-        raise KVSimdTypeError("a KVCache cannot be pickled or copied (it owns C memory); make a new cache and "
-                              "prefill it, or copy its keys()/values() views")
+        raise KVSimdTypeError("a %s cannot be pickled or copied (it owns C memory); make a new cache and "
+                              "prefill it, or copy its keys()/values() views" % type(self).__name__)
 
     def __repr__(self):
-        return ("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
-                % (self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._np_dtype,
+        return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
+                % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._np_dtype,
                    self._lengths.tolist()))
 
     cdef int _acquire(self) except -1:
@@ -130,10 +85,10 @@ cdef class KVCache:
         Python call between the check and the set, so two threads cannot both take it."""
         cdef unsigned long me = PyThread_get_thread_ident()
         if self._depth > 0 and self._owner != me:
-            raise KVSimdBusyError("KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d) at %#x is "
+            raise KVSimdBusyError("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d) at %#x is "
                                   "in use by thread %d (this is thread %d): one cache serves one thread at a time; "
                                   "share a model between threads, never a cache"
-                                  % (self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch,
+                                  % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch,
                                      id(self), self._owner, me))
         self._owner = me
         self._depth += 1
@@ -260,280 +215,33 @@ cdef class KVCache:
         with self._claim():
             if seq is None:
                 self._lengths[:] = 0
-                _reset_streaming(self, None)
             else:
-                s = self._seq(seq)
-                self._lengths[s] = 0
-                _reset_streaming(self, s)
+                self._lengths[self._seq(seq)] = 0
 
     cdef tuple _storage(self):
         """(address, nbytes) of the C block, for overlap checks."""
         return (<size_t>self.c.data, self.c.nbytes)
 
-    def step_attend(self, layer, qkv, out, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None):
-        """One decode step of self-attention for layer ``layer``, every sequence of the batch, in
-        one call (what a decoder does per layer and token, without per-head Python work).
-
-        ``qkv`` float32 ``[batch, (H + 2 n_kv_heads) * head_dim]``: each row the token's q, k, v
-        projections, heads contiguous; rotated in place when ``rope = (theta, style, rotary_dim)``
-        (q and k at ``kpos[b]``).  k and v are stored at slot ``slots[b]`` (visible once
-        committed).  ``ranges[b]`` lists ``(use_sink_query, t0, t1, query_position)`` key ranges
-        read under one softmax; a range with ``use_sink_query`` uses q rotated at ``spos[b]``
-        instead.  ALiBi distances use ``self.positions``.  Writes ``out`` float32 ``[batch, H * head_dim]``."""
-        cdef _StepPlan plan
-        with self._claim():
-            l = self._layer(layer)
-            _need_array(out, "out", (_F32,), 2, "[batch, H * head_dim]", writeable=True)
-            plan = self.step_plan(out.shape[1], slots, kpos, spos, ranges, rope=rope,
-                                  alibi_slopes=alibi_slopes, scale=scale)
-            _need_array(out, "out", (_F32,), 2, "", shape=(self.batch, plan.HD))
-            width = plan.HD + 2 * self.n_kv_heads * self.head_dim
-            _need_array(qkv, "qkv", (_F32,), 2, "[batch, (H + 2 n_kv_heads) * head_dim]", writeable=True,
-                        shape=(self.batch, width))
-            _need_no_overlap(out, "out", (("qkv", qkv), ("the cache storage", self._storage())))
-            _need_no_overlap(qkv, "qkv", (("the cache storage", self._storage()),))
-            self._attend_plan(l, <float *>_ptr(qkv), width, <float *>_ptr(out), plan)
-        return out
-
-    def step_plan(self, HD, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None):
-        """Validate one decode step's slots, positions, key ranges, RoPE/ALiBi parameters and scale
-        once, for every layer; the plan holds its own copies of what C will read."""
-        cdef _StepPlan p = _StepPlan.__new__(_StepPlan)
-        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
-        cdef int64_t H, b, i
-        with self._claim():
-            HD = _need_int(HD, "HD", 1, _MAX_HEADS * D)
-            H = HD // D
-            if HD % D or H % Hkv:
-                raise KVSimdValueError("HD (the width of out) must be H * %d with H a multiple of %d, got %d"
-                                       % (D, Hkv, HD))
-            for name, a in (("slots", slots), ("kpos", kpos), ("spos", spos)):
-                _need_array(a, name, (_I64,), 1, "[batch]")
-                if a.shape[0] != B:
-                    raise KVSimdValueError("%s must have %d entries, got %d" % (name, B, a.shape[0]))
-            slots, kpos, spos = slots.copy(), kpos.copy(), spos.copy()   # what C reads cannot change under it
-            if ((slots < 0) | (slots >= C)).any():
-                raise KVSimdCapacityError("slots %s outside 0..%d" % (slots.tolist(), C - 1))
-            _need_positions(kpos, "kpos", B, "batch")
-            _need_positions(spos, "spos", B, "batch")
-            if isinstance(ranges, (str, bytes)) or not hasattr(ranges, "__len__"):
-                raise KVSimdTypeError("ranges must be a list of one list of key ranges per sequence, got %r" % (ranges,))
-            if len(ranges) != B:
-                raise KVSimdValueError("ranges must have one list per sequence (%d), got %d" % (B, len(ranges)))
-            p.do_rope = rope is not None
-            if p.do_rope:
-                if not isinstance(rope, (tuple, list)) or len(rope) != 3:
-                    raise KVSimdValueError("rope must be (theta, style, rotary_dim), got %r" % (rope,))
-                p.theta, p.st, p.rd = _rope_params(rope[0], rope[1], rope[2], D)
-            if alibi_slopes is not None:
-                alibi_slopes = _need_slopes(alibi_slopes, H).copy()
-                pos = self.positions
-                if not isinstance(pos, _np.ndarray) or pos.shape != (B, C):
-                    raise KVSimdValueError("KVCache.positions must be int64 [%d, %d], got %r" % (B, C, pos))
-                p.key_pos = _np.ascontiguousarray(pos, dtype=_np.int64).copy()
-                if p.key_pos.min() < -_MAX_EXACT_POS or p.key_pos.max() > _MAX_EXACT_POS:
-                    raise KVSimdPositionError("KVCache.positions must be within +-2**53, got min %d max %d"
-                                              % (p.key_pos.min(), p.key_pos.max()))
-            per_seq = [_key_ranges(ranges[b], C, None, True) for b in range(B)]
-            nr = max([len(r) for r in per_seq] + [1])
-            p.rng = _np.zeros((B, nr, 4), dtype=_np.int64)    # (use sink query, t0, t1, query position)
-            p.nr = _np.zeros(B, dtype=_np.int64)
-            p.two = _np.zeros(B, dtype=_np.int64)
-            for b in range(B):
-                i = 0
-                for use_s, t0, t1, qpos in per_seq[b]:
-                    use_s = 1 if (use_s and p.do_rope and spos[b] != kpos[b]) else 0
-                    if use_s:
-                        p.two[b] = 1
-                    if i and p.rng[b, i - 1, 2] == t0 and p.rng[b, i - 1, 0] == use_s and p.rng[b, i - 1, 3] == qpos:
-                        p.rng[b, i - 1, 2] = t1      # adjacent, same query: one range for the kernel
-                    else:
-                        p.rng[b, i] = (use_s, t0, t1, qpos)
-                        i += 1
-                p.nr[b] = i
-            if p.do_rope:
-                # rotation tables of this step's positions, once for every layer: [b][k position | sink position]
-                p.cs = _np.zeros((B, 2, p.rd), dtype=_np.float32)
-                for b in range(B):
-                    kv_rope_table(<float *>_ptr(p.cs) + 2 * b * p.rd, <double>kpos[b], p.theta, p.rd // 2, p.rd)
-                    if p.two[b]:
-                        kv_rope_table(<float *>_ptr(p.cs) + (2 * b + 1) * p.rd, <double>spos[b], p.theta, p.rd // 2,
-                                      p.rd)
-            p.slots, p.kpos, p.spos, p.alibi = slots, kpos, spos, alibi_slopes
-            p.B, p.H, p.HD, p.nrmax = B, H, HD, nr
-            p.scale = _need_scale(scale, D)
-            p.nt = _threads_now()
-            p.ws, p.qs, p.ml = self._scratch(H, p.nt)
-            p.owner = self
-        return p
-
     cdef tuple _scratch(self, int64_t H, int nt):
-        """Buffers kept between calls: kernel workspace (for nt threads), an [H, head_dim] query,
-        softmax state."""
-        ws = getattr(self, "_ws", None)
+        """Buffers kept between calls: kernel workspace (for nt threads) and softmax state."""
         need = kv_attend_workspace_bytes(H, self.n_kv_heads, self.head_dim, nt)
         if need == 0:
             raise KVSimdValueError("attention with H=%d query heads over %d KV heads: sizes out of range"
                                    % (H, self.n_kv_heads))
-        if ws is None or ws.shape[0] < need + 64:
-            ws = self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt)
-        qs = getattr(self, "_qs", None)
-        if qs is None or qs.shape[0] < H * self.head_dim:
-            qs = self._qs = _np.empty(H * self.head_dim, dtype=_np.float32)
-        ml = getattr(self, "_ml", None)
-        if ml is None or ml.shape[0] < 2 * H:
-            ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
-        return ws, qs, ml
-
-    cdef int _attend_plan(self, int64_t l, float *qkv, int64_t row, float *out, _StepPlan plan) except -1:
-        """The work of step_attend for a validated plan (no Python objects touched per head).
-        ``qkv`` holds ``batch`` rows of ``row`` floats, ``out`` ``batch`` rows of plan.HD."""
-        cdef kv_attn_params p
-        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, C = self.capacity
-        cdef int64_t H = plan.H, HD = plan.HD, b, h, slot
-        if plan.owner is not self:
-            raise KVSimdValueError("this step plan was made by another KVCache")
-        if not 0 <= l < self.n_layers:
-            raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
-        if row != HD + 2 * Hkv * D:
-            raise KVSimdValueError("qkv rows must hold %d floats, got %d" % (HD + 2 * Hkv * D, row))
-        cdef float *qrow
-        cdef float *krow
-        cdef float *vrow
-        cdef float *qsp = <float *>_ptr(plan.qs)
-        cdef const int64_t *slp = <const int64_t *>_ptr(plan.slots)
-        cdef const int64_t *rg = <const int64_t *>_ptr(plan.rng)
-        cdef const int64_t *nrp = <const int64_t *>_ptr(plan.nr)
-        cdef const int64_t *twp = <const int64_t *>_ptr(plan.two)
-        cdef const float *csp = <const float *>_ptr(plan.cs) if plan.do_rope else NULL
-        cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
-        cdef const int64_t *kpos_all = <const int64_t *>_ptr(plan.key_pos) if plan.alibi is not None else NULL
-        cdef void *wsp = _aligned64(plan.ws)
-        cdef char *kc
-        cdef char *vc
-        cdef size_t es = 2 if self._kv_dtype == KV_F16 else 4
-        cdef float *mlp = <float *>_ptr(plan.ml)
-        cdef int nt = plan.nt
-        memset(&p, 0, sizeof(p))
-        self._acquire()
-        try:
-            with nogil:
-                for b in range(B):
-                    qrow = qkv + b * row
-                    krow = qrow + HD
-                    vrow = krow + Hkv * D
-                    slot = slp[b]
-                    if twp[b]:
-                        memcpy(qsp, qrow, HD * sizeof(float))
-                        kv_rotate_rows(qsp, KV_F32, H, 1, D, csp + (2 * b + 1) * plan.rd, plan.st, plan.rd, 0, 1)
-                    if plan.do_rope:
-                        kv_rotate_rows(qrow, KV_F32, H, 1, D, csp + 2 * b * plan.rd, plan.st, plan.rd, 0, 1)
-                        kv_rotate_rows(krow, KV_F32, Hkv, 1, D, csp + 2 * b * plan.rd, plan.st, plan.rd, 0, 1)
-                    kc = <char *>kv_cache_block(&self.c, l, 0, b)
-                    vc = <char *>kv_cache_block(&self.c, l, 1, b)
-                    for h in range(Hkv):
-                        if es == 2:
-                            kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
-                            kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)
-                        else:
-                            memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
-                            memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
-                    # every key range of the sequence in one kernel call: one softmax, and each KV
-                    # head reads its ranges back to back
-                    p.q = qrow
-                    p.q_alt = qsp if twp[b] else NULL
-                    p.ranges = <const kv_attn_range *>(rg + b * plan.nrmax * 4)
-                    p.n_ranges = nrp[b]
-                    p.k = kc
-                    p.v = vc
-                    p.out = out + b * HD
-                    p.m = mlp
-                    p.l = p.m + H
-                    p.alibi = alibi
-                    p.key_pos = kpos_all + b * C if alibi != NULL else NULL
-                    p.H, p.Hkv, p.D = H, Hkv, D
-                    p.n_total = C
-                    p.g0, p.g1 = 0, Hkv
-                    p.scale = plan.scale
-                    p.dtype = self._kv_dtype
-                    p.init, p.finalize = 1, 1
-                    kv_attend(&p, wsp, nt)
-        finally:
-            self._release()
-        return 0
-
-    cdef int _attend_all(self, int64_t l, float *q, int64_t H, float *out) except -1:
-        """Every sequence b: out[b] = attention of q[b] ([H, head_dim]) over its committed
-        tokens of layer l (a cross-attention step: no positions, no mask)."""
-        cdef kv_attn_params p
-        memset(&p, 0, sizeof(p))
-        cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, b
-        if not 0 <= l < self.n_layers:
-            raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
-        if H < 1 or H % Hkv:
-            raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
-        if (self._lengths == 0).any():
-            raise KVSimdValueError("cross-attention cache has empty sequences %s" % _np.nonzero(self._lengths == 0)[0].tolist())
-        cdef int nt = _threads_now()
-        ws, _, ml = self._scratch(H, nt)
-        cdef void *wsp = _aligned64(ws)
-        cdef float *mlp = <float *>_ptr(ml)
-        cdef const int64_t *lens = <const int64_t *>_ptr(self._lengths)
-        self._acquire()
-        try:
-            with nogil:
-                for b in range(B):
-                    p.q = q + b * H * D
-                    p.k = kv_cache_block(&self.c, l, 0, b)
-                    p.v = kv_cache_block(&self.c, l, 1, b)
-                    p.out = out + b * H * D
-                    p.m = mlp
-                    p.l = mlp + H
-                    p.alibi = NULL
-                    p.key_pos = NULL
-                    p.query_pos = 0
-                    p.H, p.Hkv, p.D = H, Hkv, D
-                    p.n_total, p.t0, p.t1 = self.capacity, 0, lens[b]
-                    p.g0, p.g1 = 0, Hkv
-                    p.scale = 1.0 / sqrtf(<float>D)
-                    p.dtype = self._kv_dtype
-                    p.init = 1
-                    p.finalize = 1
-                    kv_attend(&p, wsp, nt)
-        finally:
-            self._release()
-        return 0
-
-    def shift_range(self, seq, t0, t1, delta, theta, style, rotary_dim):
-        """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K);
-        ``rotary_dim`` None means head_dim.  Same RoPE parameter rules as ops.shift_keys."""
-        cdef int64_t s, c0, c1, cd, crd, layer
-        cdef double th
-        cdef kv_rope_style st
-        cdef kv_status rc
-        cdef void *kp
-        with self._claim():
-            s = self._seq(seq)
-            c0, c1 = _need_int(t0, "t0"), _need_int(t1, "t1")
-            if not 0 <= c0 <= c1 <= self.capacity:
-                raise KVSimdValueError("slot range t0..t1 = %d..%d outside 0..%d" % (c0, c1, self.capacity))
-            cd = _need_pos(delta, "delta")
-            th, st, crd = _rope_params(theta, style, rotary_dim, self.head_dim)
-            for layer in range(self.n_layers):
-                kp = kv_cache_block(&self.c, layer, 0, s)
-                with nogil:
-                    rc = kv_shift_keys(kp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, cd, th,
-                                       st, crd, c0, c1)
-                if rc != KV_OK:
-                    raise KVSimdValueError("shift_range: bad arguments (status %d)" % rc)
+        if self._ws is None or self._ws.shape[0] < need + 64:
+            self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt)
+        if self._ml is None or self._ml.shape[0] < 2 * H:
+            self._ml = _np.empty(2 * H, dtype=_np.float32)
+        return self._ws, self._ml
 
     def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
         ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place.
         ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``."""
         cdef kv_attn_params p
-        memset(&p, 0, sizeof(p))
         cdef int64_t H, D = self.head_dim
+        cdef const float *alibi
+        cdef void *wsp
         cdef int nt
         with self._claim():
             l, s = self._layer(layer), self._seq(seq)
@@ -545,13 +253,12 @@ cdef class KVCache:
             if not 1 <= n <= self.capacity:
                 raise KVSimdValueError("attention needs 1..%d cached tokens, got %d" % (self.capacity, n))
             sc = _need_scale(scale, D)
-            p.alibi = NULL
-            p.key_pos = NULL
-            p.query_pos = n - 1
+            alibi, qpos = NULL, n - 1
             if alibi_slopes is not None:
-                p.alibi = <const float *>_ptr(_need_slopes(alibi_slopes, H))
+                alibi_slopes = _need_slopes(alibi_slopes, H)
+                alibi = <const float *>_ptr(alibi_slopes)
                 if query_position is not None:
-                    p.query_pos = _need_pos(query_position, "query_position")
+                    qpos = _need_pos(query_position, "query_position")
             elif query_position is not None:
                 raise KVSimdValueError("query_position only applies with alibi_slopes")
             if out is None:
@@ -561,29 +268,21 @@ cdef class KVCache:
                 _need_no_overlap(out, "out", (("q", q), ("alibi_slopes", alibi_slopes),
                                               ("the cache storage", self._storage())))
             nt = _threads_now()
-            ml = _np.empty(2 * H, dtype=_np.float32)
-            ws = _workspace(H, self.n_kv_heads, D, nt)
-            p.q = <const float *>_ptr(q)
-            p.k = kv_cache_block(&self.c, l, 0, s)
-            p.v = kv_cache_block(&self.c, l, 1, s)
-            p.out = <float *>_ptr(out)
-            p.m = <float *>_ptr(ml)
-            p.l = p.m + H
-            p.H, p.Hkv, p.D = H, self.n_kv_heads, D
-            p.n_total, p.t0, p.t1 = self.capacity, 0, n
-            p.g0, p.g1 = 0, self.n_kv_heads
-            p.scale = sc
-            p.dtype = self._kv_dtype
-            p.init, p.finalize = 1, 1
+            ws, ml = self._scratch(H, nt)
+            rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
+            _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
+                       kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), <float *>_ptr(ml), alibi, NULL,
+                       <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, self._kv_dtype)
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)
         return out
 
 
+
 cdef class _CacheClaim:
     """What KVCache._claim() returns: holds the cache for the calling thread while entered."""
-    cdef KVCache cache
+    cdef _KVStore cache
 
     def __enter__(self):
         self.cache._acquire()
@@ -607,3 +306,482 @@ def _available_memory():
         return _cache_os.sysconf("SC_PHYS_PAGES") * _cache_os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not POSIX
         return 2 ** 62
+
+
+def _ring_ranges(int64_t start, int64_t count, int64_t base, int64_t width):
+    """Slot ranges of ``count`` ring entries starting at slot ``start`` of the ring [base, base+width)."""
+    if count <= 0:
+        return []
+    cdef int64_t first = min(count, width - (start - base))
+    out = [(start, start + first)]
+    if count > first:
+        out.append((base, base + count - first))
+    return out
+
+
+cdef class KVCache(_KVStore):
+    """Self-attention K/V cache of a model: storage (see the base) plus, per sequence, the ring
+    buffer of StreamingLLM-style infinite generation, owned here.
+
+    Slots ``[0, n_keep)`` hold the attention sinks, ``[n_keep, capacity)`` a ring.  When a
+    sequence's window is full, ``policy`` decides (the cache's own methods, run by
+    :meth:`begin_step`): "fixed" refuses (KVSimdCapacityError); "reevaluate" drops the
+    ``n_discard`` oldest window tokens and tells the caller which tokens to prefill again;
+    "shift" drops them and rotates the kept keys back in place (shift-RoPE-K); "sink_query" drops
+    the oldest token each step and rewrites nothing (the sinks are read with a query rotated at
+    their compressed position instead).  "auto" is resolved by the model that makes the cache.
+
+    A forward pass is ``plan = cache.begin_step(tokens)`` (or ``begin_prefill``), the layers
+    (which read and write the cache through the plan), then ``cache.end_step(plan)``, inside
+    ``with cache.transaction():`` so that any failure or interrupt puts the cache back as it was.
+
+    Read-only bookkeeping: ``positions`` [batch, capacity] (the position each slot's key was
+    rotated to; ALiBi distances use it), ``head`` (ring slot of each sequence's oldest window
+    token), ``seen`` (tokens ever appended), ``rotations`` [batch, capacity] (shifts each slot's
+    key went through), ``tokens`` (the ids in the cache, oldest first, per sequence).
+    """
+    cdef readonly int64_t n_keep, n_discard
+    cdef int _policy
+    cdef object _pos, _head, _seen, _rot    # int64 [B, C], int64 [B], int64 [B], int32 [B, C]
+    cdef list _tokens                        # per sequence: ids in the cache, oldest first
+    cdef _Tx _tx                             # the open transaction, or None
+
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", n_keep=0,
+                  policy="fixed", n_discard=None):
+        n_keep = _need_int(n_keep, "n_keep")
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise KVSimdValueError("policy must be one of %s, got %r" % (", ".join(POLICIES), policy))
+        if not 0 <= n_keep < self.capacity:
+            raise KVSimdValueError("n_keep must be in 0..capacity-1=%d, got %d" % (self.capacity - 1, n_keep))
+        window = self.capacity - n_keep
+        if n_discard is None:
+            n_discard = max(1, window // 2)
+        n_discard = _need_int(n_discard, "n_discard")
+        if not 1 <= n_discard <= window:
+            raise KVSimdValueError("n_discard must be in 1..%d (the window), got %d" % (window, n_discard))
+        if policy == "reevaluate" and n_keep + window - n_discard < 1:
+            raise KVSimdValueError("policy 'reevaluate' re-prefills the tokens a discard keeps, so n_discard must leave "
+                                   "at least one: with n_keep=0 and capacity %d, %s, got n_discard=%d"
+                                   % (self.capacity, "n_discard must be in 1..%d" % (window - 1) if window > 1
+                                      else "the capacity must be at least 2", n_discard))
+        self.n_keep, self.n_discard, self._policy = n_keep, n_discard, POLICIES.index(policy)
+        self._pos = _np.zeros((self.batch, self.capacity), dtype=_np.int64)
+        self._head = _np.full(self.batch, n_keep, dtype=_np.int64)
+        self._seen = _np.zeros(self.batch, dtype=_np.int64)
+        self._rot = _np.zeros((self.batch, self.capacity), dtype=_np.int32)
+        self._tokens = [[] for _ in range(self.batch)]
+        self._tx = None
+
+    # ------------------------------------------------------------------ read-only state
+    @property
+    def policy(self):
+        return POLICIES[self._policy]
+
+    @property
+    def positions(self):
+        return _readonly(self._pos)
+
+    @property
+    def head(self):
+        return _readonly(self._head)
+
+    @property
+    def seen(self):
+        return _readonly(self._seen)
+
+    @property
+    def rotations(self):
+        return _readonly(self._rot)
+
+    @property
+    def tokens(self):
+        """The token ids in the cache per sequence, oldest first (copies)."""
+        return [list(t) for t in self._tokens]
+
+    def reset(self, seq=None):
+        """Forget the tokens of one sequence (or of all), ring bookkeeping included."""
+        with self._claim():
+            seqs = range(self.batch) if seq is None else [self._seq(seq)]
+            for s in seqs:
+                if self._tx is not None:
+                    self._tx.save_row(s)
+                self._lengths[s] = 0
+                self._head[s] = self.n_keep
+                self._seen[s] = 0
+                self._pos[s] = 0
+                self._rot[s] = 0
+                self._tokens[s] = []
+
+    def transaction(self):
+        """Context manager: everything the cache's bookkeeping and storage go through inside it is
+        undone if the block raises (KeyboardInterrupt included).  Nested use joins the outer one."""
+        cdef _Tx tx = _Tx.__new__(_Tx)
+        tx.cache = self
+        return tx
+
+    # ------------------------------------------------------------------ prefill
+    def begin_prefill(self, seq, tokens, *, RopeSpec rope=None, alibi_slopes=None, n_heads=None):
+        """Plan a causal pass of ``tokens`` (int64 ids) of sequence ``seq`` after its cached prefix:
+        their K/V go to the next slots, row t reads slots 0..start+t.  ``n_heads`` (default
+        n_kv_heads) query heads; ``rope`` / ``alibi_slopes`` the model's positions."""
+        cdef int64_t s, start, T, t
+        with self._claim():
+            s = self._seq(seq)
+            _need_array(tokens, "tokens", (_I64,), 1, "[T]")
+            T = tokens.shape[0]
+            start = self._lengths[s]
+            if self._head[s] != self.n_keep or self._seen[s] != start:
+                raise KVSimdValueError("sequence %d has wrapped its ring buffer: feed further tokens with step()" % s)
+            if T < 1 or start + T > self.capacity:
+                raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
+                                          % (T, start, self.capacity, s))
+            H = self.n_kv_heads if n_heads is None else _need_int(n_heads, "n_heads")
+            p = _new_plan(self, 1, T, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes)
+            p.seq = s
+            p.seqs[:] = s
+            p.slots[:] = _np.arange(start, start + T)
+            p.kpos[:] = p.slots
+            p.spos[:] = p.slots
+            p.embed_positions = p.kpos
+            p.tokens = tokens.copy()
+            _plan_ranges(p, [[(False, 0, start + t + 1, start + t)] for t in range(T)])
+            _plan_tables(p)
+            if self._tx is not None:
+                self._tx.save_row(s)
+            self._pos[s, start:start + T] = p.slots     # invisible until committed; ALiBi reads them
+            p.key_pos = self._pos
+        return p
+
+    def end_prefill(self, _Plan plan not None):
+        """Commit the tokens of a prefill plan."""
+        with self._claim():
+            if plan.owner is not self or plan.kind != 1:
+                raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
+            s, T = plan.seq, plan.R
+            self.commit(T, seq=s)
+            self._seen[s] += T
+            self._tokens[s].extend(plan.tokens.tolist())
+
+    # ------------------------------------------------------------------ decode step
+    def begin_step(self, tokens, *, RopeSpec rope=None, alibi_slopes=None, n_heads=None):
+        """Plan one decode step (one token per sequence): make room where a window is full (the
+        policy), pick each token's slot and positions and its key ranges.  Under "reevaluate" the
+        returned plan may only carry ``refill`` (sequence -> token ids): those sequences were
+        emptied, the caller prefills the ids, then calls begin_step again."""
+        cdef int64_t B = self.batch, C = self.capacity, nk = self.n_keep, W = C - nk, b, L, slot, Lp, kpos, comp
+        with self._claim():
+            _need_array(tokens, "tokens", (_I64,), 1, "[batch]", shape=(B,))
+            H = self.n_kv_heads if n_heads is None else _need_int(n_heads, "n_heads")
+            lengths = self._lengths
+            if (lengths == 0).any():
+                raise KVSimdValueError("sequences %s have no prompt yet: prefill them first"
+                                       % _np.nonzero(lengths == 0)[0].tolist())
+            if self._policy == _P_FIXED and (lengths + 1 > C).any():
+                raise KVSimdCapacityError("cache full: sequences %s hold %d tokens"
+                                          % (_np.nonzero(lengths + 1 > C)[0].tolist(), C))
+            if self._policy == _P_SHIFT and rope is None and alibi_slopes is None:
+                raise KVSimdValueError("policy 'shift' needs the model's rope or alibi_slopes")
+            refill = {}
+            for b in range(B):
+                if lengths[b] == C:
+                    if self._policy == _P_REEVALUATE:
+                        refill[b] = self._discard_reevaluate(b)
+                    elif self._policy == _P_SHIFT:
+                        self._discard_shift(b, rope)
+                    elif self._policy == _P_SINK_QUERY:
+                        self._discard_sink_query(b)
+                    else:
+                        raise KVSimdCapacityError("cache full: sequence %d holds %d tokens" % (b, C))
+            p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes)
+            if refill:
+                p.refill = refill
+                return p
+            per_row = []
+            for b in range(B):
+                L = self._lengths[b]
+                slot = L if (L < nk or W == 0) else nk + (self._head[b] - nk + (L - nk)) % W
+                Lp = L + 1                                   # valid tokens after this step
+                comp = Lp - 1
+                kpos = self._seen[b] if self._policy == _P_SINK_QUERY else comp
+                ranges = [(True, 0, min(nk, Lp), comp)] if nk else []
+                if Lp > nk:
+                    # the window's keys carry their own positions, so slot order does not matter
+                    # to the softmax: in slot order, ranges that touch become one kernel range
+                    ranges += [(False, t0, t1, kpos) for t0, t1 in sorted(_ring_ranges(self._head[b], Lp - nk, nk, W))]
+                per_row.append(ranges)
+                p.seqs[b], p.slots[b], p.kpos[b] = b, slot, kpos
+                p.spos[b] = comp if nk else kpos
+                if self._tx is not None:
+                    self._tx.save_cell(b, slot)
+                    if self._policy == _P_SINK_QUERY and b in self._tx.rows:
+                        self._tx.save_kv(b, slot, slot + 1)  # the oldest window token's K/V, overwritten now
+            p.embed_positions = p.spos if self._policy == _P_SINK_QUERY else p.kpos
+            p.tokens = tokens.copy()
+            _plan_ranges(p, per_row)
+            _plan_tables(p)
+            for b in range(B):
+                self._pos[b, p.slots[b]] = p.kpos[b]     # invisible until committed; ALiBi reads it
+            p.key_pos = self._pos
+        return p
+
+    def end_step(self, _Plan plan not None):
+        """Commit the step's tokens."""
+        cdef int64_t b
+        with self._claim():
+            if plan.owner is not self or plan.kind != 0 or plan.refill or plan.explicit:
+                raise KVSimdValueError("end_step needs a plan of begin_step on this cache (without refill)")
+            for b in range(self.batch):
+                self._rot[b, plan.slots[b]] = 0
+                self._seen[b] += 1
+                self._tokens[b].append(int(plan.tokens[b]))
+                self._lengths[b] += 1
+
+    # ------------------------------------------------------------------ explicit plans
+    def step_plan(self, HD, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None,
+                  key_positions=None):
+        """A decode-step plan from explicit slots, positions and key ranges: the low-level form of
+        begin_step, for callers that run their own ring (and for tests).  Row b's k/v go to slot
+        ``slots[b]`` of sequence b, q and k are rotated at ``kpos[b]`` when ``rope`` (a RopeSpec or
+        ``(theta, style, rotary_dim)``); ``ranges[b]`` lists ``(use_sink_query, t0, t1,
+        query_position)`` key ranges read under one softmax, a sink-query range with q rotated at
+        ``spos[b]``.  ALiBi distances use ``key_positions`` ([batch, capacity] int64; default the
+        cache's positions).  The plan is validated once, for every layer, and holds copies of what
+        C reads; end_step does not take it (nothing is committed)."""
+        cdef int64_t B = self.batch, D = self.head_dim, C = self.capacity, H
+        with self._claim():
+            HD = _need_int(HD, "HD", 1, _MAX_HEADS * D)
+            H = HD // D
+            if HD % D or H % self.n_kv_heads:
+                raise KVSimdValueError("HD (the width of out) must be H * %d with H a multiple of %d, got %d"
+                                       % (D, self.n_kv_heads, HD))
+            for name, a in (("slots", slots), ("kpos", kpos), ("spos", spos)):
+                _need_array(a, name, (_I64,), 1, "[batch]")
+                if a.shape[0] != B:
+                    raise KVSimdValueError("%s must have %d entries, got %d" % (name, B, a.shape[0]))
+            if ((slots < 0) | (slots >= C)).any():
+                raise KVSimdCapacityError("slots %s outside 0..%d" % (slots.tolist(), C - 1))
+            _need_positions(kpos, "kpos", B, "batch")
+            _need_positions(spos, "spos", B, "batch")
+            if isinstance(ranges, (str, bytes)) or not hasattr(ranges, "__len__"):
+                raise KVSimdTypeError("ranges must be a list of one list of key ranges per sequence, got %r" % (ranges,))
+            if len(ranges) != B:
+                raise KVSimdValueError("ranges must have one list per sequence (%d), got %d" % (B, len(ranges)))
+            if rope is not None and not isinstance(rope, RopeSpec):
+                if not isinstance(rope, (tuple, list)) or len(rope) != 3:
+                    raise KVSimdValueError("rope must be a RopeSpec or (theta, style, rotary_dim), got %r" % (rope,))
+                rope = RopeSpec(rope[0], rope[1], rope[2], D)
+            p = _new_plan(self, 0, B, H, self.n_kv_heads, D, rope, alibi_slopes)
+            p.explicit = True
+            p.seqs[:] = _np.arange(B)
+            p.slots[:], p.kpos[:], p.spos[:] = slots, kpos, spos
+            _plan_ranges(p, [_key_ranges(ranges[b], C, None, True) for b in range(B)])
+            p.scale = _need_scale(scale, D)
+            if alibi_slopes is not None:
+                kp = self._pos if key_positions is None else key_positions
+                _need_array(kp, "key_positions", (_I64,), 2, "[batch, capacity]", shape=(B, C))
+                if kp.min() < -_MAX_EXACT_POS or kp.max() > _MAX_EXACT_POS:
+                    raise KVSimdPositionError("key_positions must be within +-2**53, got min %d max %d"
+                                              % (kp.min(), kp.max()))
+                p.key_pos = _np.ascontiguousarray(kp).copy()
+            _plan_tables(p)
+        return p
+
+    def step_attend(self, layer, qkv, out, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None,
+                    key_positions=None):
+        """One decode step of self-attention for layer ``layer``, every sequence of the batch, in
+        one call: ``step_plan(...)`` then the attention the compiled layers run per layer.
+        ``qkv`` float32 ``[batch, (H + 2 n_kv_heads) * head_dim]`` (each row the token's q, k, v,
+        heads contiguous; rotated in place with ``rope``); writes ``out`` float32
+        ``[batch, H * head_dim]``.  k/v are stored at ``slots`` (invisible until committed)."""
+        cdef _Plan plan
+        with self._claim():
+            l = self._layer(layer)
+            _need_array(out, "out", (_F32,), 2, "[batch, H * head_dim]", writeable=True)
+            plan = self.step_plan(out.shape[1], slots, kpos, spos, ranges, rope=rope, alibi_slopes=alibi_slopes,
+                                  scale=scale, key_positions=key_positions)
+            _need_array(out, "out", (_F32,), 2, "", shape=(self.batch, plan.HD))
+            width = plan.HD + 2 * self.n_kv_heads * self.head_dim
+            _need_array(qkv, "qkv", (_F32,), 2, "[batch, (H + 2 n_kv_heads) * head_dim]", writeable=True,
+                        shape=(self.batch, width))
+            _need_no_overlap(out, "out", (("qkv", qkv), ("the cache storage", self._storage())))
+            _need_no_overlap(qkv, "qkv", (("the cache storage", self._storage()),))
+            _attend_rows(plan, self, l, <float *>_ptr(qkv), width, <float *>_ptr(out))
+        return out
+
+    # ------------------------------------------------------------------ the policies
+    cdef list _discard_reevaluate(self, int64_t b):
+        """Empty sequence b; return the ids to prefill again (the sinks and the window without
+        its n_discard oldest tokens)."""
+        if self._tx is not None:
+            self._tx.save_row(b)
+            self._tx.save_kv(b, 0, self.capacity)
+        toks = self._tokens[b]
+        kept = toks[:self.n_keep] + toks[self.n_keep + self.n_discard:]
+        self.reset(b)
+        return kept
+
+    cdef int _discard_shift(self, int64_t b, RopeSpec rope) except -1:
+        """Drop the n_discard oldest window tokens of sequence b and rotate the kept keys back
+        by as many positions (with ALiBi only their positions move)."""
+        cdef int64_t nk = self.n_keep, nd = self.n_discard, W = self.capacity - nk
+        if self._tx is not None:
+            self._tx.save_row(b)
+            self._tx.save_kv(b, 0, self.capacity)
+        keep_start = nk + (self._head[b] - nk + nd) % W
+        for t0, t1 in _ring_ranges(keep_start, W - nd, nk, W):
+            if rope is not None:
+                self._shift(b, t0, t1, -nd, rope)
+                self._rot[b, t0:t1] += 1
+            self._pos[b, t0:t1] -= nd
+        self._head[b] = keep_start
+        self._lengths[b] -= nd
+        del self._tokens[b][nk:nk + nd]
+        return 0
+
+    cdef int _discard_sink_query(self, int64_t b) except -1:
+        """Drop the oldest window token of sequence b (its slot takes the new token)."""
+        cdef int64_t nk = self.n_keep, W = self.capacity - nk
+        if self._tx is not None:
+            self._tx.save_row(b)
+        self._head[b] = nk + (self._head[b] - nk + 1) % W
+        self._lengths[b] -= 1
+        del self._tokens[b][nk]
+        return 0
+
+    cdef int _shift(self, int64_t s, int64_t t0, int64_t t1, int64_t delta, RopeSpec rope) except -1:
+        cdef kv_status rc
+        cdef void *kp
+        cdef int64_t layer
+        for layer in range(self.n_layers):
+            kp = kv_cache_block(&self.c, layer, 0, s)
+            with nogil:
+                rc = kv_shift_keys(kp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta,
+                                   rope.theta, rope.st, rope.rotary_dim, t0, t1)
+            _check_status(rc, "shift_range")
+        return 0
+
+    def shift_range(self, seq, t0, t1, delta, theta, style, rotary_dim):
+        """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K);
+        ``rotary_dim`` None means head_dim.  Same RoPE parameter rules as ops.shift_keys."""
+        with self._claim():
+            s = self._seq(seq)
+            c0, c1 = _need_int(t0, "t0"), _need_int(t1, "t1")
+            if not 0 <= c0 <= c1 <= self.capacity:
+                raise KVSimdValueError("slot range t0..t1 = %d..%d outside 0..%d" % (c0, c1, self.capacity))
+            self._shift(s, c0, c1, _need_pos(delta, "delta"), RopeSpec(theta, style, rotary_dim, self.head_dim))
+
+
+cdef class CrossAttentionCache(_KVStore):
+    """Per-layer K/V of the encoder output, projected once per request and sequence (see
+    EncoderDecoder.cross_for); decode steps read it with no positions and no mask."""
+
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **unexpected):
+        if unexpected:
+            raise KVSimdTypeError("CrossAttentionCache got unexpected arguments %s (it has no ring buffer)"
+                                  % ", ".join(sorted(unexpected)))
+
+
+cdef object _readonly(a):
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+cdef class _Tx:
+    """A cache transaction (KVCache.transaction()): what a prefill or a decode step may change is
+    saved before it changes, so that a failure or an interrupt puts the cache back exactly as it was.
+
+    Always saved: each sequence's length, ring head, seen count and token-list length (a few
+    integers), and the (position, rotation) of each slot a step writes -- a step writes K/V only
+    into slots beyond the committed tokens, which stay invisible until the commit.  A sequence
+    whose window is full (the step discards tokens) also has its bookkeeping row saved and the K/V
+    the discard rewrites: every slot of every layer under "reevaluate" and "shift" (once per
+    discard, i.e. every ``n_discard`` steps), only the overwritten slot under "sink_query"."""
+    cdef KVCache cache
+    cdef bint outer
+    cdef object lengths, head, seen
+    cdef list ntok, cells, kv
+    cdef readonly dict rows
+
+    def __enter__(self):
+        c = self.cache
+        c._acquire()
+        self.outer = c._tx is None
+        if self.outer:
+            self.lengths, self.head, self.seen = c._lengths.copy(), c._head.copy(), c._seen.copy()
+            self.ntok = [len(t) for t in c._tokens]
+            self.rows, self.cells, self.kv = {}, [], []
+            c._tx = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        c = self.cache
+        try:
+            if self.outer:
+                c._tx = None
+                if exc_type is not None:
+                    self.restore()
+        finally:
+            c._release()
+        return False
+
+    cdef save_row(self, int64_t b):
+        if b not in self.rows:
+            k = self.cache
+            self.rows[b] = (k._pos[b].copy(), k._rot[b].copy(), list(k._tokens[b]))
+
+    cdef save_cell(self, int64_t b, int64_t slot):
+        k = self.cache
+        self.cells.append((b, slot, int(k._pos[b, slot]), int(k._rot[b, slot])))
+
+    cdef save_kv(self, int64_t b, int64_t t0, int64_t t1):
+        k = self.cache
+        for l in range(k.n_layers):
+            self.kv.append((l, b, t0, _np.array(k.keys(l, b, length=t1)[:, t0:t1]),
+                            _np.array(k.values(l, b, length=t1)[:, t0:t1])))
+
+    def restore(self):
+        """Put everything back.  A Ctrl-C (SIGINT) arriving meanwhile is held until the cache is
+        whole again, then delivered as usual (main thread; Python runs signal handlers there)."""
+        held, old = [], None
+        if _threading.current_thread() is _threading.main_thread() and _signal.getsignal(_signal.SIGINT) is not None:
+            try:     # (None: a handler installed outside Python, left alone)
+                old = _signal.signal(_signal.SIGINT, lambda signum, frame: held.append(signum))
+            except (ValueError, OSError, TypeError):
+                old = None
+        try:
+            self._restore()
+        finally:
+            if old is not None:
+                _signal.signal(_signal.SIGINT, old)
+                if held:
+                    _signal.raise_signal(_signal.SIGINT)   # the handler the program had decides
+
+    def _restore(self):
+        c = self.cache
+        for l, b, t0, k, v in reversed(self.kv):      # fp16 -> fp32 -> fp16 is exact
+            c.write(l, k.astype(_F32), v.astype(_F32), seq=b, start=t0)
+        for b, slot, p, r in reversed(self.cells):
+            c._pos[b, slot], c._rot[b, slot] = p, r
+        for b, (p, r, toks) in self.rows.items():
+            c._pos[b], c._rot[b], c._tokens[b] = p, r, toks
+        for b in range(c.batch):
+            del c._tokens[b][self.ntok[b]:]
+        c._head[:], c._seen[:], c._lengths[:] = self.head, self.seen, self.lengths
+
+
+_STATUS = {    # kv_status -> (exception, what it means)
+    KV_ERR_NOMEM: (KVSimdMemoryError, "out of memory"),
+    KV_ERR_ARG: (KVSimdValueError, "an argument out of range"),
+    KV_ERR_ISA: (KVSimdISAError, "an ISA this CPU cannot run"),
+    KV_ERR_CAPACITY: (KVSimdCapacityError, "beyond the capacity"),
+    KV_ERR_POSITION: (KVSimdPositionError, "a position out of range"),
+}
+
+
+cdef int _check_status(kv_status rc, str what) except -1:
+    """The one conversion of a C status code into the exception it stands for, naming the call."""
+    if rc == KV_OK:
+        return 0
+    exc, meaning = _STATUS.get(rc, (KVSimdValueError, "unknown status"))
+    raise exc("%s: %s (C status %d)" % (what, meaning, rc))

@@ -17,4 +17,5 @@ __version__ = KV_VERSION.decode()
 include "_runtime.pxi"
 include "_ops.pxi"
 include "_cache.pxi"
-include "_decode.pxi"
+include "_plan.pxi"
+include "_layer.pxi"

@@ -209,10 +209,14 @@ def test_thread_count_changed_between_plan_and_layers():
         Hkv, D, H, C = 8, 64, 16, 300
         k = rng.standard_normal((Hkv, 200, D)).astype(np.float32)
         one = np.array([200], np.int64)
-        layer = (np.ones(2 * D, np.float32), None,
-                 rng.standard_normal((2 * D, (H + 2 * Hkv) * D)).astype(np.float32) * 0.1, None,
-                 rng.standard_normal((H * D, 2 * D)).astype(np.float32) * 0.1, None, np.ones(2 * D, np.float32), None,
-                 np.zeros((2 * D, 2 * D), np.float32), None, np.zeros((2 * D, 2 * D), np.float32), None) + (None,) * 6
+        N, L = _kvsimd.Norm, _kvsimd.Linear
+        blk = _kvsimd.Block(N(np.ones(2 * D, np.float32), None, True, 1e-5, 2 * D),
+                            L(rng.standard_normal((2 * D, (H + 2 * Hkv) * D)).astype(np.float32) * 0.1),
+                            L(rng.standard_normal((H * D, 2 * D)).astype(np.float32) * 0.1),
+                            N(np.ones(2 * D, np.float32), None, True, 1e-5, 2 * D),
+                            L(np.zeros((2 * D, 2 * D), np.float32)), L(np.zeros((2 * D, 2 * D), np.float32)))
+        layers = _kvsimd.Layers([blk], d_model=2 * D, n_heads=H, n_kv_heads=Hkv, head_dim=D, activation="silu",
+                                gated=False, pre_norm=True, parallel_residual=False)
         outs = []
         for nt_plan, nt_run in [(1, 1), (1, 8), (8, 1), (1, 8), (2, 8)]:
             _kvsimd._set_kernel_threads(nt_plan)
@@ -221,7 +225,7 @@ def test_thread_count_changed_between_plan_and_layers():
             plan = c.step_plan(H * D, one, one, one, [[(False, 0, 201, 200)]])
             _kvsimd._set_kernel_threads(nt_run)
             x = np.ones((1, 2 * D), np.float32)
-            _kvsimd._decode_stack([layer], x, c, plan, True, 1e-5, "silu", False, False)
+            layers.run(x, plan)
             outs.append(x.copy())
             del c, plan; gc.collect()
         assert all(np.array_equal(o, outs[0]) for o in outs[1:])
@@ -407,9 +411,10 @@ def test_positions_same_rule_everywhere(rng, bad):
             KVSimdPositionError, "kpos must be within")
     refused(lambda: c.step_attend(0, qkv, out, one, one, one, [[(False, 0, 11, bad)]], alibi_slopes=s),
             KVSimdPositionError, "query_position must be within")
-    c.positions[0, 3] = bad                       # what step_plan hands C is checked too
-    refused(lambda: c.step_attend(0, qkv, out, one, one, one, [[(False, 0, 11, 10)]], alibi_slopes=s),
-            KVSimdPositionError, "positions must be within")
+    kp = np.zeros((1, 20), np.int64)
+    kp[0, 3] = bad                                # what step_plan hands C is checked too
+    refused(lambda: c.step_attend(0, qkv, out, one, one, one, [[(False, 0, 11, 10)]], alibi_slopes=s,
+                                  key_positions=kp), KVSimdPositionError, "key_positions must be within")
 
 
 def test_alibi_extreme_positions_stay_exact(rng):
@@ -575,7 +580,7 @@ def test_concurrent_attend_on_one_cache_is_busy_or_right(rng):
     (lambda c: c.step_plan(64, *([np.array([10], np.int64)] * 3), 5), KVSimdTypeError, "ranges must be a list"),
     (lambda c: c.step_plan(64, *([np.array([10], np.int64)] * 3), [5]), KVSimdTypeError, "ranges must be a sequence"),
     (lambda c: c.step_plan(64, *([np.array([10], np.int64)] * 3), [[(False, 0, 11, 10)]], rope=5), KVSimdValueError,
-     "rope must be .theta, style, rotary_dim., got 5"),
+     "rope must be a RopeSpec or .theta, style, rotary_dim., got 5"),
     (lambda c: c.attend(0, np.zeros((4, 16), np.float32), query_position=3), KVSimdValueError,
      "query_position only applies with alibi_slopes"),
     (lambda c: c.attend(0, np.zeros((4, 16), np.float32), alibi_slopes=np.full(4, np.nan, np.float32)),
@@ -591,20 +596,22 @@ def test_every_argument_gets_a_kvsimd_error(rng, call, exc, msg):
 
 
 def test_a_plan_serves_only_its_cache(rng):
-    """_decode_stack hands a plan and a cache to C: a plan made by another (smaller) cache is
-    refused instead of writing past the block."""
-    from kvsimd.decoder import Decoder  # noqa: F401  (the fast path exists)
+    """The compiled layers write K/V only into the store that made the plan, and refuse a stack of
+    more layers than that store holds (instead of writing past its block)."""
     big = filled_cache(rng, H=4, Hkv=2, D=16, n=10, capacity=200)
     small = filled_cache(rng, H=4, Hkv=2, D=16, n=10, capacity=20)
     one = np.array([150], np.int64)
     plan = big.step_plan(64, one, one, one, [[(False, 0, 151, 150)]])
+    assert plan.owner is big
     x = np.zeros((1, 64), np.float32)
-    w = np.zeros((64, 128), np.float32)
-    layer = (np.ones(64, np.float32), None, w, None, np.zeros((64, 64), np.float32), None, np.ones(64, np.float32),
-             None, np.zeros((64, 64), np.float32), None, np.zeros((64, 64), np.float32), None) + (None,) * 6
+    N, L = _kvsimd.Norm, _kvsimd.Linear
+    blk = _kvsimd.Block(N(np.ones(64, np.float32), None, True, 1e-5, 64), L(np.zeros((64, 128), np.float32)),
+                        L(np.zeros((64, 64), np.float32)), N(np.ones(64, np.float32), None, True, 1e-5, 64),
+                        L(np.zeros((64, 64), np.float32)), L(np.zeros((64, 64), np.float32)))
+    layers = lambda n: _kvsimd.Layers([blk] * n, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,  # noqa: E731
+                                      activation="silu", gated=False, pre_norm=True, parallel_residual=False)
     before = small.keys(0, length=20).copy()
-    refused(lambda: _kvsimd._decode_stack([layer], x, small, plan, True, 1e-5, "silu", False, False),
-            KVSimdValueError, "plan was made by another KVCache")
+    refused(lambda: layers(3).run(x, plan), KVSimdValueError, "3 layers for a cache of 2 layers")
     np.testing.assert_array_equal(small.keys(0, length=20), before)
-    refused(lambda: _kvsimd._decode_stack([layer] * 3, x, big, plan, True, 1e-5, "silu", False, False),
-            KVSimdValueError, "3 layers for a cache of 2 layers")
+    with pytest.raises(KVSimdTypeError, match="plan"):
+        layers(1).run(x, None)

@@ -114,11 +114,12 @@ def test_step_attend_matches_the_separate_ops(rng, dtype, mode):
     H, Hkv, D, C, B = 6, 2, 16, 40, 2
     c = KVCache(2, Hkv, D, C, batch=B, dtype=dtype)
     lens = [30, 17]
+    kp = np.zeros((B, C), np.int64)          # the positions ALiBi reads (a ring's bookkeeping)
     for b, n in enumerate(lens):
         c.write(1, rng.standard_normal((Hkv, n, D)).astype(np.float32),
                 rng.standard_normal((Hkv, n, D)).astype(np.float32), seq=b)
         c.commit(n, seq=b)
-        c.positions[b, :n] = np.arange(n) + 5 * b
+        kp[b, :n] = np.arange(n) + 5 * b
     qkv = rng.standard_normal((B, (H + 2 * Hkv) * D)).astype(np.float32)
     slots = np.array(lens, np.int64)
     kpos = np.array([lens[0] + 100, lens[1] + 7], np.int64)
@@ -128,9 +129,9 @@ def test_step_attend_matches_the_separate_ops(rng, dtype, mode):
     slopes = np.linspace(0.1, 0.6, H).astype(np.float32) if mode == "alibi" else None
     if mode == "alibi":
         for b in range(B):
-            c.positions[b, slots[b]] = kpos[b]
+            kp[b, slots[b]] = kpos[b]
     out = np.empty((B, H * D), np.float32)
-    c.step_attend(1, qkv.copy(), out, slots, kpos, spos, ranges, rope=rope, alibi_slopes=slopes)
+    c.step_attend(1, qkv.copy(), out, slots, kpos, spos, ranges, rope=rope, alibi_slopes=slopes, key_positions=kp)
     for b in range(B):
         q = qkv[b, :H * D].reshape(H, D).astype(np.float64)
         k = qkv[b, H * D:(H + Hkv) * D].reshape(Hkv, 1, D).astype(np.float64)
@@ -152,7 +153,7 @@ def test_step_attend_matches_the_separate_ops(rng, dtype, mode):
             s[h, 3:] = kc[h // G, 3:] @ q[h] / np.sqrt(D)
             if slopes is not None:
                 qp = np.where(np.arange(lens[b] + 1) < 3, spos[b], kpos[b])
-                s[h] -= slopes[h] * (qp - c.positions[b, :lens[b] + 1])
+                s[h] -= slopes[h] * (qp - kp[b, :lens[b] + 1])
         p = np.exp(s - s.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         want = np.stack([p[h] @ vc[h // G] for h in range(H)]).reshape(-1)

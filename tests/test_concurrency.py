@@ -6,22 +6,21 @@ import threading
 import numpy as np
 import pytest
 
-from kvsimd import KVSimdBusyError
+from kvsimd import KVCache, KVSimdBusyError
 
 from test_streaming import random_decoder
 
 
-class _Log(list):
-    """A sequence's token list that also logs every append (a decoder appends a step's token when
-    it commits, inside the cache's claim, so the log is the commit order)."""
+class _LogCache(KVCache):
+    """A KVCache that logs the token of every committed step (end_step runs inside the cache's
+    claim, so the log is the commit order)."""
 
-    def __init__(self, items, log):
-        super().__init__(items)
-        self.log = log
+    def __init__(self, *args, **kwargs):
+        self.log = []
 
-    def append(self, x):
-        self.log.append(x)
-        super().append(x)
+    def end_step(self, plan):
+        KVCache.end_step(self, plan)
+        self.log.append(int(plan.tokens[0]))
 
 
 @pytest.mark.parametrize("policy", ["fixed", "shift", "sink_query"])
@@ -34,10 +33,10 @@ def test_two_threads_stepping_one_cache(policy):
     kw = dict(capacity=200 if policy == "fixed" else 40, dtype="float32", policy=policy,
               n_keep=0 if policy == "fixed" else 4)
     prompt = [1, 2, 3, 4, 5, 6]
-    cache = dec.new_cache(**kw)
+    cfg = dec.cfg
+    cache = _LogCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, **kw)
     dec.prefill(prompt, cache=cache)
-    order = []
-    cache.tokens[0] = _Log(cache.tokens[0], order)
+    order = cache.log
     busy, errors = [0, 0], []
 
     def worker(w):

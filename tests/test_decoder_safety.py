@@ -15,7 +15,7 @@ import pytest
 import childcases
 
 from kvsimd import Decoder, EncoderDecoder, KVCache, KVSimdError
-from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 from test_streaming import V, random_decoder
 
@@ -455,7 +455,7 @@ def test_assigned_weights_are_used_by_every_path(rng):
 def test_gguf_tensor_that_does_not_fit_its_metadata_is_a_gguf_error(tmp_path, monkeypatch):
     """A tensor of another length than the file's metadata says is refused at load (it would be read
     out of bounds by the compiled step)."""
-    from kvsimd import gguf_model
+    from kvsimd.loaders import gguf as gguf_model
     from test_gguf import write_llama_gguf
     path = str(tmp_path / "tiny.gguf")
     write_llama_gguf(path)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvsimd import KVSimdCapacityError, KVSimdError
-from kvsimd.decoder import sample
+from kvsimd.nn import sample
 
 from test_decoder_safety import random_encoder_decoder
 from test_streaming import V, random_decoder

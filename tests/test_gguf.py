@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import kvsimd
-from kvsimd import Decoder, models
-from kvsimd.gguf_model import GGUFError
+from kvsimd import Decoder
+from kvsimd.loaders import registry as models
+from kvsimd.loaders.gguf import GGUFError
 
 gguf = pytest.importorskip("gguf")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +92,7 @@ def test_tokenizer_matches_transformers_and_round_trips(ours, theirs):
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    from kvsimd.tokenizer import Tokenizer
+    from kvsimd.loaders.tokenizer import Tokenizer
     return Tokenizer.from_gguf(os.path.join(model_dir, models.SMOLLM2_FILE))
 
 

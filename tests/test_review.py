@@ -10,7 +10,7 @@ import pytest
 import kvsimd
 from kvsimd import KVCache, KVSimdCapacityError, KVSimdError, KVSimdMemoryError, KVSimdTypeError, ops
 from kvsimd import threads as kthreads
-from kvsimd.decoder import sample
+from kvsimd.nn import sample
 
 from test_streaming import random_decoder
 
@@ -135,10 +135,19 @@ def test_second_interrupt_during_the_rollback_waits_for_it(monkeypatch, policy):
     import os
     import signal
 
-    from kvsimd import decoder
+    from kvsimd import KVCache
+
+    class SignalCache(KVCache):      # a second SIGINT as the rollback starts restoring K/V
+        armed = False
+
+        def write(self, *a, **k):
+            if SignalCache.armed:
+                SignalCache.armed = False
+                os.kill(os.getpid(), signal.SIGINT)
+            return KVCache.write(self, *a, **k)
+
     dec = random_decoder(n_layers=2)
-    kw = dict(capacity=12, dtype="float32", policy=policy, n_keep=2)
-    cache = dec.new_cache(**kw)
+    cache = SignalCache(2, dec.cfg.n_kv_heads, dec.cfg.head_dim, 12, dtype="float32", policy=policy, n_keep=2)
     dec.prefill(list(range(1, 13)), cache=cache)       # the window is full: the next step discards
     before = [(cache.keys(l).copy(), cache.values(l).copy()) for l in range(2)]
     state = (cache.lengths.tolist(), cache.head.tolist(), cache.seen.tolist(), list(cache.tokens[0]),
@@ -149,20 +158,15 @@ def test_second_interrupt_during_the_rollback_waits_for_it(monkeypatch, policy):
     def interrupting_matmul(*a, **k):        # the step's layers: interrupted half-way
         calls["n"] += 1
         if calls["n"] == 3:
+            SignalCache.armed = True
             raise KeyboardInterrupt
         return real_matmul(*a, **k)
 
     monkeypatch.setattr(np, "matmul", interrupting_matmul)
-    restore = decoder._Undo._restore
-
-    def restore_with_signal(self):           # a second SIGINT as the rollback starts
-        os.kill(os.getpid(), signal.SIGINT)
-        restore(self)
-
-    monkeypatch.setattr(decoder._Undo, "_restore", restore_with_signal)
     with pytest.raises(KeyboardInterrupt):
         dec.step([5], cache=cache)
     monkeypatch.undo()
+    assert not SignalCache.armed              # the second SIGINT was sent during the rollback
     assert (cache.lengths.tolist(), cache.head.tolist(), cache.seen.tolist(), list(cache.tokens[0])) == state[:4]
     np.testing.assert_array_equal(cache.positions, state[4])
     for l in range(2):

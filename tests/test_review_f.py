@@ -9,7 +9,7 @@ import pytest
 
 import kvsimd
 from kvsimd import Decoder
-from kvsimd.tokenizer import CHAT_TEMPLATE_MAX_CHARS
+from kvsimd.loaders.tokenizer import CHAT_TEMPLATE_MAX_CHARS
 
 from test_cli import cli, one_error_line, tiny  # noqa: F401  (fixtures)
 from test_gguf import gguf, model_dir, tok, write_llama_gguf  # noqa: F401  (fixtures)
@@ -101,7 +101,7 @@ def test_cli_chat_with_a_hostile_template_is_one_line(tmp_path):
 def test_smollm2_chat_template_renders_as_transformers_does(tok):
     T = pytest.importorskip("transformers")
     from test_gguf import CHAT
-    from kvsimd import models
+    from kvsimd.loaders import registry as models
     htok = T.AutoTokenizer.from_pretrained(os.path.dirname(models.smollm2_path()), gguf_file=models.SMOLLM2_FILE)
     for msgs in (CHAT, CHAT + [{"role": "assistant", "content": "Red."}, {"role": "user", "content": "More"}],
                  [{"role": "system", "content": "Be brief."}] + CHAT):
@@ -130,7 +130,7 @@ def test_cli_largest_seed_generates_reproducibly(tiny):
 @pytest.mark.parametrize("when", ["call", "first step"])
 def test_cli_error_from_generate_reaches_the_user(tiny, monkeypatch, capsys, when):
     from kvsimd import __main__ as cli_main
-    from kvsimd.decoder import Decoder
+    from kvsimd.nn import Decoder
 
     def failing_generate(self, *a, **kw):
         if when == "call":

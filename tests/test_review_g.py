@@ -18,8 +18,8 @@ import pytest
 import childcases
 
 from kvsimd import KVSimdError, KVSimdTypeError, KVSimdValueError, _kvsimd
-from kvsimd.decoder import sample
-from kvsimd.layers import ModelConfig
+from kvsimd.nn import sample
+from kvsimd.nn import ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -283,7 +283,7 @@ def test_gguf_rope_base_the_kernels_refuse_fails_at_load(tmp_path):
     from kvsimd import Decoder
     path = str(tmp_path / "tiny_theta.gguf")
     write_llama_gguf(path, meta={"llama.rope.freq_base": (1e-300, gguf.GGUFValueType.FLOAT64)})
-    from kvsimd.gguf_model import GGUFError
+    from kvsimd.loaders.gguf import GGUFError
     with pytest.raises(GGUFError, match=r"tiny_theta.gguf: the metadata gives an unusable config: .*rope_theta must be "
                                         r"a positive finite number \(at least 1e-200\)"):
         Decoder.from_gguf(path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvsimd import Decoder, KVSimdCapacityError
-from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 V = 53
 

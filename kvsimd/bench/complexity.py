@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import kvsimd
-from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 REGIMES = ("none", "encoder", "cached")
 SEED_COUNTS = {"none": 107_450, "encoder": 6_074, "cached": 1_124}

@@ -19,7 +19,7 @@ import numpy as np
 import kvsimd
 from kvsimd import threads as kthreads
 from kvsimd.bench.common import median_ci
-from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads / 3 KV heads, head_dim 64, FFN 1536, vocab 49152
 SMOLLM2 = dict(vocab=49152, d=576, layers=30, heads=9, kv_heads=3, ffn=1536)

@@ -213,7 +213,7 @@ def bench_smollm2(contexts, threads, steps, progress=None, text_path=None):
     import torch
     import transformers as T
 
-    from kvsimd import models
+    from kvsimd.loaders import registry as models
     T.logging.set_verbosity_error()
     path = models.smollm2_path()
     ours = kvsimd.Decoder.from_gguf(path)

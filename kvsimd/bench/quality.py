@@ -110,7 +110,7 @@ def plot(curves, path):
 
 
 def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None):
-    from kvsimd import models
+    from kvsimd.loaders import registry as models
     model = kvsimd.Decoder.from_gguf(models.smollm2_path())
     tokens = load_tokens(model, text_path, n_tokens)
     t0 = time.perf_counter()
@@ -147,7 +147,7 @@ def _cli(argv=None):
                                                    "shared", "data", "hamlet_gut.txt"))
     a = ap.parse_args(argv)
     if a.what in ("oracle", "policies"):
-        from kvsimd import models
+        from kvsimd.loaders import registry as models
         model = kvsimd.Decoder.from_gguf(models.smollm2_path())
         tokens = load_tokens(model, a.text, a.tokens)
         if a.what == "oracle":

@@ -14,7 +14,7 @@ import numpy as np
 
 import kvsimd
 from kvsimd.bench.common import median_ci
-from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 
 def rss_bytes():

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
-from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn.config import F32, ModelConfig
+from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 MAGIC = b"GGUF"
@@ -414,7 +415,7 @@ def load_tensors(gf):
 def decoder_kwargs_from_gguf(path):
     """Decoder constructor arguments and the parsed file (which :meth:`Tokenizer.from_gguf` reads).
     Nothing is dequantized before the whole file checked out, tokenizer included."""
-    from kvsimd.tokenizer import Tokenizer
+    from kvsimd.loaders.tokenizer import Tokenizer
     gf = open_gguf(path)
     cfg, _ = check_gguf(gf)
     Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read

@@ -30,9 +30,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gf):
-        """The tokenizer of a GGUF file (a path, or a file parsed by :func:`kvsimd.gguf_model.open_gguf`),
-        from its checked metadata (:func:`kvsimd.gguf_model.tokenizer_spec`); built once per file."""
-        from kvsimd.gguf_model import GGUFError, GGUFFile, open_gguf, tokenizer_spec
+        """The tokenizer of a GGUF file (a path, or a file parsed by :func:`kvsimd.loaders.gguf.open_gguf`),
+        from its checked metadata (:func:`kvsimd.loaders.gguf.tokenizer_spec`); built once per file."""
+        from kvsimd.loaders.gguf import GGUFError, GGUFFile, open_gguf, tokenizer_spec
         if not isinstance(gf, GGUFFile):
             gf = open_gguf(gf)
         if getattr(gf, "_tokenizer", None) is not None:
@@ -108,7 +108,7 @@ class Tokenizer:
             raise
         except _TemplateTooLarge as e:
             raise KVSimdValueError("the model's chat template (tokenizer.chat_template) is refused: %s (the limit "
-                                   "is kvsimd.tokenizer.CHAT_TEMPLATE_MAX_CHARS)" % e) from None
+                                   "is kvsimd.loaders.tokenizer.CHAT_TEMPLATE_MAX_CHARS)" % e) from None
         except Exception as e:  # jinja2's errors (a message without "content", the sandbox refusing an attribute...)
             raise KVSimdValueError("the model's chat template (tokenizer.chat_template) failed: %s: %s (messages=%r)"
                                    % (type(e).__name__, e, messages)) from None

@@ -16,7 +16,8 @@ import math
 import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
-from kvsimd.layers import F32, AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+from kvsimd.nn.config import F32, ModelConfig
+from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
          "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}

@@ -71,7 +71,7 @@ def smollm2_path(log=sys.stderr):
 
 def smollm2():
     """SmolLM2-135M-Instruct as a :class:`kvsimd.Decoder` (with ``.tokenizer``)."""
-    from kvsimd.decoder import Decoder
+    from kvsimd.nn import Decoder
     return Decoder.from_gguf(smollm2_path())
 
 
@@ -86,7 +86,7 @@ def resolve(name_or_path):
         raise KVSimdTypeError("model must be a name (%s) or a path, got %r" % (", ".join(MODELS), name_or_path))
     p = os.fspath(name_or_path)
     if not os.path.exists(p) and os.sep not in p and not p.endswith(".gguf"):
-        from kvsimd.gguf_model import GGUFError
+        from kvsimd.loaders.gguf import GGUFError
         raise GGUFError("unknown model %r: give a model name (%s) or the path of a .gguf file"
                         % (p, ", ".join(MODELS)))
     return p

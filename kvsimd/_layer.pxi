@@ -1,0 +1,315 @@
+# The transformer layer of kvsimd, written once: prefill (the T rows of one sequence), decode (one
+# row per sequence), the encoder (bidirectional) and the uncached pass all run Layers.run; only
+# the attention plan differs (_plan.pxi).  Matrix products go through Linear (float32 BLAS today);
+# norms, biases, activations, gating and residual adds run here in C, without Python objects per
+# row.  Weights are packed once per model (nn/weights.py: pack_layers) into typed Block objects.
+
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+cdef inline float _act1(float v, int kind) noexcept nogil:
+    if kind == 0:
+        return v / (1.0 + expf(-v))
+    if kind == 1:
+        return 0.5 * v * (1.0 + erff(v * 0.7071067811865476))
+    if kind == 2:
+        return 0.5 * v * (1.0 + tanhf(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+    return v if v > 0 else 0
+
+
+cdef void _act_rows(float *y, const float *x, const float *mul, int64_t n, int kind) noexcept nogil:
+    """y = act(x) (* mul), one activation per loop so that each loop is a single simple body."""
+    cdef int64_t i
+    if kind == 0:
+        for i in range(n):
+            y[i] = x[i] / (1.0 + expf(-x[i]))
+    else:
+        for i in range(n):
+            y[i] = _act1(x[i], kind)
+    if mul != NULL:
+        for i in range(n):
+            y[i] *= mul[i]
+
+
+cdef inline void _add_rows(float *y, const float *bias, int64_t R, int64_t n) noexcept nogil:
+    cdef int64_t r, i
+    if bias != NULL:
+        for r in range(R):
+            for i in range(n):
+                y[r * n + i] += bias[i]
+
+
+cdef class _Weight:
+    """A float32 array the compiled layers read by pointer, with the pointer and shape it had when
+    it was packed: _verify() refuses an array changed in place since (ndarray.resize, a dtype or
+    shape assignment), so C never reads a buffer of another size."""
+    cdef readonly object a
+    cdef readonly str name
+    cdef void *data
+    cdef int nd
+    cdef cnp.npy_intp n0, n1
+
+    def __cinit__(self, a, str name, shape):
+        _need_array(a, name, (_F32,), len(shape), str(tuple(shape)), shape=tuple(shape))
+        self.a, self.name = a, name
+        self.data = cnp.PyArray_DATA(<cnp.ndarray>a)
+        self.nd = len(shape)
+        self.n0 = shape[0]
+        self.n1 = shape[1] if self.nd == 2 else 0
+
+    cdef inline int verify(self) except -1:
+        cdef cnp.ndarray arr = <cnp.ndarray>self.a
+        if (cnp.PyArray_DATA(arr) != self.data or cnp.PyArray_NDIM(arr) != self.nd
+                or cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
+                or cnp.PyArray_DIMS(arr)[0] != self.n0 or (self.nd == 2 and cnp.PyArray_DIMS(arr)[1] != self.n1)):
+            raise KVSimdValueError("%s changed in place after the model packed it (now %s %s): assign a new array "
+                                   "instead" % (self.name, self.a.dtype, self.a.shape))
+        return 0
+
+
+cdef inline const float *_wp(_Weight w) noexcept:
+    return <const float *>w.data if w is not None else NULL
+
+
+cdef class Linear:
+    """``y = x @ w (+ b)`` for rows x: the one interface every weight matrix of a layer goes through
+    (float32 weights through BLAS today; quantized and 16-bit weights plug in here)."""
+    cdef readonly _Weight w, b
+    cdef readonly int64_t n_in, n_out
+
+    def __cinit__(self, w, b=None, *, str name="w", n_in=None, n_out=None):
+        if not isinstance(w, _np.ndarray) or w.ndim != 2:
+            _need_array(w, name, (_F32,), 2, "[in, out]")
+        ni = w.shape[0] if n_in is None else n_in
+        no = w.shape[1] if n_out is None else n_out
+        self.w = _Weight(w, name, (ni, no))
+        self.b = None if b is None else _Weight(b, name.replace("w", "b", 1) if name[:1] == "w" else name + ".bias",
+                                                (no,))
+        self.n_in, self.n_out = ni, no
+
+    cdef int verify(self) except -1:
+        self.w.verify()
+        if self.b is not None:
+            self.b.verify()
+        return 0
+
+    cdef int apply(self, x, out) except -1:
+        """out[R, n_out] = x[R, n_in] @ w + b."""
+        _np.matmul(x, self.w.a, out=out)
+        _add_rows(<float *>_ptr(out), _wp(self.b), out.shape[0], self.n_out)
+        return 0
+
+    def __call__(self, x):
+        x = _np.ascontiguousarray(x, dtype=_np.float32)
+        _need_array(x, "x", (_F32,), 2, "[rows, %d]" % self.n_in)
+        if x.shape[1] != self.n_in:
+            raise KVSimdValueError("x must be [rows, %d], got %s" % (self.n_in, x.shape))
+        self.verify()
+        out = _np.empty((x.shape[0], self.n_out), _np.float32)
+        self.apply(x, out)
+        return out
+
+
+cdef class Norm:
+    """RMSNorm (``rms``; no bias) or LayerNorm of rows of width ``d`` with weight ``w`` and bias ``b``."""
+    cdef readonly _Weight w, b
+    cdef readonly bint rms
+    cdef readonly float eps
+    cdef readonly int64_t d
+
+    def __cinit__(self, w, b, bint rms, eps, int64_t d, *, str name="norm"):
+        self.w = _Weight(w, name + ".w", (d,))
+        self.b = None if (b is None or rms) else _Weight(b, name + ".b", (d,))
+        self.rms, self.eps, self.d = rms, _need_real(eps, "eps"), d
+
+    cdef int verify(self) except -1:
+        self.w.verify()
+        if self.b is not None:
+            self.b.verify()
+        return 0
+
+    cdef void run(self, float *y, const float *x, int64_t R) noexcept nogil:
+        cdef int64_t r, i, d = self.d
+        cdef double s, mu
+        cdef float inv, m
+        cdef const float *w = <const float *>self.w.data
+        cdef const float *bias = <const float *>self.b.data if self.b is not None else NULL
+        for r in range(R):
+            mu = 0.0
+            if not self.rms:
+                for i in range(d):
+                    mu += x[r * d + i]
+                mu /= d
+            m = <float>mu
+            s = 0.0
+            for i in range(d):
+                s += (x[r * d + i] - m) * (x[r * d + i] - m)
+            inv = 1.0 / sqrtf(<float>(s / d) + self.eps)
+            for i in range(d):
+                y[r * d + i] = (x[r * d + i] - m) * inv * w[i] + (bias[i] if bias != NULL else 0.0)
+
+    def __call__(self, x):
+        x = _np.ascontiguousarray(x, dtype=_np.float32)
+        _need_array(x, "x", (_F32,), 2, "[rows, %d]" % self.d)
+        if x.shape[1] != self.d:
+            raise KVSimdValueError("x must be [rows, %d], got %s" % (self.d, x.shape))
+        self.verify()
+        y = _np.empty_like(x)
+        cdef float *yp = <float *>_ptr(y)
+        cdef const float *xp = <const float *>_ptr(x)
+        cdef int64_t R = x.shape[0]
+        with nogil:
+            self.run(yp, xp, R)
+        return y
+
+
+cdef class Block:
+    """One layer's weights, packed: norms, the fused q|k|v projection, the output projection, the
+    FFN (``ffn_in`` = [w1 | w3] when gated) and, with cross-attention, its norm, q, o and the
+    k|v projection of the encoder output."""
+    cdef readonly Norm norm1, norm2, norm_cross
+    cdef readonly Linear qkv, o, ffn_in, ffn_out, cross_q, cross_o, cross_kv
+
+    def __cinit__(self, Norm norm1, Linear qkv, Linear o, Norm norm2, Linear ffn_in, Linear ffn_out,
+                  Norm norm_cross=None, Linear cross_q=None, Linear cross_o=None, Linear cross_kv=None):
+        self.norm1, self.qkv, self.o, self.norm2, self.ffn_in, self.ffn_out = norm1, qkv, o, norm2, ffn_in, ffn_out
+        self.norm_cross, self.cross_q, self.cross_o, self.cross_kv = norm_cross, cross_q, cross_o, cross_kv
+
+    cdef int verify(self) except -1:
+        for part in (self.norm1, self.norm2, self.norm_cross):
+            if part is not None:
+                (<Norm>part).verify()
+        for part in (self.qkv, self.o, self.ffn_in, self.ffn_out, self.cross_q, self.cross_o, self.cross_kv):
+            if part is not None:
+                (<Linear>part).verify()
+        return 0
+
+
+cdef class Layers:
+    """A stack of Blocks under one configuration: what every forward pass of a model runs."""
+    cdef readonly list blocks
+    cdef readonly int64_t d, H, Hkv, D
+    cdef readonly bint pre_norm, parallel, gated, cross
+    cdef int act
+
+    def __cinit__(self, blocks, *, int64_t d_model, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                  activation, bint gated, bint pre_norm, bint parallel_residual):
+        if not isinstance(activation, str) or activation not in _ACTS:
+            raise KVSimdValueError("activation must be one of %s, got %r" % (", ".join(_ACTS), activation))
+        self.blocks = list(blocks)
+        for i, b in enumerate(self.blocks):
+            if not isinstance(b, Block):
+                raise KVSimdTypeError("blocks[%d] must be a Block, got %s" % (i, type(b).__name__))
+        self.d, self.H, self.Hkv, self.D = d_model, n_heads, n_kv_heads, head_dim
+        self.act, self.gated, self.pre_norm = _ACTS[activation], gated, pre_norm
+        self.parallel = parallel_residual and pre_norm
+        self.cross = bool(self.blocks) and (<Block>self.blocks[0]).cross_q is not None
+
+    def run(self, x, plan, cross=None):
+        """Run the rows ``x`` (float32 [plan.R, d_model], updated in place) through every block,
+        attending through ``plan`` (and over ``cross``, an encoder output cache, when the blocks
+        have cross-attention).  Pre-norm: x += attn(norm1 x) [+= cross(norm_c x)] += ffn(norm2 x)
+        (parallel residual: attn and ffn both from x); post-norm: x = norm1(x + attn x)
+        [= norm_c(x + cross x)] = norm2(x + ffn x)."""
+        if not isinstance(plan, _Plan):
+            raise KVSimdTypeError("plan must be a plan of a cache (KVCache.begin_step, begin_prefill, step_plan), "
+                                  "got %s" % type(plan).__name__)
+        _need_array(x, "x", (_F32,), 2, "[rows, d_model]", writeable=True, shape=((<_Plan>plan).R, self.d))
+        if plan.H != self.H:
+            raise KVSimdValueError("the plan is for %d query heads, the layers have %d" % (plan.H, self.H))
+        cdef _KVStore store = (<_Plan>plan).owner
+        if store.n_kv_heads != self.Hkv or store.head_dim != self.D:
+            raise KVSimdValueError("the cache has %d KV heads of %d, the layers %d of %d"
+                                   % (store.n_kv_heads, store.head_dim, self.Hkv, self.D))
+        if not (<_Plan>plan).one_layer and len(self.blocks) > store.n_layers:
+            raise KVSimdValueError("%d layers for a cache of %d layers" % (len(self.blocks), store.n_layers))
+        if self.cross:
+            if not isinstance(cross, CrossAttentionCache):
+                raise KVSimdTypeError("cross must be a CrossAttentionCache, got %s" % type(cross).__name__)
+            if (<_KVStore>cross).n_kv_heads != self.Hkv or (<_KVStore>cross).head_dim != self.D \
+                    or (<_KVStore>cross).n_layers < len(self.blocks):
+                raise KVSimdValueError("cross cache shape does not fit the layers")
+        for b in self.blocks:
+            (<Block>b).verify()      # arrays read by pointer: unchanged since packing (cheap)
+        return self._run(x, <_Plan>plan, store, cross)
+
+    cdef object _run(self, cnp.ndarray x, _Plan plan, _KVStore store, _KVStore cross):
+        cdef int64_t R = x.shape[0], d = self.d, HD = self.H * self.D, nq, n, l, i, r
+        cdef int64_t width = HD + 2 * self.Hkv * self.D
+        cdef Block blk
+        h = _np.empty((R, d), _np.float32)
+        att = _np.empty((R, HD), _np.float32)
+        a = _np.empty((R, d), _np.float32)
+        f = _np.empty((R, d), _np.float32)
+        qkv = _np.empty((R, width), _np.float32)
+        cq = _np.empty((R, HD), _np.float32) if cross is not None else None
+        cdef float *xp = <float *>_ptr(x)
+        cdef float *hp = <float *>_ptr(h)
+        cdef float *ap = <float *>_ptr(a)
+        cdef float *fp = <float *>_ptr(f)
+        cdef float *gp
+        cdef float *up
+        cdef const int64_t *seqs = <const int64_t *>_ptr(plan.seqs)
+        cdef bint pre = self.pre_norm, par = self.parallel, gated = self.gated
+        cdef int kind = self.act
+        for l in range(len(self.blocks)):
+            blk = self.blocks[l]
+            # self-attention
+            if pre:
+                with nogil:
+                    blk.norm1.run(hp, xp, R)
+                blk.qkv.apply(h, qkv)
+            else:
+                blk.qkv.apply(x, qkv)
+            _attend_rows(plan, store, l, <float *>_ptr(qkv), width, <float *>_ptr(att))
+            blk.o.apply(att, a)
+            if not par:
+                with nogil:
+                    for i in range(R * d):
+                        xp[i] += ap[i]
+                    if not pre:
+                        blk.norm1.run(xp, xp, R)
+            # cross-attention
+            if cross is not None:
+                if pre:
+                    with nogil:
+                        blk.norm_cross.run(hp, xp, R)
+                    blk.cross_q.apply(h, cq)
+                else:
+                    blk.cross_q.apply(x, cq)
+                _attend_cross(cross, l, seqs, R, <float *>_ptr(cq), self.H, <float *>_ptr(att))
+                blk.cross_o.apply(att, a)
+                with nogil:
+                    for i in range(R * d):
+                        xp[i] += ap[i]
+                    if not pre:
+                        blk.norm_cross.run(xp, xp, R)
+            # feed-forward
+            g = _np.empty((R, blk.ffn_in.n_out), _np.float32)
+            if pre:
+                with nogil:
+                    blk.norm2.run(hp, xp, R)
+                blk.ffn_in.apply(h, g)
+            else:
+                blk.ffn_in.apply(x, g)
+            gp = <float *>_ptr(g)
+            n = blk.ffn_out.n_in
+            u = _np.empty((R, n), _np.float32)
+            up = <float *>_ptr(u)
+            with nogil:
+                if gated:    # rows of g are [gate | up]
+                    for r in range(R):
+                        _act_rows(up + r * n, gp + r * 2 * n, gp + r * 2 * n + n, n, kind)
+                else:
+                    _act_rows(up, gp, NULL, R * n, kind)
+            blk.ffn_out.apply(u, f)
+            with nogil:
+                if par:
+                    for i in range(R * d):
+                        xp[i] += ap[i] + fp[i]
+                else:
+                    for i in range(R * d):
+                        xp[i] += fp[i]
+                    if not pre:
+                        blk.norm2.run(xp, xp, R)
+        return x

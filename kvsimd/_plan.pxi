@@ -1,0 +1,258 @@
+# The attention step of one forward pass, planned once and run for every layer.
+#
+# A forward pass runs R rows (a decode step: one row per sequence; a prefill chunk: the T tokens
+# of one sequence; an encoder or an uncached pass: the T tokens in a scratch store).  Its plan
+# says, per row, which sequence and slot its K/V go to, the RoPE tables of its positions, and the
+# key ranges it reads under one softmax.  The plan is built and checked by its store (KVCache.
+# begin_step / begin_prefill, _local_plan) and read by the compiled layers (_layer.pxi) through
+# _attend_rows, with no Python object touched per row or head.
+
+
+cdef class RopeSpec:
+    """Validated RoPE parameters for rows of ``head_dim``: ``theta``, ``style`` ("gptj" pairs
+    adjacent values, "neox" the two halves) and ``rotary_dim`` (None: head_dim).  The one RoPE
+    check of kvsimd: ops.apply_rope / shift_keys, prefill, decode steps and the shift policy."""
+    cdef readonly double theta
+    cdef readonly int64_t rotary_dim, head_dim
+    cdef kv_rope_style st
+
+    def __cinit__(self, theta, style, rotary_dim, head_dim):
+        D = _need_int(head_dim, "head_dim")
+        _need_head_dim(D)
+        self.theta, self.st, self.rotary_dim = _rope_params(theta, style, rotary_dim, D)
+        self.head_dim = D
+
+    @property
+    def style(self):
+        return "gptj" if self.st == KV_ROPE_GPTJ else "neox"
+
+    def __repr__(self):
+        return "RopeSpec(theta=%r, style=%r, rotary_dim=%d, head_dim=%d)" % (self.theta, self.style, self.rotary_dim,
+                                                                              self.head_dim)
+
+    def __reduce__(self):
+        return RopeSpec, (self.theta, self.style, self.rotary_dim, self.head_dim)
+
+
+cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
+                            float *out, float *ml, const float *alibi, const int64_t *key_pos,
+                            const int64_t *ranges, int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t n_total, float scale, kv_dtype dtype) noexcept nogil:
+    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows)."""
+    memset(p, 0, sizeof(kv_attn_params))
+    p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
+    p.m = ml
+    p.l = ml + H
+    p.alibi, p.key_pos = alibi, key_pos
+    p.ranges = <const kv_attn_range *>ranges
+    p.n_ranges = n_ranges
+    p.H, p.Hkv, p.D = H, Hkv, D
+    p.n_total = n_total
+    p.g0, p.g1 = 0, Hkv
+    p.scale = scale
+    p.dtype = dtype
+    p.init, p.finalize = 1, 1
+
+
+cdef class _Plan:
+    """One forward pass's attention rows (see the header of this file).  Read-only to Python."""
+    cdef readonly int64_t R, H, HD, nrmax, rd
+    cdef readonly object owner          # the store the rows' K/V go to
+    cdef readonly object embed_positions
+    cdef readonly dict refill           # reevaluate: sequence -> token ids to prefill first
+    cdef readonly object tokens
+    cdef readonly int kind              # 0 decode step, 1 prefill chunk, 2 local (encoder / uncached)
+    cdef object seqs, slots, kpos, spos, two, rng, nr, cs, alibi, key_pos, ws, qs, ml
+    cdef bint do_rope, one_layer
+    cdef readonly bint explicit         # made by step_plan from explicit slots and ranges
+    cdef kv_rope_style st
+    cdef double theta
+    cdef float scale
+    cdef int nt
+    cdef int64_t seq                    # prefill: the sequence
+    cdef list saved                     # transaction records of begin_* (see _Tx)
+
+
+cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
+                     alibi_slopes):
+    cdef _Plan p = _Plan.__new__(_Plan)
+    p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
+    if H < 1 or H % Hkv or H > _MAX_HEADS:
+        raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
+    p.do_rope = rope is not None
+    if p.do_rope:
+        if rope.head_dim != D:
+            raise KVSimdValueError("rope is for head_dim %d, the cache has %d" % (rope.head_dim, D))
+        p.theta, p.st, p.rd = rope.theta, rope.st, rope.rotary_dim
+    p.alibi = None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy()
+    p.scale = 1.0 / sqrtf(<float>D)
+    p.nt = _threads_now()
+    p.seqs = _np.zeros(R, _np.int64)
+    p.slots = _np.zeros(R, _np.int64)
+    p.kpos = _np.zeros(R, _np.int64)
+    p.spos = _np.zeros(R, _np.int64)
+    p.two = _np.zeros(R, _np.int64)
+    p.nr = _np.zeros(R, _np.int64)
+    p.refill = {}
+    p.saved = []
+    return p
+
+
+cdef int _plan_ranges(_Plan p, list per_row) except -1:
+    """per_row[r]: [(use_alt, t0, t1, query_pos)] -> the plan's [R, nrmax, 4] table, with
+    adjacent ranges of the same query merged (one kernel range)."""
+    cdef int64_t r, i, R = p.R
+    p.nrmax = max([len(x) for x in per_row] + [1])
+    p.rng = _np.zeros((R, p.nrmax, 4), dtype=_np.int64)
+    for r in range(R):
+        i = 0
+        for use_s, t0, t1, qpos in per_row[r]:
+            use_s = 1 if (use_s and p.do_rope and p.spos[r] != p.kpos[r]) else 0
+            if use_s:
+                p.two[r] = 1
+            if i and p.rng[r, i - 1, 2] == t0 and p.rng[r, i - 1, 0] == use_s and p.rng[r, i - 1, 3] == qpos:
+                p.rng[r, i - 1, 2] = t1
+            else:
+                p.rng[r, i] = (use_s, t0, t1, qpos)
+                i += 1
+        p.nr[r] = i
+    return 0
+
+
+cdef int _plan_tables(_Plan p) except -1:
+    """RoPE tables of every row's positions ([r][key position | sink position]) and the scratch."""
+    cdef int64_t r
+    if p.do_rope:
+        p.cs = _np.zeros((p.R, 2, p.rd), dtype=_np.float32)
+        for r in range(p.R):
+            kv_rope_table(<float *>_ptr(p.cs) + 2 * r * p.rd, <double>p.kpos[r], p.theta, p.rd // 2, p.rd)
+            if p.two[r]:
+                kv_rope_table(<float *>_ptr(p.cs) + (2 * r + 1) * p.rd, <double>p.spos[r], p.theta, p.rd // 2, p.rd)
+    p.qs = _np.empty((<object>p.R, <object>p.HD) if p.two.any() else (1, 1), dtype=_np.float32)
+    p.ml = _np.empty(2 * p.H, dtype=_np.float32)
+    p.ws = _workspace(p.H, p.owner.n_kv_heads, p.owner.head_dim, p.nt)
+    return 0
+
+
+cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t width, float *out) except -1:
+    """Self-attention of every row of ``plan`` for layer ``l``: rotate q/k (RoPE), store k/v at the
+    row's slot, then attend over the row's key ranges.  ``qkv``: R rows of ``width`` floats
+    ([q | k | v], heads contiguous), rotated in place; ``out``: R rows of plan.HD floats."""
+    cdef kv_attn_params p
+    cdef int64_t R = plan.R, Hkv = store.n_kv_heads, D = store.head_dim, C = store.capacity
+    cdef int64_t H = plan.H, HD = plan.HD, r, h, slot, sq
+    if plan.owner is not store:
+        raise KVSimdValueError("this plan was made by another cache")
+    if width != HD + 2 * Hkv * D:
+        raise KVSimdValueError("qkv rows must hold %d floats, got %d" % (HD + 2 * Hkv * D, width))
+    cdef int64_t lb = 0 if plan.one_layer else l
+    if not 0 <= lb < store.n_layers:
+        raise KVSimdValueError("layer must be in 0..%d, got %d" % (store.n_layers - 1, l))
+    cdef float *qrow
+    cdef float *krow
+    cdef float *vrow
+    cdef float *qsp = <float *>_ptr(plan.qs)
+    cdef const int64_t *sqp = <const int64_t *>_ptr(plan.seqs)
+    cdef const int64_t *slp = <const int64_t *>_ptr(plan.slots)
+    cdef const int64_t *rg = <const int64_t *>_ptr(plan.rng)
+    cdef const int64_t *nrp = <const int64_t *>_ptr(plan.nr)
+    cdef const int64_t *twp = <const int64_t *>_ptr(plan.two)
+    cdef const float *csp = <const float *>_ptr(plan.cs) if plan.do_rope else NULL
+    cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
+    cdef const int64_t *kpos_all = <const int64_t *>_ptr(plan.key_pos) if plan.key_pos is not None else NULL
+    cdef void *wsp = _aligned64(plan.ws)
+    cdef float *mlp = <float *>_ptr(plan.ml)
+    cdef char *kc
+    cdef char *vc
+    cdef size_t es = 2 if store._kv_dtype == KV_F16 else 4
+    cdef int nt = plan.nt, rd = plan.rd
+    cdef kv_rope_style st = plan.st
+    store._acquire()
+    try:
+        with nogil:
+            # 1. every row's q/k rotated and k/v stored (an encoder row reads keys after its own)
+            for r in range(R):
+                qrow = qkv + r * width
+                krow = qrow + HD
+                vrow = krow + Hkv * D
+                if twp[r]:
+                    memcpy(qsp + r * HD, qrow, HD * sizeof(float))
+                    kv_rotate_rows(qsp + r * HD, KV_F32, H, 1, D, csp + (2 * r + 1) * rd, st, rd, 0, 1)
+                if csp != NULL:
+                    kv_rotate_rows(qrow, KV_F32, H, 1, D, csp + 2 * r * rd, st, rd, 0, 1)
+                    kv_rotate_rows(krow, KV_F32, Hkv, 1, D, csp + 2 * r * rd, st, rd, 0, 1)
+                kc = <char *>kv_cache_block(&store.c, lb, 0, sqp[r])
+                vc = <char *>kv_cache_block(&store.c, lb, 1, sqp[r])
+                slot = slp[r]
+                for h in range(Hkv):
+                    if es == 2:
+                        kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
+                        kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)
+                    else:
+                        memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
+                        memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
+            # 2. every row's key ranges under one softmax, one kernel call per row
+            for r in range(R):
+                sq = sqp[r]
+                _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
+                           kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
+                           mlp, alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
+                           rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
+                kv_attend(&p, wsp, nt)
+    finally:
+        store._release()
+    return 0
+
+
+cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R, float *q, int64_t H,
+                       float *out) except -1:
+    """Row r: out[r] = attention of q[r] ([H, head_dim]) over every committed token of sequence
+    seqs[r] of the cross-attention store (no positions, no mask)."""
+    cdef kv_attn_params p
+    cdef int64_t Hkv = cross.n_kv_heads, D = cross.head_dim, r, s
+    cdef int64_t rng[4]
+    if not 0 <= l < cross.n_layers:
+        raise KVSimdValueError("layer must be in 0..%d, got %d" % (cross.n_layers - 1, l))
+    if H < 1 or H % Hkv:
+        raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
+    cdef const int64_t *lens = <const int64_t *>_ptr(cross._lengths)
+    for r in range(R):
+        if not 0 <= seqs[r] < cross.batch or lens[seqs[r]] == 0:
+            raise KVSimdValueError("cross-attention cache has no tokens for sequence %d" % seqs[r])
+    cdef int nt = _threads_now()
+    ws, ml = cross._scratch(H, nt)
+    cdef void *wsp = _aligned64(ws)
+    cdef float *mlp = <float *>_ptr(ml)
+    cdef float scale = 1.0 / sqrtf(<float>D)
+    rng[0], rng[1], rng[3] = 0, 0, 0
+    cross._acquire()
+    try:
+        with nogil:
+            for r in range(R):
+                s = seqs[r]
+                rng[2] = lens[s]
+                _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
+                           kv_cache_block(&cross.c, l, 1, s), out + r * H * D, mlp, NULL, NULL, rng, 1,
+                           H, Hkv, D, cross.capacity, scale, cross._kv_dtype)
+                kv_attend(&p, wsp, nt)
+    finally:
+        cross._release()
+    return 0
+
+
+def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, alibi_slopes, bint causal):
+    """The plan of a pass without a cache (an encoder, or the uncached decoder forward): the T
+    rows' K/V go to a scratch float32 store reused by every layer; row t reads keys 0..t
+    (causal) or all T."""
+    cdef _KVStore scratch = _KVStore(1, Hkv, D, T, dtype="float32")
+    cdef _Plan p = _new_plan(scratch, 2, T, H, Hkv, D, rope, alibi_slopes)
+    cdef int64_t t
+    p.one_layer = True
+    p.slots[:] = _np.arange(T)
+    p.kpos[:] = p.slots
+    p.spos[:] = p.slots
+    p.embed_positions = p.kpos
+    _plan_ranges(p, [[(False, 0, t + 1 if causal else T, t)] for t in range(T)])
+    p.key_pos = None          # ALiBi: a key's position is its slot
+    _plan_tables(p)
+    return p

@@ -1,0 +1,248 @@
+"""A model's weights: the dataclasses a loader fills (float32, ``[in, out]`` matrices), their checks
+against a ModelConfig, and their packing into the compiled layers (``pack_layers``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from kvsimd import _kvsimd
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
+from kvsimd.nn.config import F32, _Tracked
+
+
+def alibi_slopes(n_heads):
+    """ALiBi head slopes (Press et al.), as BLOOM builds them for any head count."""
+    p = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(p) - 3)))
+    slopes = [base ** (i + 1) for i in range(p)]
+    if p < n_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * p) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(n_heads - p)]
+    return np.array(slopes, dtype=F32)
+
+
+def sinusoidal_table(n_positions, dim):
+    """Sinusoidal positions: sin in the first half of the dims, cos in the second (Marian)."""
+    half = dim // 2
+    inv = np.power(10000.0, -np.arange(half, dtype=np.float64) * 2.0 / dim)
+    ang = np.arange(n_positions, dtype=np.float64)[:, None] * inv[None, :]
+    table = np.zeros((n_positions, dim), dtype=np.float64)
+    table[:, :half] = np.sin(ang)
+    table[:, half:2 * half] = np.cos(ang)
+    return table.astype(F32)
+
+
+# ------------------------------------------------------------------------------ weights
+def _f32(a, name):
+    """``a`` as a C-contiguous float32 array (weights are converted once, at construction)."""
+    if a is None:
+        raise KVSimdTypeError("%s must be an array of real numbers, got None" % name)
+    try:
+        return np.ascontiguousarray(a, dtype=F32)
+    except (TypeError, ValueError) as e:
+        raise KVSimdTypeError("%s must be an array of real numbers, got %s: %s"
+                              % (name, type(a).__name__, e)) from None
+
+
+def _fuse_columns(parts, what):
+    """Concatenate 2-D ``[in, out_i]`` matrices (or 1-D biases) along their last axis."""
+    shapes = [getattr(p, "shape", None) for p in parts]
+    if any(sh is None or len(sh) != len(shapes[0]) or sh[:-1] != shapes[0][:-1] for sh in shapes):
+        raise KVSimdValueError("%s: the parts must agree in all but their last dimension, got shapes %s"
+                               % (what, ", ".join(str(sh) for sh in shapes)))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
+@dataclass
+class AttentionWeights(_Tracked):
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    bq: Optional[np.ndarray] = None
+    bk: Optional[np.ndarray] = None
+    bv: Optional[np.ndarray] = None
+    bo: Optional[np.ndarray] = None
+    wqkv: np.ndarray = field(init=False, repr=False)
+    bqkv: Optional[np.ndarray] = field(init=False, repr=False)
+    wkv: np.ndarray = field(init=False, repr=False)
+    bkv: Optional[np.ndarray] = field(init=False, repr=False)
+
+    _PARTS = ("wq", "wk", "wv", "bq", "bk", "bv")
+
+    def __post_init__(self):
+        for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo"):
+            a = getattr(self, name)
+            if a is not None:
+                object.__setattr__(self, name, _f32(a, name))
+        self._fuse()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name, value):
+        # assigning wq/wk/wv (or their biases) after construction re-fuses wqkv/bqkv, so the
+        # fused matrices the decoder multiplies never go stale
+        super().__setattr__(name, value)
+        if name in self._PARTS and self.__dict__.get("_ready"):
+            self._fuse()
+
+    def _fuse(self):
+        # one matrix product for q, k and v
+        z = lambda b, w: b if b is not None else np.zeros(w.shape[-1], F32)  # noqa: E731
+        self.wqkv = _fuse_columns([self.wq, self.wk, self.wv], "wq, wk, wv")
+        if self.bq is None and self.bk is None and self.bv is None:
+            self.bqkv = None
+        else:
+            self.bqkv = _fuse_columns([z(self.bq, self.wq), z(self.bk, self.wk), z(self.bv, self.wv)],
+                                      "bq, bk, bv")
+        # k and v alone (cross-attention projects the encoder output with them)
+        self.wkv = _fuse_columns([self.wk, self.wv], "wk, wv")
+        self.bkv = None if self.bk is None and self.bv is None else \
+            _fuse_columns([z(self.bk, self.wk), z(self.bv, self.wv)], "bk, bv")
+
+
+@dataclass
+class FFNWeights(_Tracked):
+    w1: np.ndarray
+    w2: np.ndarray
+    w3: Optional[np.ndarray] = None   # gate partner (gated FFN)
+    b1: Optional[np.ndarray] = None
+    b2: Optional[np.ndarray] = None
+    w13: Optional[np.ndarray] = field(init=False, repr=False, default=None)
+
+    def __post_init__(self):
+        for name in ("w1", "w2", "w3", "b1", "b2"):
+            a = getattr(self, name)
+            if a is not None:
+                object.__setattr__(self, name, _f32(a, name))
+        self._fuse()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in ("w1", "w3") and self.__dict__.get("_ready"):
+            self._fuse()
+
+    def _fuse(self):
+        self.w13 = None if self.w3 is None else _fuse_columns([self.w1, self.w3], "w1, w3")
+
+
+@dataclass
+class NormWeights(_Tracked):
+    w: np.ndarray
+    b: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        self.w = _f32(self.w, "w")
+        if self.b is not None:
+            self.b = _f32(self.b, "b")
+
+
+@dataclass
+class LayerWeights(_Tracked):
+    attn: AttentionWeights
+    ffn: FFNWeights
+    norm1: NormWeights                  # before (pre-norm) / after (post-norm) self-attention
+    norm2: NormWeights                  # FFN
+    cross: Optional[AttentionWeights] = None
+    norm_cross: Optional[NormWeights] = None
+
+
+# ------------------------------------------------------------------------------ validation
+def need_weight(a, name, shape, optional=False):
+    """``a`` must be a float32, C-contiguous, aligned array of exactly ``shape`` (the compiled
+    decode step reads weights by pointer with lengths taken from the ModelConfig)."""
+    if a is None:
+        if optional:
+            return None
+        raise KVSimdTypeError("%s must be a float32 array of shape %s, got None" % (name, shape))
+    _kvsimd._need_array(a, name, (np.dtype(F32),), len(shape), str(shape))
+    if any(want is not None and got != want for got, want in zip(a.shape, shape)) or 0 in a.shape:
+        raise KVSimdValueError("%s must have shape %s, got %s"
+                               % (name, str(shape).replace("None", "n >= 1"), a.shape))
+    return a
+
+
+def need_norm(nw, name, d, optional=False):
+    if nw is None and optional:
+        return
+    if not isinstance(nw, NormWeights):
+        raise KVSimdTypeError("%s must be a NormWeights, got %r" % (name, type(nw).__name__))
+    need_weight(nw.w, name + ".w", (d,))
+    need_weight(nw.b, name + ".b", (d,), optional=True)
+
+
+def _need_attention(a, name, d, d_kv_in, H, Hkv, Dh, fused):
+    if not isinstance(a, AttentionWeights):
+        raise KVSimdTypeError("%s must be an AttentionWeights, got %r" % (name, type(a).__name__))
+    for part, shape in (("wq", (d, H * Dh)), ("wk", (d_kv_in, Hkv * Dh)), ("wv", (d_kv_in, Hkv * Dh)),
+                        ("wo", (H * Dh, d))):
+        need_weight(getattr(a, part), "%s.%s" % (name, part), shape)
+    for part, n in (("bq", H * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh), ("bo", d)):
+        need_weight(getattr(a, part), "%s.%s" % (name, part), (n,), optional=True)
+    if fused:
+        n = (H + 2 * Hkv) * Dh
+        need_weight(a.wqkv, name + ".wqkv", (d, n))
+        need_weight(a.bqkv, name + ".bqkv", (n,), optional=True)
+
+
+def check_layer(cfg, lw, name, d_source=None):
+    """Every array of one layer against the ModelConfig: shapes, float32, C-contiguity.
+    ``d_source``: width of the encoder output when the layer has cross-attention."""
+    if not isinstance(lw, LayerWeights):
+        raise KVSimdTypeError("%s must be a LayerWeights, got %r" % (name, type(lw).__name__))
+    d, H, Hkv, Dh, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    need_norm(lw.norm1, name + ".norm1", d)
+    need_norm(lw.norm2, name + ".norm2", d)
+    _need_attention(lw.attn, name + ".attn", d, d, H, Hkv, Dh, True)
+    if d_source is not None:
+        need_norm(lw.norm_cross, name + ".norm_cross", d)
+        _need_attention(lw.cross, name + ".cross", d, d_source, H, Hkv, Dh, False)
+    f = lw.ffn
+    if not isinstance(f, FFNWeights):
+        raise KVSimdTypeError("%s.ffn must be an FFNWeights, got %r" % (name, type(f).__name__))
+    need_weight(f.w1, name + ".ffn.w1", (d, F))
+    need_weight(f.w2, name + ".ffn.w2", (F, d))
+    need_weight(f.b2, name + ".ffn.b2", (d,), optional=True)
+    if cfg.ffn_gated:
+        need_weight(f.w3, name + ".ffn.w3", (d, F))
+        need_weight(f.w13, name + ".ffn.w13", (d, 2 * F))
+        if f.b1 is not None:
+            raise KVSimdValueError("%s.ffn.b1: a gated FFN (ffn_gated=True) takes no b1" % name)
+    else:
+        if f.w3 is not None or f.w13 is not None:
+            raise KVSimdValueError("%s.ffn.w3 is set but the config has ffn_gated=False" % name)
+        need_weight(f.b1, name + ".ffn.b1", (F,), optional=True)
+
+
+# ------------------------------------------------------------------------------ packing
+def _norm(cfg, nw, name):
+    return None if nw is None else _kvsimd.Norm(nw.w, nw.b, cfg.norm == "rmsnorm", cfg.norm_eps, cfg.d_model,
+                                                name=name)
+
+
+def pack_layers(cfg, layers, name="layers", d_source=None):
+    """The compiled layer stack of ``layers`` (LayerWeights already checked against ``cfg``):
+    one typed Block per layer, holding the same arrays (nothing is copied)."""
+    blocks = []
+    for i, lw in enumerate(layers):
+        p = "%s[%d]" % (name, i)
+        a, f, c = lw.attn, lw.ffn, lw.cross
+        gated = f.w13 is not None
+        blocks.append(_kvsimd.Block(
+            _norm(cfg, lw.norm1, p + ".norm1"),
+            _kvsimd.Linear(a.wqkv, a.bqkv, name=p + ".attn.wqkv"),
+            _kvsimd.Linear(a.wo, a.bo, name=p + ".attn.wo"),
+            _norm(cfg, lw.norm2, p + ".norm2"),
+            _kvsimd.Linear(f.w13 if gated else f.w1, None if gated else f.b1,
+                           name=p + (".ffn.w13" if gated else ".ffn.w1")),
+            _kvsimd.Linear(f.w2, f.b2, name=p + ".ffn.w2"),
+            None if c is None or d_source is None else _norm(cfg, lw.norm_cross, p + ".norm_cross"),
+            None if c is None or d_source is None else _kvsimd.Linear(c.wq, c.bq, name=p + ".cross.wq"),
+            None if c is None or d_source is None else _kvsimd.Linear(c.wo, c.bo, name=p + ".cross.wo"),
+            None if c is None or d_source is None else _kvsimd.Linear(c.wkv, c.bkv, name=p + ".cross.wkv")))
+    return _kvsimd.Layers(blocks, d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                          head_dim=cfg.head_dim, activation=cfg.activation, gated=cfg.ffn_gated,
+                          pre_norm=cfg.pre_norm, parallel_residual=cfg.parallel_residual)
