@@ -77,14 +77,15 @@ cdef class Linear:
     cdef readonly _Weight w, b
     cdef readonly int64_t n_in, n_out
 
-    def __cinit__(self, w, b=None, *, str name="w", n_in=None, n_out=None):
+    def __cinit__(self, w, b=None, *, str name="w", str bias_name=None):
         if not isinstance(w, _np.ndarray) or w.ndim != 2:
             _need_array(w, name, (_F32,), 2, "[in, out]")
-        ni = w.shape[0] if n_in is None else n_in
-        no = w.shape[1] if n_out is None else n_out
+        ni, no = w.shape
         self.w = _Weight(w, name, (ni, no))
-        self.b = None if b is None else _Weight(b, name.replace("w", "b", 1) if name[:1] == "w" else name + ".bias",
-                                                (no,))
+        if bias_name is None:       # "layers[0].attn.wqkv" -> "layers[0].attn.bqkv"
+            head, _, last = name.rpartition(".")
+            bias_name = (head + "." if head else "") + ("b" + last[1:] if last[:1] == "w" else last + "_bias")
+        self.b = None if b is None else _Weight(b, bias_name, (no,))
         self.n_in, self.n_out = ni, no
 
     cdef int verify(self) except -1:
@@ -108,6 +109,15 @@ cdef class Linear:
         out = _np.empty((x.shape[0], self.n_out), _np.float32)
         self.apply(x, out)
         return out
+
+
+cdef int _need_dims(Linear lin, int64_t n_in, int64_t n_out) except -1:
+    if lin is None:
+        raise KVSimdTypeError("a Block needs every projection of its layer, got None")
+    if lin.n_in != n_in or lin.n_out != n_out:
+        raise KVSimdValueError("%s must be [%d, %d] for these layers, got [%d, %d]"
+                               % (lin.w.name, n_in, n_out, lin.n_in, lin.n_out))
+    return 0
 
 
 cdef class Norm:
@@ -204,6 +214,38 @@ cdef class Layers:
         self.act, self.gated, self.pre_norm = _ACTS[activation], gated, pre_norm
         self.parallel = parallel_residual and pre_norm
         self.cross = bool(self.blocks) and (<Block>self.blocks[0]).cross_q is not None
+        if not (d_model >= 1 and head_dim >= 1 and n_kv_heads >= 1 and n_heads >= 1 and n_heads % n_kv_heads == 0):
+            raise KVSimdValueError("d_model=%d, n_heads=%d, n_kv_heads=%d, head_dim=%d do not make attention layers"
+                                   % (d_model, n_heads, n_kv_heads, head_dim))
+        for b in self.blocks:
+            self._check_block(<Block>b)
+
+    cdef int _check_block(self, Block b) except -1:
+        """Every part's width against the stack's: the compiled pass reads them by pointer with
+        these lengths."""
+        cdef int64_t d = self.d, HD = self.H * self.D, KV = 2 * self.Hkv * self.D
+        for n in (b.norm1, b.norm2) + ((b.norm_cross,) if self.cross else ()):
+            if n is None:
+                raise KVSimdTypeError("a Block of these layers needs norm1, norm2%s" % (" and norm_cross" if self.cross else ""))
+            if (<Norm>n).d != d:
+                raise KVSimdValueError("%s must have %d entries for these layers, got %d" % ((<Norm>n).w.name, d, (<Norm>n).d))
+        _need_dims(b.qkv, d, HD + KV)
+        _need_dims(b.o, HD, d)
+        if b.ffn_in is None or b.ffn_in.n_in != d:
+            _need_dims(b.ffn_in, d, b.ffn_out.n_in * (2 if self.gated else 1) if b.ffn_out is not None else 1)
+        if self.gated and b.ffn_in.n_out % 2:
+            raise KVSimdValueError("%s must be [%d, 2F] ([gate | up] of a gated FFN), got [%d, %d]"
+                                   % (b.ffn_in.w.name, d, b.ffn_in.n_in, b.ffn_in.n_out))
+        F = b.ffn_in.n_out // 2 if self.gated else b.ffn_in.n_out
+        _need_dims(b.ffn_out, F, d)
+        if self.cross != (b.cross_q is not None) or (self.cross and (b.cross_o is None or b.cross_kv is None)):
+            raise KVSimdValueError("every Block of a stack has cross-attention (norm_cross, cross_q, cross_o, "
+                                   "cross_kv), or none does")
+        if self.cross:
+            _need_dims(b.cross_q, d, HD)
+            _need_dims(b.cross_o, HD, d)
+            _need_dims(b.cross_kv, b.cross_kv.n_in, KV)
+        return 0
 
     def run(self, x, plan, cross=None):
         """Run the rows ``x`` (float32 [plan.R, d_model], updated in place) through every block,

@@ -1,10 +1,11 @@
-"""Review findings on the compiled decode step and the model config checks (issue 13).
+"""Review findings on the compiled layers and the model config checks (issue 13, moved in issue 14).
 
-* The compiled decode step (``_kvsimd._decode_stack``) reads every layer array by pointer; it checks
-  each one itself, once per call, so an array resized in place after the model checked it, or a
-  bad tuple handed to it directly, is a KVSimdError naming the layer and entry, never an
-  out-of-bounds read.  Those calls crash or read garbage on an unchecked build, so they run in a
-  child process: a signal there fails the case instead of the whole run.
+* The compiled layers (``_kvsimd.Layers``) read every weight by pointer.  Each part is checked when
+  it is packed (dtype, shape, contiguity, and its width against the stack's), and each pass checks
+  that no array changed in place since (an ``ndarray.resize`` after the model checked it), so a
+  bad array is a KVSimdError naming the layer and the weight, never an out-of-bounds read.  Those
+  calls crash or read garbage on an unchecked build, so they run in a child process: a signal
+  there fails the case instead of the whole run.
 * ModelConfig: numbers too large for a double, non-bool flags and a RoPE theta the kernels
   refuse are KVSimdErrors naming the field, at construction.
 """
@@ -71,130 +72,137 @@ for _path, _shape, _ed in (("norm1.w", (1,), False), ("norm2.w", (4,), False), (
                            ("norm1.b", (1,), True), ("attn.bqkv", (8,), True), ("attn.bo", (3,), True),
                            ("ffn.b1", (5,), True), ("ffn.b2", (1,), True), ("norm_cross.w", (2,), True),
                            ("cross.wq", (32, 4), True), ("cross.bq", (1,), True), ("cross.wo", (4, 32), True)):
-    _entry = {"ffn.w13": "ffn.w_in", "ffn.b1": "ffn.b_in"}.get(_path, _path)
-
     def _fn(p=_path, s=_shape, e=_ed):
         _resized_step(p, s, e)
     _fn.__name__ = "resized_" + _path.replace(".", "_")
-    case(r"layers\[0\]\.%s must (have shape|be )" % re.escape(_entry))(_fn)
+    case(r"layers\[0\]\.%s changed in place after the model packed it" % re.escape(_path))(_fn)
 
 
-def _direct(edit, n_layers=2, **kw):
-    """Call _decode_stack with the decoder's own layer tuples after ``edit(list of tuples)``."""
-    m, cache = _decoder(n_layers)
-    cfg = m.cfg
-    fast = [list(t) for t in m._fast_layers()]
-    edit(fast)
-    plan = cache.step_plan(cfg.n_heads * cfg.head_dim, np.array([3]), np.array([3]), np.array([3]),
-                           [[(False, 0, 4, 3)]], rope=(cfg.rope_theta, cfg.rope_style, cfg.rotary_dim))
-    args = dict(layers=[tuple(t) for t in fast], x=np.zeros((1, cfg.d_model), np.float32), cache=cache, plan=plan,
-                rms=True, eps=1e-6, act="silu", gated=True, parallel=False)
+def _layers(blocks, **kw):
+    args = dict(d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, activation="silu", gated=True, pre_norm=True,
+                parallel_residual=False)
     args.update(kw)
-    _kvsimd._decode_stack(**args)
+    return _kvsimd.Layers(blocks, **args)
 
 
-def _set(l, i, value):
-    def edit(fast):
-        fast[l][i] = value(fast[l][i]) if callable(value) else value
-    return edit
+def _parts(F=48, **edit):
+    """The parts of one valid gated layer (d_model 32, 2 heads of 16, 1 KV head), then ``edit``."""
+    f = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    N, L = _kvsimd.Norm, _kvsimd.Linear
+    parts = dict(norm1=lambda: N(f(32), None, True, 1e-6, 32, name="layers[0].norm1"),
+                 qkv=lambda: L(f(32, 64), name="layers[0].attn.wqkv"),
+                 o=lambda: L(f(32, 32), name="layers[0].attn.wo"),
+                 norm2=lambda: N(f(32), None, True, 1e-6, 32, name="layers[0].norm2"),
+                 ffn_in=lambda: L(f(32, 2 * F), name="layers[0].ffn.w13"),
+                 ffn_out=lambda: L(f(F, 32), name="layers[0].ffn.w2"))
+    parts.update(edit)
+    return _kvsimd.Block(*[parts[k]() for k in ("norm1", "qkv", "o", "norm2", "ffn_in", "ffn_out")])
 
 
-@case(r"layers\[0\]\.norm1\.w must be a float32 array of shape \(32,\), got None")
+def _run(blocks=None, x=None, plan="plan", **kw):
+    m, cache = _decoder(1)
+    cfg = m.cfg
+    if plan == "plan":
+        plan = cache.step_plan(cfg.n_heads * cfg.head_dim, np.array([3]), np.array([3]), np.array([3]),
+                               [[(False, 0, 4, 3)]], rope=m.rope)
+    layers = _layers([_parts()] if blocks is None else blocks, **kw)
+    layers.run(np.zeros((1, 32), np.float32) if x is None else x, plan)
+
+
+@case(r"layers\[0\]\.norm1\.w must be a numpy\.ndarray, got NoneType")
 def direct_norm_none():
-    _direct(_set(0, 0, None))
+    _parts(norm1=lambda: _kvsimd.Norm(None, None, True, 1e-6, 32, name="layers[0].norm1"))
 
 
 @case(r"layers\[1\]\.norm2\.w must have shape \(32,\), got \(31,\)")
 def direct_norm_short():
-    _direct(_set(1, 6, lambda a: a[:-1]))
+    _kvsimd.Norm(np.ones(31, np.float32), None, True, 1e-6, 32, name="layers[1].norm2")
+
+
+@case(r"layers\[1\]\.norm2\.w must have 32 entries for these layers, got 31")
+def direct_norm_narrow():
+    _layers([_parts(norm2=lambda: _kvsimd.Norm(np.ones(31, np.float32), None, True, 1e-6, 31,
+                                               name="layers[1].norm2"))])
 
 
 @case(r"layers\[1\]\.attn\.bqkv must have shape \(64,\), got \(63,\)")
 def direct_bias_short():
-    _direct(_set(1, 3, np.zeros(63, np.float32)))
+    _kvsimd.Linear(np.zeros((32, 64), np.float32), np.zeros(63, np.float32), name="layers[1].attn.wqkv")
 
 
-@case(r"layers\[0\]\.ffn\.w_in must be \[32, F\] with F >= 1 and even .*got shape \(32, 95\)")
+@case(r"layers\[0\]\.ffn\.w13 must be \[32, 2F\] \(\[gate \| up\] of a gated FFN\), got \[32, 95\]")
 def direct_w_in_odd():
-    _direct(_set(0, 8, lambda a: np.ascontiguousarray(a[:, :95])))
+    _layers([_parts(F=47, ffn_in=lambda: _kvsimd.Linear(np.zeros((32, 95), np.float32), name="layers[0].ffn.w13"))])
 
 
-@case(r"layers\[0\]\.ffn\.w2 must have shape \(48, 32\), got \(47, 32\)")
+@case(r"layers\[0\]\.ffn\.w2 must be \[48, 32\] for these layers, got \[47, 32\]")
 def direct_w2_rows():
-    _direct(_set(0, 10, lambda a: a[:47]))
+    _layers([_parts(ffn_out=lambda: _kvsimd.Linear(np.zeros((47, 32), np.float32), name="layers[0].ffn.w2"))])
 
 
 @case(r"layers\[0\]\.ffn\.w2 must have dtype float32, got float64")
 def direct_w2_dtype():
-    _direct(_set(0, 10, lambda a: a.astype(np.float64)))
+    _kvsimd.Linear(np.zeros((48, 32)), name="layers[0].ffn.w2")
 
 
 @case(r"layers\[1\]\.attn\.wo must be C-contiguous")
 def direct_wo_fortran():
-    _direct(_set(1, 4, lambda a: np.asfortranarray(a)))
+    _kvsimd.Linear(np.asfortranarray(np.zeros((32, 32), np.float32)), name="layers[1].attn.wo")
 
 
-@case(r"layers\[0\]\.ffn\.b_in must be a numpy\.ndarray, got list")
+@case(r"layers\[0\]\.ffn\.b1 must be a numpy\.ndarray, got list")
 def direct_bias_list():
-    _direct(_set(0, 9, [0.0] * 96))
+    _kvsimd.Linear(np.zeros((32, 96), np.float32), [0.0] * 96, name="layers[0].ffn.w1")
 
 
-@case(r"layers\[0\] must be a tuple of the 18 arrays")
+@case(r"blocks\[0\] must be a Block, got tuple")
 def direct_short_tuple():
-    _direct(lambda fast: fast[0].pop())
+    _layers([(1, 2, 3)])
 
 
-@case(r"cache must be a KVCache, got NoneType")
-def direct_cache_none():
-    _direct(lambda fast: None, cache=None)
-
-
-@case(r"plan must be a _StepPlan, got NoneType")
+@case(r"plan must be a plan of a cache .*got NoneType")
 def direct_plan_none():
-    _direct(lambda fast: None, plan=None)
+    _run(plan=None)
 
 
 @case(r"x must be a numpy\.ndarray, got NoneType")
 def direct_x_none():
-    _direct(lambda fast: None, x=None)
+    m, cache = _decoder(1)
+    plan = cache.step_plan(32, np.array([3]), np.array([3]), np.array([3]), [[(False, 0, 4, 3)]])
+    _layers([_parts()]).run(None, plan)
 
 
-@case(r"act must be one of silu, gelu, gelu_tanh, relu, got 'tanh'")
+@case(r"activation must be one of silu, gelu, gelu_tanh, relu, got 'tanh'")
 def direct_bad_activation():
-    _direct(lambda fast: None, act="tanh")
+    _layers([_parts()], activation="tanh")
 
 
-@case(r"layers\[0\]\.cross\.wo must have shape \(32, 32\), got \(8, 32\)")
+@case(r"layers\[0\]\.cross\.wo must be \[32, 32\] for these layers, got \[8, 32\]")
 def direct_cross_wo():
     m, cache, cross = _encdec()
-    cfg = m.cfg
-    fast = [list(t) for t in m._fast_layers()]
-    fast[0][16] = fast[0][16][:8]
-    plan = cache.step_plan(cfg.n_heads * cfg.head_dim, np.array([2]), np.array([2]), np.array([2]),
-                           [[(False, 0, 3, 2)]])
-    _kvsimd._decode_stack([tuple(t) for t in fast], np.zeros((1, cfg.d_model), np.float32), cache, plan,
-                          False, 1e-5, "gelu", False, False, False, cross)
+    b = m._packed.layers.blocks[0]
+    bad = _kvsimd.Block(b.norm1, b.qkv, b.o, b.norm2, b.ffn_in, b.ffn_out, b.norm_cross, b.cross_q,
+                        _kvsimd.Linear(np.zeros((8, 32), np.float32), name="layers[0].cross.wo"), b.cross_kv)
+    _kvsimd.Layers([bad], d_model=32, n_heads=m.cfg.n_heads, n_kv_heads=m.cfg.n_kv_heads, head_dim=m.cfg.head_dim,
+                   activation="gelu", gated=False, pre_norm=False, parallel_residual=False)
 
 
 child_results = childcases.results_fixture(__name__, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_decode_step_checks_every_array_it_reads(name, child_results):
+def test_compiled_layers_check_every_array_they_read(name, child_results):
     childcases.check(name, child_results, CASES)
 
 
-def test_decode_step_still_matches_the_numpy_layers():
-    """The checks refuse nothing valid: the compiled step and the NumPy layers agree."""
+def test_decode_step_still_matches_the_uncached_pass():
+    """The checks refuse nothing valid: a cached decode step equals the uncached pass (a local
+    plan over the whole prefix, no cache)."""
     from test_streaming import random_decoder
-    logits = []
-    for fast in (True, False):
-        m = random_decoder(n_layers=2)
-        m.fast_decode = fast
-        cache = m.new_cache(capacity=16, dtype="float32")
-        m.prefill([1, 2, 3], cache=cache)
-        logits.append(m.step([4], cache=cache))
-    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    m = random_decoder(n_layers=2)
+    cache = m.new_cache(capacity=16, dtype="float32")
+    m.prefill([1, 2, 3], cache=cache)
+    np.testing.assert_allclose(m.step([4], cache=cache)[0], m.forward([1, 2, 3, 4])[-1], rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------- 2. config numbers and flags

@@ -36,7 +36,7 @@ class _Packed:
         self.layers = pack_layers(cfg, layers, "layers", d_source)
         self.final_norm = _norm(cfg, final_norm, "final_norm")
         self.embed_norm = _norm(cfg, embed_norm, "embed_norm")
-        self.lm_head = _kvsimd.Linear(lm_head, lm_bias, name="lm_head")
+        self.lm_head = _kvsimd.Linear(lm_head, lm_bias, name="lm_head", bias_name="lm_bias")
 
 
 class _Stack:
