@@ -71,10 +71,29 @@ cdef inline const float *_wp(_Weight w) noexcept:
     return <const float *>w.data if w is not None else NULL
 
 
-cdef class Linear:
+cdef class _Parameters:
+    """A weight and an optional bias, read by pointer, and the row input check of both Linear and Norm."""
+    cdef readonly _Weight w, b
+
+    cdef int verify(self) except -1:
+        self.w.verify()
+        if self.b is not None:
+            self.b.verify()
+        return 0
+
+    cdef object _rows(self, x, int64_t width):
+        """``x`` as float32 C-contiguous rows of ``width``, the weights checked unchanged."""
+        x = _np.ascontiguousarray(x, dtype=_np.float32)
+        _need_array(x, "x", (_F32,), 2, "[rows, %d]" % width)
+        if x.shape[1] != width:
+            raise KVSimdValueError("x must be [rows, %d], got %s" % (width, x.shape))
+        self.verify()
+        return x
+
+
+cdef class Linear(_Parameters):
     """``y = x @ w (+ b)`` for rows x: the one interface every weight matrix of a layer goes through
     (float32 weights through BLAS today; quantized and 16-bit weights plug in here)."""
-    cdef readonly _Weight w, b
     cdef readonly int64_t n_in, n_out
 
     def __cinit__(self, w, b=None, *, str name="w", str bias_name=None):
@@ -88,12 +107,6 @@ cdef class Linear:
         self.b = None if b is None else _Weight(b, bias_name, (no,))
         self.n_in, self.n_out = ni, no
 
-    cdef int verify(self) except -1:
-        self.w.verify()
-        if self.b is not None:
-            self.b.verify()
-        return 0
-
     cdef int apply(self, x, out) except -1:
         """out[R, n_out] = x[R, n_in] @ w + b."""
         _np.matmul(x, self.w.a, out=out)
@@ -101,11 +114,7 @@ cdef class Linear:
         return 0
 
     def __call__(self, x):
-        x = _np.ascontiguousarray(x, dtype=_np.float32)
-        _need_array(x, "x", (_F32,), 2, "[rows, %d]" % self.n_in)
-        if x.shape[1] != self.n_in:
-            raise KVSimdValueError("x must be [rows, %d], got %s" % (self.n_in, x.shape))
-        self.verify()
+        x = self._rows(x, self.n_in)
         out = _np.empty((x.shape[0], self.n_out), _np.float32)
         self.apply(x, out)
         return out
@@ -120,9 +129,8 @@ cdef int _need_dims(Linear lin, int64_t n_in, int64_t n_out) except -1:
     return 0
 
 
-cdef class Norm:
+cdef class Norm(_Parameters):
     """RMSNorm (``rms``; no bias) or LayerNorm of rows of width ``d`` with weight ``w`` and bias ``b``."""
-    cdef readonly _Weight w, b
     cdef readonly bint rms
     cdef readonly float eps
     cdef readonly int64_t d
@@ -131,12 +139,6 @@ cdef class Norm:
         self.w = _Weight(w, name + ".w", (d,))
         self.b = None if (b is None or rms) else _Weight(b, name + ".b", (d,))
         self.rms, self.eps, self.d = rms, _need_real(eps, "eps"), d
-
-    cdef int verify(self) except -1:
-        self.w.verify()
-        if self.b is not None:
-            self.b.verify()
-        return 0
 
     cdef void run(self, float *y, const float *x, int64_t R) noexcept nogil:
         cdef int64_t r, i, d = self.d
@@ -159,11 +161,7 @@ cdef class Norm:
                 y[r * d + i] = (x[r * d + i] - m) * inv * w[i] + (bias[i] if bias != NULL else 0.0)
 
     def __call__(self, x):
-        x = _np.ascontiguousarray(x, dtype=_np.float32)
-        _need_array(x, "x", (_F32,), 2, "[rows, %d]" % self.d)
-        if x.shape[1] != self.d:
-            raise KVSimdValueError("x must be [rows, %d], got %s" % (self.d, x.shape))
-        self.verify()
+        x = self._rows(x, self.d)
         y = _np.empty_like(x)
         cdef float *yp = <float *>_ptr(y)
         cdef const float *xp = <const float *>_ptr(x)

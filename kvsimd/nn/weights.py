@@ -56,6 +56,17 @@ def _fuse_columns(parts, what):
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
 
 
+def _convert_and_fuse(obj, names):
+    """The arrays ``names`` of a weights dataclass as float32, then its fused matrices (once ready,
+    assigning a part re-fuses them: see __setattr__)."""
+    for name in names:
+        a = getattr(obj, name)
+        if a is not None:
+            object.__setattr__(obj, name, _f32(a, name))
+    obj._fuse()
+    object.__setattr__(obj, "_ready", True)
+
+
 @dataclass
 class AttentionWeights(_Tracked):
     wq: np.ndarray
@@ -74,12 +85,7 @@ class AttentionWeights(_Tracked):
     _PARTS = ("wq", "wk", "wv", "bq", "bk", "bv")
 
     def __post_init__(self):
-        for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo"):
-            a = getattr(self, name)
-            if a is not None:
-                object.__setattr__(self, name, _f32(a, name))
-        self._fuse()
-        object.__setattr__(self, "_ready", True)
+        _convert_and_fuse(self, ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo"))
 
     def __setattr__(self, name, value):
         # assigning wq/wk/wv (or their biases) after construction re-fuses wqkv/bqkv, so the
@@ -113,12 +119,7 @@ class FFNWeights(_Tracked):
     w13: Optional[np.ndarray] = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
-        for name in ("w1", "w2", "w3", "b1", "b2"):
-            a = getattr(self, name)
-            if a is not None:
-                object.__setattr__(self, name, _f32(a, name))
-        self._fuse()
-        object.__setattr__(self, "_ready", True)
+        _convert_and_fuse(self, ("w1", "w2", "w3", "b1", "b2"))
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
