@@ -29,9 +29,11 @@ def use_isa(name):
 # ------------------------------------------------------------------------------ the reference bound
 #: How far kvsimd's logits may be from :func:`kvsimd.reference.forward`, by cache dtype: the
 #: largest |difference| over the compared rows, relative to the largest |reference logit|.
-#: float32: float32 layer math (measured ~3e-7 on the tiny models of tests/test_models.py).
-#: float16: K/V rounded to fp16 once (2^-11 relative) through every layer and the LM head.
-REFERENCE_BOUNDS = {"float32": 1e-4, "float16": 2e-2}
+#: Measured on the tiny models of tests/test_reference_model.py (transformers families and the
+#: option grid, 2 layers, seeds 0-3): float32 cache <= 4.4e-7 (float32 layer math), float16
+#: cache <= 3.7e-4 (K/V rounded to fp16, 2^-11 relative, through every layer and the LM head).
+#: The bounds leave a 10-20x margin; deeper or wider models may need their own (``bound=``).
+REFERENCE_BOUNDS = {"float32": 1e-5, "float16": 4e-3}
 
 
 def reference_error(model, tokens, logits, *, src=None, positions=None):
@@ -49,13 +51,15 @@ def reference_error(model, tokens, logits, *, src=None, positions=None):
     return float(np.abs(got2 - ref).max() / np.abs(ref).max())
 
 
-def assert_matches_reference(model, tokens, logits, *, src=None, positions=None, cache_dtype="float32"):
+def assert_matches_reference(model, tokens, logits, *, src=None, positions=None, cache_dtype="float32",
+                             bound=None):
     """Assert that ``logits`` (kvsimd's, of the last rows of ``tokens``: see :func:`reference_error`)
-    are within ``REFERENCE_BOUNDS[cache_dtype]`` of the float64 reference model."""
+    are within ``bound`` (default ``REFERENCE_BOUNDS[cache_dtype]``) of the float64 reference
+    model; returns the error."""
     if cache_dtype not in REFERENCE_BOUNDS:
         raise KVSimdValueError("cache_dtype must be one of %s, got %r" % (", ".join(REFERENCE_BOUNDS), cache_dtype))
     err = reference_error(model, tokens, logits, src=src, positions=positions)
-    bound = REFERENCE_BOUNDS[cache_dtype]
+    bound = REFERENCE_BOUNDS[cache_dtype] if bound is None else bound
     assert err <= bound, ("logits differ from kvsimd.reference.forward by %.3g of the largest |logit| "
                           "(bound %g for a %s cache)" % (err, bound, cache_dtype))
     return err
