@@ -137,6 +137,10 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
 # Weights are [in, out]; attention is softmax(q.k / sqrt(head_dim) - slope * distance) over the
 # keys at or before the query (causal) or over all keys (encoder, cross-attention); RoPE rotates
 # q and k at their positions; rmsnorm has no bias.
+# Refused (KVSimdValueError), having no single rule in kvsimd today: parallel_residual with
+# post-norm (the decoder ignores the flag) or with cross-attention (prefill skips the
+# cross-attention, the compiled step adds it), and an encoder with rope / alibi positions or
+# parallel_residual (the encoder ignores them).
 
 def _f64(a):
     return None if a is None else np.asarray(a, dtype=np.float64)
