@@ -276,3 +276,38 @@ def test_bad_inputs_name_the_argument():
     m.final_norm = None                      # cfg.final_norm is True: the weights must be there
     with pytest.raises(KVSimdValueError, match="final_norm"):
         reference.forward(m, [1, 2])
+
+
+# ------------------------------------------------------------------------------ the oracle stays out of the library
+_BLOCKED_RUN = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "transformers") or name == "kvsimd.reference":
+            raise ImportError("blocked for this test: " + name)
+sys.meta_path.insert(0, Block())
+from kvsimd.testing import random_decoder, random_encoder_decoder
+d = random_decoder(41, 24, 2, 4, 2, 6, 36, position="alibi")
+cache = d.new_cache(capacity=16)
+d.prefill([1, 2, 3], cache=cache)
+d.step([4], cache=cache)
+d.forward([1, 2])
+print(len(list(d.generate([1, 2, 3], max_new_tokens=4))))
+m = random_encoder_decoder(41, 24, 2, 4, 2, 6, 36, pre_norm=False)
+m.forward([1, 2], [40])
+print(len(list(m.generate([1, 2, 3], max_new_tokens=3, stop_tokens=()))))
+assert "kvsimd.reference" not in sys.modules and "torch" not in sys.modules
+"""
+
+
+def test_models_run_without_the_reference_torch_or_transformers():
+    """No execution path of the library imports kvsimd.reference (nor torch / transformers):
+    random models are built, prefill, step and generate with those imports blocked."""
+    import os
+    import subprocess
+    import sys
+    import kvsimd
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvsimd.__file__)))
+    r = subprocess.run([sys.executable, "-c", _BLOCKED_RUN], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4", "3"]
