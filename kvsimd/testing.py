@@ -128,6 +128,10 @@ class _Weights:
                     embed_norm=self.norm(cfg) if cfg.embed_norm else None)
 
 
+def _dims(*values):
+    return dict(zip(("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"), values))
+
+
 def _random_setup(what, dims, seed, scale, bias, options, defaults):
     """Checked (nn, ModelConfig, _Weights) of a random model: KVSimdError naming a bad argument."""
     nn = _nn()
@@ -181,8 +185,7 @@ def random_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim,
     >>> len(list(d.generate([1, 2, 3], max_new_tokens=5)))
     5
     """
-    dims = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                head_dim=head_dim, ffn_dim=ffn_dim)
+    dims = _dims(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim)
     nn, cfg, w = _random_setup("random_decoder", dims, seed, scale, bias, options, {})
     if cfg.cross_attention:
         raise KVSimdValueError("random_decoder: cross_attention=True needs an encoder: use random_encoder_decoder")
@@ -193,7 +196,8 @@ def random_encoder_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, h
                            seed=0, scale=1.0, bias=False, **options):
     """A tiny :class:`kvsimd.EncoderDecoder` with random weights, as :func:`random_decoder`: the
     encoder has ``enc_layers`` layers (default ``n_layers``) and the same options; positions are
-    ``learned`` (default) or ``sinusoidal`` (the encoder takes no others); the decoder starts
+    ``learned`` (default) or ``sinusoidal`` (the encoder takes no others), with no parallel
+    residual (not defined with cross-attention); the decoder starts
     from ``decoder_start_token_id`` (default ``vocab_size - 1``).
 
     >>> from kvsimd.testing import random_encoder_decoder
@@ -201,11 +205,13 @@ def random_encoder_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, h
     >>> len(list(m.generate([5, 6, 7], max_new_tokens=4)))
     4
     """
-    dims = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                head_dim=head_dim, ffn_dim=ffn_dim)
+    dims = _dims(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim)
     what = "random_encoder_decoder"
     if "cross_attention" in options:
         raise KVSimdTypeError("%s: cross_attention is not an option (the decoder has it, the encoder not)" % what)
+    if options.get("parallel_residual"):
+        raise KVSimdValueError("%s: parallel_residual=True is not defined with cross-attention (kvsimd's prefill "
+                               "skips the cross-attention, its decode step adds it)" % what)
     defaults = dict(decoder_start_token_id=_kvsimd._need_int(vocab_size, "vocab_size") - 1)
     position = options.setdefault("position", "learned")
     if position not in ("learned", "sinusoidal"):

@@ -135,7 +135,8 @@ def test_encoder_decoder_shapes_and_options():
     assert m.enc_embed_norm is not None and m.cfg.decoder_start_token_id == 40
     assert m.forward([1, 2, 3], [40, 5]).shape == (2, 41)
     for kwargs, word in ((dict(position="rope"), "position"), (dict(cross_attention=False), "cross_attention"),
-                         (dict(enc_layers=0), "enc_layers"), (dict(nrom=1), "nrom")):
+                         (dict(enc_layers=0), "enc_layers"), (dict(nrom=1), "nrom"),
+                         (dict(parallel_residual=True), "parallel_residual")):
         with pytest.raises(KVSimdError, match=r"\b%s\b" % word):
             random_encoder_decoder(**DIMS, **kwargs)
 
