@@ -1,13 +1,24 @@
-"""Plain NumPy float64 references for kvsimd's kernels.
+"""Plain NumPy float64 references for kvsimd's kernels and models.
 
 Slow and simple on purpose: the tests compare every ISA path against these, and users can
 use them to check kvsimd on their own data.  Inputs of any float dtype are widened to float64
-(so fp16 caches are compared against exact math on their fp16-rounded values)."""
+(so fp16 caches are compared against exact math on their fp16-rounded values).
+
+The second half is a whole transformer in float64 (:func:`forward`, :func:`encode`,
+:func:`layer`), the oracle of kvsimd's compiled layers.  It reads a model by duck typing
+(``model.cfg``, ``model.embed``, ``model.layers``...) and imports nothing of kvsimd but its
+errors, so no library path depends on it and it does not depend on where the model classes live."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
-__all__ = ["attend", "alibi_distances", "rope_angles", "apply_rope", "shift_keys", "rotate_pairs"]
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
+
+__all__ = ["attend", "attention_weights", "alibi_distances", "rope_angles", "apply_rope", "shift_keys",
+           "rotate_pairs", "alibi_slopes", "sinusoidal_table", "activation", "norm", "ffn", "layer", "encode",
+           "forward"]
 
 
 def _scores(q, k, scale, alibi_slopes, distances):
@@ -113,3 +124,262 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
     ang = rope_angles(np.full(stop - start, delta), theta=theta, rotary_dim=rd)
     k[:, start:stop] = rotate_pairs(k[:, start:stop], ang, style=style, rotary_dim=rd)
     return k
+
+
+# ------------------------------------------------------------------------------ the model
+# Rules (those of kvsimd's decoders; only the precision differs):
+#   x0 = embed[token] * embed_scale  (+ pos_table[position + position_offset] for learned /
+#        sinusoidal positions)  (-> embed_norm when cfg.embed_norm)
+#   pre-norm layer:   x += attn(norm1 x); [x += cross(norm_cross x)]; x += ffn(norm2 x)
+#        parallel:    x += attn(norm1 x) + ffn(norm2 x)
+#   post-norm layer:  x = norm1(x + attn x); [x = norm_cross(x + cross x)]; x = norm2(x + ffn x)
+#   logits = (final_norm x when cfg.final_norm) @ lm_head + lm_bias
+# Weights are [in, out]; attention is softmax(q.k / sqrt(head_dim) - slope * distance) over the
+# keys at or before the query (causal) or over all keys (encoder, cross-attention); RoPE rotates
+# q and k at their positions; rmsnorm has no bias.
+# Refused (KVSimdValueError), having no single rule in kvsimd today: parallel_residual with
+# post-norm (the decoder ignores the flag) or with cross-attention (prefill skips the
+# cross-attention, the compiled step adds it), and an encoder with rope / alibi positions or
+# parallel_residual (the encoder ignores them).
+
+def _f64(a):
+    return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def alibi_slopes(n_heads):
+    """float64 ALiBi slopes of ``n_heads`` heads: for the largest power of two p <= n_heads,
+    ``2 ** (-8 (i + 1) / p)``; the remaining heads take every other slope of 2p heads
+    (``2 ** (-8 (2 i + 1) / (2 p))``), as BLOOM does."""
+    n = int(n_heads)
+    p = 1 << (n.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / p) for i in range(p)]
+    slopes += [2.0 ** (-8.0 * (2 * i + 1) / (2 * p)) for i in range(n - p)]
+    return np.array(slopes, dtype=np.float64)
+
+
+def sinusoidal_table(n_positions, dim):
+    """float64 ``[n_positions, dim]``: ``sin(p * 10000 ** (-2i / dim))`` in the first ``dim // 2``
+    columns and the matching ``cos`` in the next ``dim // 2`` (Marian's layout)."""
+    half = dim // 2
+    ang = np.arange(n_positions, dtype=np.float64)[:, None] * 10000.0 ** (-2.0 * np.arange(half) / dim)[None, :]
+    table = np.zeros((n_positions, dim))
+    table[:, :half], table[:, half:2 * half] = np.sin(ang), np.cos(ang)
+    return table
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def activation(name, x):
+    """float64 ``silu``, ``gelu`` (exact, with erf), ``gelu_tanh`` or ``relu`` of ``x``."""
+    x = np.asarray(x, dtype=np.float64)
+    if name == "silu":
+        return x / (1.0 + np.exp(-x))
+    if name == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    raise KVSimdValueError("activation must be one of silu, gelu, gelu_tanh, relu, got %r" % (name,))
+
+
+def norm(cfg, nw, x):
+    """float64 ``cfg.norm`` of the rows of ``x`` with the weights ``nw.w`` (and, for layernorm,
+    the bias ``nw.b`` if set): rmsnorm ``x / sqrt(mean(x^2) + eps) * w``, layernorm
+    ``(x - mean) / sqrt(var + eps) * w + b``."""
+    x = np.asarray(x, dtype=np.float64)
+    eps = float(cfg.norm_eps)
+    if cfg.norm == "rmsnorm":
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(nw.w)
+    if cfg.norm == "layernorm":
+        xc = x - x.mean(axis=-1, keepdims=True)
+        y = xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps) * _f64(nw.w)
+        return y if nw.b is None else y + _f64(nw.b)
+    raise KVSimdValueError("cfg.norm must be rmsnorm or layernorm, got %r" % (cfg.norm,))
+
+
+def _linear(x, w, b=None):
+    y = x @ _f64(w)
+    return y if b is None else y + _f64(b)
+
+
+def ffn(cfg, f, x):
+    """float64 feed-forward: ``act(x w1) * (x w3)`` when ``cfg.ffn_gated``, else ``act(x w1 + b1)``;
+    then ``@ w2 + b2``."""
+    if cfg.ffn_gated:
+        h = activation(cfg.activation, _linear(x, f.w1, f.b1)) * _linear(x, f.w3)
+    else:
+        h = activation(cfg.activation, _linear(x, f.w1, f.b1))
+    return _linear(h, f.w2, f.b2)
+
+
+def _heads(x, n, D):
+    """[T, n * D] -> [n, T, D]"""
+    return x.reshape(x.shape[0], n, D).transpose(1, 0, 2)
+
+
+def _attention(q, k, v, positions=None, slopes=None):
+    """Rows ``[T, H * D]`` of the attention of ``q [H, T, D]`` over ``k, v [Hkv, S, D]``: causal
+    (query i reads keys 0..i, at ``positions``) when ``positions`` is given, else over all keys."""
+    H, T, D = q.shape
+    out = np.empty((T, H * D))
+    for i in range(T):
+        if positions is None:
+            o = attend(q[:, i], k, v)
+        else:
+            o = attend(q[:, i], k[:, :i + 1], v[:, :i + 1], alibi_slopes=slopes,
+                       key_positions=positions[:i + 1], query_position=positions[i])
+        out[i] = o.reshape(-1)
+    return out
+
+
+def _self_attention(cfg, a, h, positions):
+    """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
+    without position terms when ``positions`` is None (the encoder)."""
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = _heads(_linear(h, a.wq, a.bq), H, D)
+    k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
+    v = _heads(_linear(h, a.wv, a.bv), Hkv, D)
+    slopes = None
+    if positions is not None and cfg.position == "rope":
+        rope = dict(theta=cfg.rope_theta, style=cfg.rope_style,
+                    rotary_dim=cfg.head_dim if cfg.rotary_dim is None else cfg.rotary_dim)
+        q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+    elif positions is not None and cfg.position == "alibi":
+        slopes = alibi_slopes(H)
+    return _linear(_attention(q, k, v, positions, slopes), a.wo, a.bo)
+
+
+def _cross_attention(cfg, a, h, enc_out):
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = _heads(_linear(h, a.wq, a.bq), H, D)
+    k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
+    return _linear(_attention(q, k, v), a.wo, a.bo)
+
+
+def _check_layer_rules(cfg, what, cross):
+    if cfg.parallel_residual and not cfg.pre_norm:
+        raise KVSimdValueError("%s.parallel_residual=True needs pre_norm=True: a parallel post-norm layer is "
+                               "not defined" % what)
+    if cfg.parallel_residual and cross:
+        raise KVSimdValueError("%s.parallel_residual=True with cross-attention is not defined" % what)
+
+
+def layer(cfg, lw, x, positions=None, enc_out=None):
+    """One float64 layer over the rows ``x [T, d_model]``.  ``positions`` (``[T]``) makes the
+    self-attention causal at those positions (RoPE / ALiBi); None makes it bidirectional with no
+    position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it."""
+    x = np.asarray(x, dtype=np.float64)
+    cross = enc_out is not None
+    _check_layer_rules(cfg, "cfg", cross)
+    pos = None if positions is None else np.asarray(positions, dtype=np.int64)
+
+
+    def attn(h):
+        return _self_attention(cfg, lw.attn, h, pos)
+
+    if cfg.pre_norm:
+        a = attn(norm(cfg, lw.norm1, x))
+        if cfg.parallel_residual:
+            return x + a + ffn(cfg, lw.ffn, norm(cfg, lw.norm2, x))
+        x = x + a
+        if cross:
+            x = x + _cross_attention(cfg, lw.cross, norm(cfg, lw.norm_cross, x), enc_out)
+        return x + ffn(cfg, lw.ffn, norm(cfg, lw.norm2, x))
+    x = norm(cfg, lw.norm1, x + attn(x))
+    if cross:
+        x = norm(cfg, lw.norm_cross, x + _cross_attention(cfg, lw.cross, x, enc_out))
+    return norm(cfg, lw.norm2, x + ffn(cfg, lw.ffn, x))
+
+
+def _ids(tokens, vocab, what):
+    t = np.asarray(tokens)
+    if t.ndim != 1 or t.size == 0 or not np.issubdtype(t.dtype, np.integer):
+        raise KVSimdValueError("%s must be a non-empty 1-D array of integer token ids, got %r" % (what, tokens))
+    if t.min() < 0 or t.max() >= vocab:
+        raise KVSimdValueError("%s has ids outside 0..%d: %s" % (what, vocab - 1, t[(t < 0) | (t >= vocab)][:5]))
+    return t.astype(np.int64)
+
+
+def _norm_weights(cfg, flag, nw, what, cfg_name):
+    """The norm weights ``nw`` the config flag ``cfg_name.flag`` asks for (None when it is False)."""
+    on = getattr(cfg, flag)
+    if bool(on) != (nw is not None):
+        raise KVSimdValueError("%s.%s is %s but %s is %s" % (cfg_name, flag, on, what,
+                                                             "None" if nw is None else "set"))
+    return nw
+
+
+def _embed(cfg, table, pos_table, embed_norm, t, positions, what):
+    """float64 input rows of tokens ``t`` at ``positions`` (token embedding, position table, norm)."""
+    x = _f64(table)[t] * float(cfg.embed_scale)
+    if cfg.position in ("learned", "sinusoidal"):
+        rows = positions + int(cfg.position_offset)
+        if pos_table is None:
+            if cfg.position == "learned":
+                raise KVSimdValueError("%s: learned positions need a position table, got None" % what)
+            pos_table = sinusoidal_table(int(rows.max()) + 1, cfg.d_model)
+        if rows.min() < 0 or rows.max() >= len(pos_table):
+            raise KVSimdValueError("%s: positions %d..%d (+ position_offset %d) are outside the %d-row position "
+                                   "table" % (what, positions.min(), positions.max(), cfg.position_offset,
+                                              len(pos_table)))
+        x = x + _f64(pos_table)[rows]
+    if embed_norm is not None:
+        x = norm(cfg, embed_norm, x)
+    return x
+
+
+def encode(model, src):
+    """float64 encoder output ``[S, d_model]`` of source ids ``src`` (bidirectional attention)
+    of an encoder-decoder ``model`` (``enc_cfg``, ``enc_layers``, ``enc_pos``, ``enc_embed_norm``,
+    ``enc_final_norm``, optional ``enc_embed`` else the shared ``embed``)."""
+    ec = getattr(model, "enc_cfg", None)
+    if ec is None:
+        raise KVSimdTypeError("model has no encoder (no enc_cfg): %s" % type(model).__name__)
+    if ec.position in ("rope", "alibi"):
+        raise KVSimdValueError("enc_cfg.position=%r: the encoder takes learned or sinusoidal positions" % ec.position)
+    if ec.parallel_residual:
+        raise KVSimdValueError("enc_cfg.parallel_residual=True is not defined for the encoder")
+    t = _ids(src, ec.vocab_size, "src")
+    table = getattr(model, "enc_embed", None)
+    table = model.embed if table is None else table
+    enc_pos = model.enc_pos
+    if enc_pos is None and ec.position == "sinusoidal":
+        enc_pos = model.pos_embed
+    x = _embed(ec, table, enc_pos, _norm_weights(ec, "embed_norm", model.enc_embed_norm, "enc_embed_norm", "enc_cfg"),
+               t, np.arange(t.size), "src")
+    for lw in model.enc_layers:
+        x = layer(ec, lw, x)
+    fn = _norm_weights(ec, "final_norm", model.enc_final_norm, "enc_final_norm", "enc_cfg")
+    return x if fn is None else norm(ec, fn, x)
+
+
+def forward(model, tokens, src=None, positions=None):
+    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch.
+
+    ``model``: a decoder (``cfg``, ``embed``, ``layers``, ``final_norm``, ``lm_head``, ``lm_bias``,
+    ``pos_embed``, ``embed_norm``), or an encoder-decoder with ``src`` (its source ids, run through
+    :func:`encode`).  ``positions`` (default ``0..T-1``) are the tokens' positions, e.g. the
+    compressed positions a StreamingLLM window gives its kept tokens."""
+    cfg = model.cfg
+    t = _ids(tokens, cfg.vocab_size, "tokens")
+    pos = np.arange(t.size, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+    if pos.shape != t.shape:
+        raise KVSimdValueError("positions must have one entry per token (%d), got shape %s" % (t.size, pos.shape))
+    if pos.min() < 0:
+        raise KVSimdValueError("positions must be >= 0, got %d" % pos.min())
+    if src is not None and not cfg.cross_attention:
+        raise KVSimdValueError("src is given but cfg.cross_attention is False")
+    if src is None and cfg.cross_attention:
+        raise KVSimdValueError("cfg.cross_attention is True: pass the source ids as src")
+    enc_out = None if src is None else encode(model, src)
+    pos_table = model.pos_embed
+    x = _embed(cfg, model.embed, pos_table, _norm_weights(cfg, "embed_norm", model.embed_norm, "embed_norm", "cfg"),
+               t, pos, "tokens")
+    for lw in model.layers:
+        x = layer(cfg, lw, x, pos, enc_out)
+    fn = _norm_weights(cfg, "final_norm", model.final_norm, "final_norm", "cfg")
+    if fn is not None:
+        x = norm(cfg, fn, x)
+    return _linear(x, model.lm_head, getattr(model, "lm_bias", None))
