@@ -68,8 +68,8 @@ def assert_matches_reference(model, tokens, logits, *, src=None, positions=None,
 # ------------------------------------------------------------------------------ tiny random models
 def _nn():
     """The model classes (imported here, once per call, so they may move without touching the rest)."""
-    from kvsimd.layers import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
-    from kvsimd.decoder import Decoder, EncoderDecoder
+    from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
+    from kvsimd.nn import Decoder, EncoderDecoder
     return types.SimpleNamespace(AttentionWeights=AttentionWeights, FFNWeights=FFNWeights, LayerWeights=LayerWeights,
                                  ModelConfig=ModelConfig, NormWeights=NormWeights, Decoder=Decoder,
                                  EncoderDecoder=EncoderDecoder)

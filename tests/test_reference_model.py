@@ -100,7 +100,8 @@ def smollm2(request):
     """SmolLM2-135M-Instruct (30 layers, GQA 9/3, GPT-J RoPE pairs), the GGUF tests/test_gguf.py
     reads, kept in the pytest cache."""
     pytest.importorskip("gguf")
-    from kvsimd import Decoder, models
+    from kvsimd import Decoder
+    from kvsimd.loaders import registry as models
     if not os.environ.get("KVSIMD_CACHE"):
         os.environ["KVSIMD_CACHE"] = str(request.config.cache.mkdir("kvsimd-models"))
     return Decoder.from_gguf(models.smollm2_path())
@@ -266,9 +267,13 @@ def test_alibi_slopes_and_sinusoidal_table():
 def test_undefined_layer_rules_are_refused():
     """Option combinations with no one rule today (the Python layers and the compiled step differ, or
     the option is ignored): the reference refuses them, naming the option."""
-    d = random_decoder(V, 32, 1, 4, 2, 8, 40, parallel_residual=True, pre_norm=False)
+    with pytest.raises(KVSimdValueError, match="parallel_residual needs pre_norm=True"):   # refused by the library too
+        random_decoder(V, 32, 1, 4, 2, 8, 40, parallel_residual=True, pre_norm=False)
+    d = random_decoder(V, 32, 1, 4, 2, 8, 40)
+    post = types.SimpleNamespace(**vars(d))
+    post.cfg = types.SimpleNamespace(**dict(vars(d.cfg), parallel_residual=True, pre_norm=False))
     with pytest.raises(KVSimdValueError, match="parallel_residual"):
-        reference.forward(d, [1, 2])
+        reference.forward(post, [1, 2])
     m = random_encoder_decoder(V, 32, 1, 4, 4, 8, 40)
     with pytest.raises(KVSimdValueError, match="parallel_residual"):
         reference.layer(types.SimpleNamespace(**dict(vars(m.cfg), parallel_residual=True)), m.layers[0],

@@ -95,6 +95,10 @@ def check_config(cfg, what="config"):
         v = getattr(cfg, name)
         if not isinstance(v, (bool, np.bool_)):
             raise KVSimdTypeError("%s.%s must be a bool, got %r" % (what, name, v))
+    if cfg.parallel_residual and (not cfg.pre_norm or cfg.cross_attention):
+        # one rule per layer: GPT-NeoX's x + attn(ln1 x) + ffn(ln2 x) is a pre-norm, self-attention-only layer
+        raise KVSimdValueError("%s.parallel_residual needs pre_norm=True and cross_attention=False, got pre_norm=%r, "
+                               "cross_attention=%r" % (what, cfg.pre_norm, cfg.cross_attention))
     if cfg.n_heads % cfg.n_kv_heads:
         raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
     for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):

@@ -52,6 +52,9 @@ class EncoderDecoder(_Stack):
         if not isinstance(ec, ModelConfig):
             raise KVSimdTypeError("enc_cfg must be a ModelConfig, got %s" % _short(ec))
         check_config(ec, "enc_cfg")
+        if ec.position in ("rope", "alibi"):
+            raise KVSimdValueError("enc_cfg.position must be 'learned' or 'sinusoidal' (the encoders kvsimd imports), "
+                                   "got %r" % ec.position)
         emb = self.__dict__.get("enc_embed")
         need_weight(self.embed if emb is None else emb, "enc_embed", (ec.vocab_size, ec.d_model))
         if ec.position in ("learned", "sinusoidal"):
