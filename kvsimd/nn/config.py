@@ -12,7 +12,7 @@ import numpy as np
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 
-F32 = np.float32
+F32: type = np.float32
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 NORMS = ("rmsnorm", "layernorm")

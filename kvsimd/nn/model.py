@@ -45,6 +45,10 @@ class _Stack:
     pass), each of which is: the cache plans it, the compiled layers run it, the cache commits."""
 
     _VALID_AT_INIT = True
+    # set by validation (object.__setattr__: not weight assignments)
+    rope: Optional[RopeSpec]
+    slopes: Optional[np.ndarray]
+    _packed: "_Packed"
 
     def __init__(self, cfg: ModelConfig, embed, layers: List[LayerWeights], final_norm: Optional[NormWeights],
                  lm_head, lm_bias=None, pos_embed=None, embed_norm: Optional[NormWeights] = None):
@@ -237,7 +241,7 @@ class _Stack:
                 raise KVSimdValueError("step needs one token per sequence: cache batch is %d, got %d tokens"
                                        % (cache.batch, t.size))
             with _threads.blas_scope():
-                kw = dict(rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads)
+                kw: dict = dict(rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads)
                 plan = cache.begin_step(t, **kw)
                 if plan.refill:     # "reevaluate": the cache emptied these sequences; prefill what it keeps
                     for b, kept in plan.refill.items():
