@@ -25,6 +25,7 @@ from kvsimd.layers import (F32, LayerWeights, ModelConfig, NormWeights, _f32, _r
                            sinusoidal_table, split_heads, weights_generation)
 from kvsimd import _kvsimd
 from kvsimd import threads as _threads
+from kvsimd.observe import notify
 
 _need_int = _kvsimd._need_int
 
@@ -554,6 +555,7 @@ class _Stack:
         cache.seen[seq] += T
         cache.tokens[seq].extend(int(v) for v in t)
         self.decoder_positions += T
+        notify(self, "positions", "decoder", T)
         return x
 
     def _step(self, tokens, cache: KVCache, cross=None, finish=None):
@@ -612,6 +614,7 @@ class _Stack:
             cache.tokens[b].append(int(t[b]))
             cache.commit(1, seq=b)
         self.decoder_positions += B
+        notify(self, "positions", "decoder", B)
         return x
 
     def _plan(self, cache: KVCache, b, undo, cross=None):
@@ -680,6 +683,7 @@ class _Stack:
         for l, lw in enumerate(self.layers):
             x = self._block(l, lw, x, att)
         self.decoder_positions += T
+        notify(self, "positions", "decoder", T)
         return self._logits(x)
 
     def _prefill_logits(self, tokens, cache, seq, cross, all_logits=False):
@@ -949,6 +953,7 @@ class EncoderDecoder(_Stack):
         if self.enc_final_norm is not None:
             x = norm(ec, x, self.enc_final_norm.w, self.enc_final_norm.b)
         self.encoder_positions += S
+        notify(self, "positions", "encoder", S)
         return x.astype(F32)
 
     def new_cross_cache(self, batch=1, capacity=1024, dtype="float16"):
@@ -968,6 +973,7 @@ class EncoderDecoder(_Stack):
         cross = self.new_cross_cache(batch=len(srcs), capacity=max(len(s) for s in srcs), dtype=dtype)
         for b, s in enumerate(srcs):
             cross.fill(b, self.encode(s), self.layers, self.cfg.n_kv_heads, self.cfg.head_dim)
+            notify(self, "cross_projections", len(self.layers))
         return cross
 
     def prefill(self, tokens, *, cache: KVCache, cross: CrossAttentionCache, seq=0, all_logits=False):
