@@ -33,13 +33,7 @@ __all__ = ["Decoder", "EncoderDecoder", "CrossAttentionCache", "sample"]
 
 
 class CrossAttentionCache(KVCache):
-    """Per-layer K/V of the encoder output, projected once per request and sequence.
-
-    ``projections`` counts (layer, sequence) projections, so a test can check that decoding a
-    whole answer projects each layer exactly once per request."""
-
-    def __init__(self, *args, **kwargs):
-        self.projections = 0
+    """Per-layer K/V of the encoder output, projected once per request and sequence."""
 
     def fill(self, seq, enc_out, layers: Sequence[LayerWeights], n_kv_heads, head_dim):
         """Project ``enc_out [S, d_model]`` with every layer's cross-attention K/V weights."""
@@ -55,7 +49,6 @@ class CrossAttentionCache(KVCache):
             k = split_heads(linear(enc_out, a.wk, a.bk), n_kv_heads, head_dim)
             v = split_heads(linear(enc_out, a.wv, a.bv), n_kv_heads, head_dim)
             self.write(l, k, v, seq=seq, start=0)
-            self.projections += 1
         self.commit(S, seq=seq)
 
 
@@ -347,14 +340,13 @@ class _Stack:
             self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
         self.embed_norm = embed_norm
         self.slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None
-        self.decoder_positions = 0   # token positions run through the decoder layers
         if not isinstance(self, EncoderDecoder):    # (EncoderDecoder: once its encoder half is set)
             self._ensure_valid()
 
     # ------------------------------------------------------------------ validation
     # Assigning any weight or config attribute (here, or on a ModelConfig / weights object) bumps
     # layers.weights_generation(); the next prefill/step/generate then validates the model again.
-    _UNTRACKED = frozenset(("decoder_positions", "encoder_positions", "tokenizer", "source", "_valid", "_fast"))
+    _UNTRACKED = frozenset(("tokenizer", "source", "_valid", "_fast"))
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -554,7 +546,6 @@ class _Stack:
         cache.positions[seq, start:start + T] = pos
         cache.seen[seq] += T
         cache.tokens[seq].extend(int(v) for v in t)
-        self.decoder_positions += T
         notify(self, "positions", "decoder", T)
         return x
 
@@ -613,7 +604,6 @@ class _Stack:
             cache.seen[b] += 1
             cache.tokens[b].append(int(t[b]))
             cache.commit(1, seq=b)
-        self.decoder_positions += B
         notify(self, "positions", "decoder", B)
         return x
 
@@ -682,7 +672,6 @@ class _Stack:
         att = _FullAttention(self, pos, enc_out)
         for l, lw in enumerate(self.layers):
             x = self._block(l, lw, x, att)
-        self.decoder_positions += T
         notify(self, "positions", "decoder", T)
         return self._logits(x)
 
@@ -870,8 +859,8 @@ def _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens
 class EncoderDecoder(_Stack):
     """An encoder-decoder transformer (BART, Marian): the encoder runs once per request, its
     output is projected to cross-attention K/V once per layer, and the decoder steps with a
-    self-attention KV cache.  ``encoder_positions`` / ``decoder_positions`` count the token
-    positions each half processed (seed 003's complexity accounting)."""
+    self-attention KV cache.  Each half reports the token positions it processed through
+    :mod:`kvsimd.observe` (seed 003's complexity accounting: kvsimd.bench.complexity)."""
 
     def __init__(self, cfg: ModelConfig, enc_cfg: ModelConfig, enc_embed_pos, enc_layers: List[LayerWeights],
                  enc_final_norm: Optional[NormWeights], enc_embed_norm: Optional[NormWeights], **dec):
@@ -885,7 +874,6 @@ class EncoderDecoder(_Stack):
         self.enc_layers = enc_layers
         self.enc_final_norm = enc_final_norm
         self.enc_embed_norm = enc_embed_norm
-        self.encoder_positions = 0
         self._ensure_valid()
 
     def _cross_width(self):
@@ -952,7 +940,6 @@ class EncoderDecoder(_Stack):
                 x = norm(ec, x + ffn(ec, lw.ffn, x), lw.norm2.w, lw.norm2.b)
         if self.enc_final_norm is not None:
             x = norm(ec, x, self.enc_final_norm.w, self.enc_final_norm.b)
-        self.encoder_positions += S
         notify(self, "positions", "encoder", S)
         return x.astype(F32)
 
@@ -1018,34 +1005,3 @@ class EncoderDecoder(_Stack):
         """Import a loaded Hugging Face encoder-decoder (BART, Marian)."""
         from kvsimd.hf import encoder_decoder_from_transformers
         return encoder_decoder_from_transformers(cls, model)
-
-    def greedy_counting(self, src, max_new_tokens, *, regime="cached", decoder_start=None):
-        """Greedy decoding of exactly ``max_new_tokens`` tokens in one of seed 003's regimes:
-        ``"none"`` (encoder re-run and decoder recomputed every step), ``"encoder"`` (encoder
-        hoisted, decoder recomputed), ``"cached"`` (encoder once, cross and self caches).
-        Returns (tokens, encoder_positions, decoder_positions) counted from the real calls."""
-        if regime not in ("none", "encoder", "cached"):
-            raise KVSimdValueError("regime must be 'none', 'encoder' or 'cached', got %r" % (regime,))
-        if _need_int(max_new_tokens, "max_new_tokens") < 0:
-            raise KVSimdValueError("max_new_tokens must be >= 0, got %d" % max_new_tokens)
-        start = self._start(decoder_start)
-        src = _tokens_1d(src, self.enc_cfg.vocab_size, "src").tolist()
-        self._check_source(len(src))
-        e0, d0 = self.encoder_positions, self.decoder_positions
-        out = [start]
-        if regime == "cached":
-            cross = self.cross_for([src])
-            cache = self.new_cache(batch=1, capacity=max_new_tokens + 1)
-            logits = self.prefill([start], cache=cache, cross=cross)
-            for i in range(max_new_tokens):
-                out.append(int(np.argmax(logits)))
-                if i + 1 < max_new_tokens:
-                    logits = self.step([out[-1]], cache=cache, cross=cross)[0]
-        elif regime in ("none", "encoder"):
-            enc = self.encode(src) if regime == "encoder" else None
-            for _ in range(max_new_tokens):
-                e = self.encode(src) if regime == "none" else enc
-                out.append(int(np.argmax(self._full(out, e)[-1])))
-        else:
-            raise KVSimdValueError("regime must be 'none', 'encoder' or 'cached', got %r" % regime)
-        return out[1:], self.encoder_positions - e0, self.decoder_positions - d0
