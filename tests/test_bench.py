@@ -282,3 +282,37 @@ def test_plotting_and_report_stay_out_of_the_import_path():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "plots"       # the check sees a module once it is imported
+
+
+# ---------------------------------------------------------------------------------- A/B script
+def test_ab_compare_runs_two_trees_interleaved(tmp_path):
+    """bench/ab_compare.py on two copies of one tree (this checkout twice): every case of both
+    sides, rounds alternating which side goes first, a ratio inside its own interval."""
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), ROOT, ROOT, "--quick",
+                        "--rounds", "2", "--sections", "attention", "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "round 1/2 done (new first)" in p.stderr and "round 2/2 done (old first)" in p.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["new"]["runs"]) == len(doc["old"]["runs"]) == 2
+    assert all(r["kvsimd"] == os.path.join(ROOT, "kvsimd") for r in doc["new"]["runs"] + doc["old"]["runs"])
+    cases = {r["case"] for r in doc["rows"]}
+    assert cases == {"attention smollm2-gqa %s N=%d" % (dt, n) for dt in ("float16", "float32")
+                     for n in (512, 2048)} | {"attention: every kvsimd case pooled"}
+    for r in doc["rows"]:
+        lo, hi = r["ratio_ci95"]
+        assert 0 < lo <= r["ratio"] <= hi and len(r["ratios"]) == (2 if "pooled" not in r["case"] else 8)
+        assert r["case"] in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent/tree", ROOT], "new /nonexistent/tree is neither a kvsimd checkout nor a Python interpreter"),
+    ([ROOT, os.path.join(ROOT, "tests")], "is a folder without kvsimd/__init__.py"),
+    ([ROOT, ROOT, "--rounds", "1"], "--rounds must be >= 2"),
+    ([ROOT, ROOT, "--sections", "rope"], "--sections takes decode, attention"),
+])
+def test_ab_compare_refuses_bad_arguments(args, message):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
