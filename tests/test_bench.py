@@ -50,7 +50,8 @@ HEADINGS = {"roofline": "### Roofline", "attention": "### Decode attention", "ro
 def test_subcommand_quick_json(tmp_path, sub):
     plot = sub in ("attention", "complexity")
     doc, p = run_bench(tmp_path, sub, *(["--plot", str(tmp_path)] if plot else []),
-                       *(["--text", TEXT] if sub == "quality" else []), expect_rc=1 if plot and not HAVE_MATPLOTLIB else 0)
+                       *(["--text", TEXT] if sub == "quality" else []),
+                       expect_rc=1 if plot and not HAVE_MATPLOTLIB else 0)
     if plot and not HAVE_MATPLOTLIB:
         check_missing_matplotlib_message(p, tmp_path / "bench.json")
     schema.validate(doc)

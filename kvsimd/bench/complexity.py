@@ -7,8 +7,8 @@
 * ``cached``: encoder once, cross-attention K/V once, a self-attention KV cache (O(M^2)).
 
 For each regime and M: wall time and the token positions the model processed (reported by the
-model itself to an attached :class:`PositionCounter`, not computed), then the exponent of a least-squares fit of log time
-against log M over the larger Ms.  Also reproduces the seed's 107,450 / 6,074 / 1,124 token
+model itself to an attached :class:`PositionCounter`, not computed), then the exponent of a
+least-squares fit of log time against log M over the larger Ms.  Also reproduces the seed's 107,450 / 6,074 / 1,124 token
 positions for N = 1024, M = 100.  The model is a tiny random encoder-decoder built here, so
 the figures show the algorithm, not BLAS.
 """
