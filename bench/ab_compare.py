@@ -11,17 +11,22 @@ the same cases, each timed by its own tree's ``kvsimd.bench`` code, as ``python 
 times them:
 
 * ``decode`` (``kvsimd.bench.decode``): median seconds of one decode step of the random
-  SmolLM2-shaped model at each context and of the BART-shaped encoder-decoder, and of the
-  "weights floor" (the step's matrix products alone, plain BLAS: a control that no kvsimd change
-  should move, so its interval shows the noise of the machine);
+  SmolLM2-shaped model at each context and of the BART-shaped encoder-decoder; its control is
+  the "weights floor", the step's matrix products alone (plain BLAS), timed step by step beside it;
 * ``attention`` (``kvsimd.bench.kernels``): median seconds of one ``ops.attend`` call with cold
   caches, per shape x dtype x context, on the active ISA path (``--isa`` forces one on both
-  sides through ``KVSIMD_FORCE_ISA``).
+  sides through ``KVSIMD_FORCE_ISA``); its control is a plain read of the same bytes, timed
+  repeat by repeat beside it.
 
-For each case and round, ratio = new seconds / old seconds (1.00 = same speed, below 1: new is
-faster); printed per case: each side's median time, and the median ratio over the rounds with
-its 95% bootstrap interval (``kvsimd.bench.common.median_ci``); then the same over every kvsimd
-case of a section pooled.  ``--json`` keeps every round's times.
+Printed per case: each side's median seconds; **new/old**, the median over rounds of new seconds
+/ old seconds (1.00 = same speed, below 1: new is faster) with its 95% bootstrap interval
+(``kvsimd.bench.common.median_ci``); and **vs control**, the same for new/old of (seconds /
+the control's seconds in the same process).  On a shared machine the load changes from one
+process to the next and moves a case and its control alike: "vs control" cancels it (two copies
+of one tree measured here, 2 cores shared with other jobs: new/old of a decode step 1.36
+[1.05, 1.61], vs control 1.02 [0.97, 1.07]).  A change that speeds up or slows down the BLAS
+products themselves (another weight layout) shows in new/old only.  Then both figures over the
+rounds of every case of a section pooled.  ``--json`` keeps every round's times.
 
 The integrator's check of issue 14 (the final tree against the previous main)::
 
@@ -29,8 +34,8 @@ The integrator's check of issue 14 (the final tree against the previous main)::
     (cd /tmp/kvsimd-old && python setup.py -q build_clib build_ext --inplace)
     python bench/ab_compare.py . /tmp/kvsimd-old --rounds 10 --json /tmp/ab.json
 
-About 30 s per process on a 2-core machine (``--quick``: about 5 s), so 10 rounds take about
-ten minutes.  Two copies of one tree give ratios of 1.00 within their intervals.
+About 25 s per process on a 2-core machine (``--quick``: about 5 s), so 10 rounds take about
+nine minutes.
 """
 import argparse
 import json
@@ -48,6 +53,7 @@ FULL = {"sections": ["decode", "attention"], "models": ["smollm2-shaped", "bart-
         "contexts": [128, 2048, 8192], "steps": 24,
         "shapes": ["smollm2-gqa", "llama-gqa", "mha-128"], "attn_contexts": [512, 2048, 8192],
         "dtypes": ["float16", "float32"], "repeat": 11}
+CONTROL = "control"       # a case's control: the same process's plain-BLAS step, or plain read of the same bytes
 QUICK = dict(FULL, models=["smollm2-shaped"], contexts=[128], steps=8, shapes=["smollm2-gqa"],
              attn_contexts=[512, 2048], repeat=3)
 
@@ -67,14 +73,17 @@ def worker(spec):
             else:
                 rows = decode.bench_encoder_decoder(model, [threads], spec["steps"], with_hf=False)
             for r in rows:
-                times["decode %s context=%d %s" % (name, r["context"], r["impl"])] = 1.0 / r["tok_per_s"]
+                key = "decode %s context=%d" % (name, r["context"])
+                times[key if r["impl"] == "kvsimd" else "%s | %s" % (key, CONTROL)] = 1.0 / r["tok_per_s"]
     if "attention" in spec["sections"]:
         kvsimd.set_num_threads(threads)
         shapes = [s for s in cases.ATTN_SHAPES if s[0] in spec["shapes"]]
         no_roof = {"read_GBps": 1.0, "copy_GBps": 1.0}     # the % of roofline columns are not used here
         for r in kernels.bench_attention([kvsimd.active_isa()], shapes, spec["attn_contexts"], spec["dtypes"],
                                          spec["repeat"], no_roof):
-            times["attention %s %s N=%d" % (r["shape"], r["dtype"], r["N"])] = r["median_s"]
+            key = "attention %s %s N=%d" % (r["shape"], r["dtype"], r["N"])
+            times[key] = r["median_s"]
+            times["%s | %s" % (key, CONTROL)] = r["bytes"] / (r["paired_read_GBps"] * 1e9)   # its paired plain read
     print(json.dumps({"kvsimd": os.path.dirname(os.path.abspath(kvsimd.__file__)), "isa": kvsimd.active_isa(),
                       "threads": kvsimd.get_num_threads(), "times": times}))
 
@@ -127,24 +136,35 @@ class Side:
 
 
 def compare(new, old, median_ci):
-    """Rows per case common to both sides: median seconds of each, median new/old ratio over
-    rounds with its interval; then one pooled row per section (its kvsimd cases only)."""
-    cases = [c for c in new.runs[0]["times"] if all(c in r["times"] for r in new.runs + old.runs)]
+    """One row per kvsimd case common to both sides: median seconds of each side, the median over
+    rounds of new/old with its interval, and the same for the time relative to the case's control
+    timed beside it in the same process (new/old of kvsimd / control); then the rounds of every
+    case of a section pooled."""
+    def times(side, case):
+        return [r["times"][case] for r in side.runs]
+    common = [c for c in new.runs[0]["times"] if all(c in r["times"] for r in new.runs + old.runs)]
     rows, pooled = [], {}
-    for c in cases:
-        tn = [r["times"][c] for r in new.runs]
-        to = [r["times"][c] for r in old.runs]
-        ratios = [a / b for a, b in zip(tn, to)]
-        med, lo, hi = median_ci(ratios)
-        rows.append({"case": c, "new_s": statistics.median(tn), "old_s": statistics.median(to),
-                     "ratio": med, "ratio_ci95": [lo, hi], "ratios": ratios})
-        if not c.endswith("weights floor"):
-            pooled.setdefault(c.split()[0], []).extend(ratios)
-    for section, ratios in pooled.items():
-        med, lo, hi = median_ci(ratios)
-        rows.append({"case": "%s: every kvsimd case pooled" % section, "ratio": med, "ratio_ci95": [lo, hi],
-                     "ratios": ratios})
-    return rows
+    for c in common:
+        if c.endswith(" | " + CONTROL):
+            continue
+        tn, to = times(new, c), times(old, c)
+        row = {"case": c, "new_s": statistics.median(tn), "old_s": statistics.median(to),
+               "ratios": [a / b for a, b in zip(tn, to)]}
+        ctl = "%s | %s" % (c, CONTROL)
+        if ctl in common:
+            cn, co = times(new, ctl), times(old, ctl)
+            row["control_ratios"] = [(a / ca) / (b / cb) for a, ca, b, cb in zip(tn, cn, to, co)]
+        rows.append(row)
+        section = pooled.setdefault(c.split()[0], {"case": "%s: every case pooled" % c.split()[0], "ratios": []})
+        section["ratios"] += row["ratios"]
+        if "control_ratios" in row:
+            section.setdefault("control_ratios", []).extend(row["control_ratios"])
+    for row in rows + list(pooled.values()):
+        for key in ("ratios", "control_ratios"):
+            if key in row:
+                med, lo, hi = median_ci(row[key])
+                row[key[:-1]], row[key[:-1] + "_ci95"] = med, [lo, hi]
+    return rows + list(pooled.values())
 
 
 def main(argv=None):
@@ -188,15 +208,16 @@ def main(argv=None):
     if len(isas) != 1:
         raise SystemExit("ab_compare: the sides ran different ISA paths %s; pass --isa" % sorted(isas))
     rows = compare(new, old, median_ci)
-    print("# isa %s; ratio = new seconds / old seconds in the same round (1.00 = same speed, < 1: new faster),"
+    print("# isa %s; new/old = new seconds / old seconds in the same round (1.00 = same speed, < 1: new faster),"
           " median over %d rounds [95%% bootstrap interval]" % (isas.pop(), a.rounds))
-    print("%-56s %10s %10s   %s" % ("case", "new ms", "old ms", "new/old [95% interval]"))
+    print("# vs control: new/old of (kvsimd seconds / its control's seconds in the same process); the control"
+          " of a decode step is its matrix products alone (plain BLAS, step by step beside it), of an attend"
+          " call a plain read of the same bytes (repeat by repeat): load on a shared machine cancels")
+    print("%-44s %9s %9s   %-22s %s" % ("case", "new ms", "old ms", "new/old [95% interval]", "vs control"))
     for r in rows:
-        label = r["case"] + (" (control)" if r["case"].endswith("weights floor") else "")
-        times = ("%10.3f %10.3f" % (r["new_s"] * 1e3, r["old_s"] * 1e3)) if "new_s" in r else "%21s" % ""
-        print("%-56s %s   %.3f [%.3f, %.3f]" % (label, times, r["ratio"], *r["ratio_ci95"]))
-    print("# control: the weights floor is the step's matrix products alone (plain BLAS, no kvsimd code):"
-          " its interval shows this machine's noise")
+        times = ("%9.3f %9.3f" % (r["new_s"] * 1e3, r["old_s"] * 1e3)) if "new_s" in r else "%19s" % ""
+        ctl = "%.3f [%.3f, %.3f]" % (r["control_ratio"], *r["control_ratio_ci95"]) if "control_ratio" in r else ""
+        print("%-44s %s   %-22s %s" % (r["case"], times, "%.3f [%.3f, %.3f]" % (r["ratio"], *r["ratio_ci95"]), ctl))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"new": {"where": new.where, "commit": new.commit, "runs": new.runs},

@@ -300,11 +300,16 @@ def test_ab_compare_runs_two_trees_interleaved(tmp_path):
     assert all(r["kvsimd"] == os.path.join(ROOT, "kvsimd") for r in doc["new"]["runs"] + doc["old"]["runs"])
     cases = {r["case"] for r in doc["rows"]}
     assert cases == {"attention smollm2-gqa %s N=%d" % (dt, n) for dt in ("float16", "float32")
-                     for n in (512, 2048)} | {"attention: every kvsimd case pooled"}
+                     for n in (512, 2048)} | {"attention: every case pooled"}
     for r in doc["rows"]:
-        lo, hi = r["ratio_ci95"]
-        assert 0 < lo <= r["ratio"] <= hi and len(r["ratios"]) == (2 if "pooled" not in r["case"] else 8)
+        n = 2 if "pooled" not in r["case"] else 8
+        for key in ("ratio", "control_ratio"):      # new/old, and new/old relative to the paired plain read
+            lo, hi = r[key + "_ci95"]
+            assert 0 < lo <= r[key] <= hi and len(r[key + "s"]) == n
         assert r["case"] in p.stdout
+    run = doc["new"]["runs"][0]["times"]
+    case = "attention smollm2-gqa float16 N=512"
+    assert run[case] > 0 and run[case + " | control"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
