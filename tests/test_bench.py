@@ -12,6 +12,8 @@ from kvsimd.bench import report, schema
 from kvsimd.bench.__main__ import OVERVIEW, SUBCOMMANDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the quality bench's text: the team's shared/ folder beside the checkout (as CI lays it out)
+TEXT = os.path.join(os.path.dirname(ROOT), "shared", "data", "hamlet_gut.txt")
 
 
 try:
@@ -48,6 +50,7 @@ HEADINGS = {"roofline": "### Roofline", "attention": "### Decode attention", "ro
 def test_subcommand_quick_json(tmp_path, sub):
     plot = sub in ("attention", "complexity")
     doc, p = run_bench(tmp_path, sub, *(["--plot", str(tmp_path)] if plot else []),
+                       *(["--text", TEXT] if sub == "quality" else []),
                        expect_rc=1 if plot and not HAVE_MATPLOTLIB else 0)
     if plot and not HAVE_MATPLOTLIB:
         check_missing_matplotlib_message(p, tmp_path / "bench.json")
@@ -191,3 +194,131 @@ def test_report_replaces_only_the_marked_readme_section(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(SystemExit):
         report.main([str(doc), "--readme", str(readme)])
+
+
+# ---------------------------------------------------------------------------------- the text file
+def test_text_path_precedence(tmp_path):
+    """--text, else $KVSIMD_BENCH_TEXT, else $KVSIMD_SHARED_DIR/data/hamlet_gut.txt."""
+    from kvsimd.bench.common import text_path
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    (tmp_path / "data").mkdir()
+    shared = tmp_path / "data" / "hamlet_gut.txt"
+    for f in (a, b, shared):
+        f.write_text("x")
+    env = {"KVSIMD_BENCH_TEXT": str(b), "KVSIMD_SHARED_DIR": str(tmp_path)}
+    assert text_path(str(a), environ=env) == str(a)
+    assert text_path(None, environ=env) == str(b)
+    assert text_path(None, environ={"KVSIMD_SHARED_DIR": str(tmp_path)}) == str(shared)
+    assert text_path(None, required=False, environ={}) is None
+    assert text_path(None, required=False, environ={"KVSIMD_BENCH_TEXT": ""}) is None
+
+
+@pytest.mark.parametrize("given, env, message", [
+    (None, {}, r"^no text file given: pass --text PATH, or set KVSIMD_BENCH_TEXT=PATH or KVSIMD_SHARED_DIR=DIR"),
+    ("/nonexistent/t.txt", {}, r"^--text /nonexistent/t\.txt: no such file .*KVSIMD_BENCH_TEXT.*KVSIMD_SHARED_DIR"),
+    (None, {"KVSIMD_BENCH_TEXT": "/nonexistent/t.txt"}, r"^KVSIMD_BENCH_TEXT=/nonexistent/t\.txt: no such file"),
+    (None, {"KVSIMD_SHARED_DIR": "/nonexistent"},
+     r"^KVSIMD_SHARED_DIR=/nonexistent \(read as /nonexistent/data/hamlet_gut\.txt\): no such file"),
+])
+def test_text_path_refuses_clearly(given, env, message):
+    from kvsimd import KVSimdValueError
+    from kvsimd.bench.common import text_path
+    with pytest.raises(KVSimdValueError, match=message):
+        text_path(given, environ=env)
+    if given is None and env:       # a variable that is set but wrong is an error even when optional
+        with pytest.raises(KVSimdValueError, match=message):
+            text_path(given, required=False, environ=env)
+
+
+def _no_text_env():
+    return {k: v for k, v in os.environ.items() if k not in ("KVSIMD_BENCH_TEXT", "KVSIMD_SHARED_DIR")}
+
+
+@pytest.mark.parametrize("argv, extra_env, names", [
+    (["-m", "kvsimd.bench", "quality", "--quick"], {}, ["--text", "KVSIMD_BENCH_TEXT", "KVSIMD_SHARED_DIR"]),
+    (["-m", "kvsimd.bench", "quality", "--quick", "--text", "/nonexistent/t.txt"], {}, ["--text /nonexistent/t.txt"]),
+    (["-m", "kvsimd.bench", "decode", "--model", "smollm2", "--quick"], {"KVSIMD_SHARED_DIR": "/nonexistent"},
+     ["KVSIMD_SHARED_DIR=/nonexistent"]),
+    (["-m", "kvsimd.bench.quality", "policies"], {}, ["--text", "KVSIMD_BENCH_TEXT", "KVSIMD_SHARED_DIR"]),
+    (["-m", "kvsimd.bench.quality", "oracle"], {"KVSIMD_BENCH_TEXT": "/nonexistent/t.txt"},
+     ["KVSIMD_BENCH_TEXT=/nonexistent/t.txt"]),
+])
+def test_missing_text_is_one_line_and_exit_2(tmp_path, argv, extra_env, names):
+    """Run from elsewhere than the checkout (as an installed package would be): no text found is
+    one line naming the argument and the variables, exit 2, before any model or timing runs."""
+    env = dict(_no_text_env(), PYTHONPATH=ROOT, **extra_env)
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                       timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "error:" in lines[0] and all(n in lines[0] for n in names), lines
+    assert "roofline" not in p.stdout
+
+
+def test_text_flag_goes_with_the_subcommands_that_read_text():
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--text", TEXT],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "--text goes with quality or decode --model smollm2" in p.stderr
+
+
+# ---------------------------------------------------------------------------------- import path
+def test_plotting_and_report_stay_out_of_the_import_path():
+    """import kvsimd (and kvsimd.bench, and the bench modules that run measurements) imports
+    neither matplotlib nor the chart and README modules: those load only for --plot / report."""
+    code = ("import sys, kvsimd\n"
+            "def check(when):\n"
+            "    bad = sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'\n"
+            "                 or m in ('kvsimd.bench.plots', 'kvsimd.bench.report'))\n"
+            "    if bad:\n"
+            "        sys.exit('%s imported %s' % (when, bad))\n"
+            "check('import kvsimd')\n"
+            "import kvsimd.bench\n"
+            "check('import kvsimd.bench')\n"
+            "import kvsimd.observe, kvsimd.bench.__main__, kvsimd.bench.common, kvsimd.bench.complexity, "
+            "kvsimd.bench.kernels, kvsimd.bench.decode, kvsimd.bench.quality, kvsimd.bench.streaming, "
+            "kvsimd.bench.contention\n"
+            "check('the measuring modules')\n"
+            "import kvsimd.bench.plots\n"
+            "print('plots' if 'kvsimd.bench.plots' in sys.modules else 'no plots')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "plots"       # the check sees a module once it is imported
+
+
+# ---------------------------------------------------------------------------------- A/B script
+def test_ab_compare_runs_two_trees_interleaved(tmp_path):
+    """bench/ab_compare.py on two copies of one tree (this checkout twice): every case of both
+    sides, rounds alternating which side goes first, a ratio inside its own interval."""
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), ROOT, ROOT, "--quick",
+                        "--rounds", "2", "--sections", "attention", "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "round 1/2 done (new first)" in p.stderr and "round 2/2 done (old first)" in p.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["new"]["runs"]) == len(doc["old"]["runs"]) == 2
+    assert all(r["kvsimd"] == os.path.join(ROOT, "kvsimd") for r in doc["new"]["runs"] + doc["old"]["runs"])
+    cases = {r["case"] for r in doc["rows"]}
+    assert cases == {"attention smollm2-gqa %s N=%d" % (dt, n) for dt in ("float16", "float32")
+                     for n in (512, 2048)} | {"attention: every case pooled"}
+    for r in doc["rows"]:
+        n = 2 if "pooled" not in r["case"] else 8
+        for key in ("ratio", "control_ratio"):      # new/old, and new/old relative to the paired plain read
+            lo, hi = r[key + "_ci95"]
+            assert 0 < lo <= r[key] <= hi and len(r[key + "s"]) == n
+        assert r["case"] in p.stdout
+    run = doc["new"]["runs"][0]["times"]
+    case = "attention smollm2-gqa float16 N=512"
+    assert run[case] > 0 and run[case + " | control"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent/tree", ROOT], "new /nonexistent/tree is neither a kvsimd checkout nor a Python interpreter"),
+    ([ROOT, os.path.join(ROOT, "tests")], "is a folder without kvsimd/__init__.py"),
+    ([ROOT, ROOT, "--rounds", "1"], "--rounds must be >= 2"),
+    ([ROOT, ROOT, "--sections", "rope"], "--sections takes decode, attention"),
+])
+def test_ab_compare_refuses_bad_arguments(args, message):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]

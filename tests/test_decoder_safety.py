@@ -15,6 +15,7 @@ import pytest
 import childcases
 
 from kvsimd import Decoder, EncoderDecoder, KVCache, KVSimdError
+from kvsimd.bench.complexity import greedy_counting
 from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
 from test_streaming import V, random_decoder
@@ -400,17 +401,17 @@ def forward_bad_encoder_output():
 
 @case(r"max_new_tokens must be >= 0, got -1")
 def greedy_counting_negative():
-    random_encoder_decoder().greedy_counting([5, 6], -1)
+    greedy_counting(random_encoder_decoder(), [5, 6], -1)
 
 
 @case(r"regime must be 'none', 'encoder' or 'cached', got 'x'")
 def greedy_counting_bad_regime():
-    random_encoder_decoder().greedy_counting([5, 6], 2, regime="x")
+    greedy_counting(random_encoder_decoder(), [5, 6], 2, regime="x")
 
 
 @case(r"decoder_start contain ids outside the vocabulary 0..52: \[1000\]")
 def greedy_counting_bad_start():
-    random_encoder_decoder().greedy_counting([5, 6], 2, decoder_start=1000)
+    greedy_counting(random_encoder_decoder(), [5, 6], 2, decoder_start=1000)
 
 
 child_results = childcases.results_fixture(__name__, CASES)

@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers", reason="the model tests need 
 
 import kvsimd  # noqa: E402
 from kvsimd import Decoder, EncoderDecoder, KVSimdCapacityError  # noqa: E402
+from kvsimd.bench.complexity import PositionCounter, greedy_counting  # noqa: E402
+from kvsimd.observe import observe  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 V = 97
@@ -228,14 +230,15 @@ def test_cached_decode_steps_equal_the_uncached_pass_encoder_decoder(name, rng):
 def test_cross_attention_projected_once_per_request_and_layer(rng):
     _, d = seq2seq("bart")
     srcs = [list(rng.integers(3, V - 1, 10)), list(rng.integers(3, V - 1, 6))]
-    cross = d.cross_for(srcs)
-    assert cross.projections == d.cfg.n_layers * 2
-    cache = d.new_cache(batch=2, capacity=30)
-    start = d.cfg.decoder_start_token_id
-    logits = np.stack([d.prefill([start], cache=cache, cross=cross, seq=b) for b in range(2)])
-    for _ in range(20):
-        logits = d.step(logits.argmax(1), cache=cache, cross=cross)
-    assert cross.projections == d.cfg.n_layers * 2     # decoding never re-projects
+    with observe(d, PositionCounter()) as count:
+        cross = d.cross_for(srcs)
+        assert count.projections == d.cfg.n_layers * 2
+        cache = d.new_cache(batch=2, capacity=30)
+        start = d.cfg.decoder_start_token_id
+        logits = np.stack([d.prefill([start], cache=cache, cross=cross, seq=b) for b in range(2)])
+        for _ in range(20):
+            logits = d.step(logits.argmax(1), cache=cache, cross=cross)
+    assert count.projections == d.cfg.n_layers * 2     # decoding never re-projects
 
 
 def test_complexity_accounting_seed_003():
@@ -248,7 +251,7 @@ def test_complexity_accounting_seed_003():
     src = list(np.random.default_rng(0).integers(3, V, 1024))
     totals, outs = {}, {}
     for regime in ("none", "encoder", "cached"):
-        toks, enc, dec = d.greedy_counting(src, 100, regime=regime)
+        toks, enc, dec = greedy_counting(d, src, 100, regime=regime)
         totals[regime], outs[regime] = enc + dec, toks
     assert totals == {"none": 107_450, "encoder": 6_074, "cached": 1_124}
     assert outs["none"] == outs["encoder"] == outs["cached"]   # same tokens, whatever the regime

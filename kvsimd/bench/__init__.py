@@ -10,8 +10,13 @@ pytest-benchmark suites in ``bench/``:
 * ``attention`` / ``rope`` (:mod:`.kernels`): attend and the K-cache shift per ISA, shape,
   dtype and context, with NumPy and torch peers;
 * ``decode`` (:mod:`.decode`): tokens/s against transformers and the weight-streaming floor;
-* ``complexity`` (:mod:`.complexity`): seed 003's no-cache / encoder-hoisted / cached regimes;
-* ``streaming`` (:mod:`.streaming`) and ``quality`` (:mod:`.quality`): infinite generation.
+* ``complexity`` (:mod:`.complexity`): seed 003's no-cache / encoder-hoisted / cached regimes,
+  the token positions counted by an observer the bench attaches (:mod:`kvsimd.observe`);
+* ``streaming`` (:mod:`.streaming`) and ``quality`` (:mod:`.quality`): infinite generation
+  (``quality`` reads a text: ``--text PATH``, else ``$KVSIMD_BENCH_TEXT``, else
+  ``$KVSIMD_SHARED_DIR/data/hamlet_gut.txt``).
 
 ``--json`` output follows :mod:`.schema`; ``--plot`` charts come from :mod:`.plots`;
-:mod:`.report` turns a JSON run into the README's Performance section."""
+:mod:`.report` turns a JSON run into the README's Performance section.  Both load only when
+used: ``import kvsimd`` and ``import kvsimd.bench`` import neither, nor matplotlib.  ``bench/ab_compare.py`` in the source
+checkout times two trees against each other (decode and attention, interleaved rounds)."""

@@ -6,7 +6,11 @@ beside a process spinning on one core (and without it), as paired ratios to 1 th
 With no subcommand: an overview of roofline, attention, rope, decode, complexity and streaming
 (about ten minutes; add --quick for a smoke run).  --json writes the schema of
 kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib: pip install -e ".[plot]"
-from the source checkout), after the JSON."""
+from the source checkout), after the JSON.
+
+quality (and decode --model smollm2) read a text: --text PATH, else $KVSIMD_BENCH_TEXT, else
+$KVSIMD_SHARED_DIR/data/hamlet_gut.txt (quality needs one; decode falls back to a built-in
+filler, since decode speed does not depend on the words)."""
 import argparse
 import os
 import sys
@@ -16,6 +20,7 @@ import numpy as np
 
 import kvsimd
 from kvsimd.bench import cases, common, kernels
+from kvsimd.errors import KVSimdError
 from kvsimd.bench.schema import SCHEMA_VERSION
 
 SUBCOMMANDS = ("roofline", "attention", "rope", "decode", "complexity", "streaming", "quality")
@@ -28,11 +33,6 @@ def _fmt_kernel(r):
     return ("%-10s %-12s %-8s N=%-6d %-10s %9.3f ms %7.2f GB/s %5.1f%% of %s"
             % (r["op"], r["shape"], r["dtype"], r["N"], who, r["median_s"] * 1e3, r["GBps"], r[key],
                key.split("_")[1]))
-
-
-def _shared_text():
-    here = os.path.dirname(os.path.abspath(kvsimd.__file__))
-    return os.path.join(here, "..", "..", "shared", "data", "hamlet_gut.txt")
 
 
 def run_roofline(args, roof):
@@ -78,7 +78,7 @@ def run_decode(args, roof):
               % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"],
                  "   prefill %.1f tok/s" % r["prefill_tok_per_s"] if "prefill_tok_per_s" in r else ""), flush=True)
     if args.model == "smollm2":
-        rows = decode.bench_smollm2([128] if args.quick else [128, 4096], threads, steps, show, _shared_text())
+        rows = decode.bench_smollm2([128] if args.quick else [128, 4096], threads, steps, show, args.text)
     else:
         rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
                           models=("smollm2-shaped",) if args.quick else None)
@@ -143,7 +143,7 @@ def run_streaming(args, roof):
 def run_quality(args, roof):
     from kvsimd.bench import quality
     rows, curves = quality.main(n_tokens=256 if args.quick else 2304, windows=(64,) if args.quick else (256, 512),
-                                oracle_every=args.oracle_every, text_path=_shared_text())
+                                oracle_every=args.oracle_every, text_path=args.text)
     for r in rows:
         print("quality  %-32s PPL all %-8.3f PPL on oracle positions %.3f (%d scored)"
               % (r["config"], r["ppl_all"], r["ppl_oracle_positions"], r["scored"]))
@@ -186,6 +186,9 @@ def main(argv=None):
     ap.add_argument("--contention", action="store_true",
                     help="decode: 1 thread, 2 threads and the default beside a process spinning on one core "
                          "(random SmolLM2-shaped model; results in the 'contention' section)")
+    ap.add_argument("--text", metavar="PATH",
+                    help="quality, decode --model smollm2: the text to read (default: $%s, else $%s/%s)"
+                         % (common.TEXT_ENV, common.SHARED_ENV, common.SHARED_TEXT))
     ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
                     help="quality: score the re-prefill oracle on every K-th position (1 = all; default 8)")
     args = ap.parse_args(argv)
@@ -199,6 +202,15 @@ def main(argv=None):
         ap.error("--threads must be >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
+    wants_text = args.what == "quality" or (args.what == "decode" and args.model == "smollm2"
+                                            and not args.contention)
+    if args.text and not wants_text:
+        ap.error("--text goes with quality or decode --model smollm2")
+    try:       # before anything runs: a missing text is one line and exit 2, not a traceback later
+        args.text = common.text_path(args.text, required=args.what == "quality") if wants_text else None
+    except KVSimdError as e:
+        print("python -m kvsimd.bench: error: %s" % e, file=sys.stderr)
+        return 2
     if args.plot:
         os.makedirs(args.plot, exist_ok=True)
     args.overview = args.what is None

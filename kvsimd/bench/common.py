@@ -10,6 +10,36 @@ import numpy as np
 
 import kvsimd
 from kvsimd import _kvsimd
+from kvsimd.errors import KVSimdValueError
+
+TEXT_ENV = "KVSIMD_BENCH_TEXT"         # the text file itself
+SHARED_ENV = "KVSIMD_SHARED_DIR"       # a folder holding data/hamlet_gut.txt (the team's shared/)
+SHARED_TEXT = os.path.join("data", "hamlet_gut.txt")
+
+
+def text_path(path=None, required=True, environ=None):
+    """The text file the quality (and real-model decode) benchmarks read: ``path`` (``--text``),
+    else ``$KVSIMD_BENCH_TEXT``, else ``$KVSIMD_SHARED_DIR/data/hamlet_gut.txt``.  None when
+    nothing is given and ``required`` is false; otherwise KVSimdValueError, one line naming the
+    argument, the variables and the path, when nothing is given or the file is missing."""
+    env = os.environ if environ is None else environ
+    if path:
+        where = "--text %s" % path
+    elif env.get(TEXT_ENV):
+        path = env[TEXT_ENV]
+        where = "%s=%s" % (TEXT_ENV, path)
+    elif env.get(SHARED_ENV):
+        path = os.path.join(env[SHARED_ENV], SHARED_TEXT)
+        where = "%s=%s (read as %s)" % (SHARED_ENV, env[SHARED_ENV], path)
+    elif required:
+        raise KVSimdValueError("no text file given: pass --text PATH, or set %s=PATH or %s=DIR (a folder "
+                               "holding %s)" % (TEXT_ENV, SHARED_ENV, SHARED_TEXT))
+    else:
+        return None
+    if not os.path.isfile(path):
+        raise KVSimdValueError("%s: no such file (the text comes from --text PATH, else %s=PATH, else "
+                               "%s=DIR/%s)" % (where, TEXT_ENV, SHARED_ENV, SHARED_TEXT))
+    return path
 
 
 def llc_bytes():

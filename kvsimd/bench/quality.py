@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import kvsimd
+from kvsimd.bench.common import text_path as find_text
 
 
 def _nll(logits, target):
@@ -37,6 +38,7 @@ def oracle_shard(model, tokens, W, shard=0, n_shards=1, every=1):
 
 
 def load_tokens(model, text_path, n_tokens):
+    """The first ``n_tokens + 1`` tokens of the text file (past its front matter)."""
     with open(text_path, encoding="utf-8", errors="replace") as fh:
         text = fh.read()
     return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
@@ -110,6 +112,9 @@ def plot(curves, path):
 
 
 def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None):
+    """Every configuration over the text ``text_path`` (None: as :func:`kvsimd.bench.common.text_path`
+    finds it; KVSimdValueError before the model loads when it finds none)."""
+    text_path = find_text(text_path)
     from kvsimd.loaders import registry as models
     model = kvsimd.Decoder.from_gguf(models.smollm2_path())
     tokens = load_tokens(model, text_path, n_tokens)
@@ -143,10 +148,16 @@ def _cli(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--json")
     ap.add_argument("--plot")
-    ap.add_argument("--text", default=os.path.join(os.path.dirname(os.path.abspath(kvsimd.__file__)), "..", "..",
-                                                   "shared", "data", "hamlet_gut.txt"))
+    ap.add_argument("--text", metavar="PATH", help="the text (default: $KVSIMD_BENCH_TEXT, else "
+                                                   "$KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     a = ap.parse_args(argv)
     if a.what in ("oracle", "policies"):
+        from kvsimd.errors import KVSimdError
+        try:       # before the model loads: one line and exit 2
+            a.text = find_text(a.text)
+        except KVSimdError as e:
+            print("python -m kvsimd.bench.quality: error: %s" % e, file=sys.stderr)
+            return 2
         from kvsimd.loaders import registry as models
         model = kvsimd.Decoder.from_gguf(models.smollm2_path())
         tokens = load_tokens(model, a.text, a.tokens)

@@ -13,6 +13,7 @@ from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ModelConfig, check_config
 from kvsimd.nn.generate import _generate, _prompts, _short, _tokens_1d
 from kvsimd.nn.model import _Stack, _rope_spec
+from kvsimd.observe import notify
 from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, _norm, alibi_slopes, check_layer, need_norm,
                                need_weight, pack_layers)
 
@@ -22,14 +23,13 @@ __all__ = ["EncoderDecoder"]
 class EncoderDecoder(_Stack):
     """An encoder-decoder transformer (BART, Marian): the encoder runs once per request, its
     output is projected to cross-attention K/V once per layer, and the decoder steps with a
-    self-attention KV cache.  ``encoder_positions`` / ``decoder_positions`` count the token
-    positions each half processed (seed 003's complexity accounting)."""
+    self-attention KV cache.  Each half reports the token positions it processes to the
+    observers attached with :func:`kvsimd.observe.observe` (seed 003's complexity accounting)."""
 
     _VALID_AT_INIT = False
 
     def __init__(self, cfg: ModelConfig, enc_cfg: ModelConfig, enc_embed_pos, enc_layers: List[LayerWeights],
                  enc_final_norm: Optional[NormWeights], enc_embed_norm: Optional[NormWeights], **dec):
-        self.projections = 0       # (layer, sequence) cross-attention projections made
         super().__init__(cfg, **dec)
         if not isinstance(enc_cfg, ModelConfig):
             raise KVSimdTypeError("enc_cfg must be a ModelConfig, got %s" % _short(enc_cfg))
@@ -40,7 +40,6 @@ class EncoderDecoder(_Stack):
         self.enc_layers = enc_layers
         self.enc_final_norm = enc_final_norm
         self.enc_embed_norm = enc_embed_norm
-        self.encoder_positions = 0
         self._ensure_valid()
 
     def _cross_width(self):
@@ -110,7 +109,7 @@ class EncoderDecoder(_Stack):
             p.encoder.run(x, plan)
         if p.enc_final_norm is not None:
             x = p.enc_final_norm(x)
-        self.encoder_positions += S
+        notify(self, "positions", "encoder", S)
         return x
 
     def new_cross_cache(self, batch=1, capacity=1024, dtype="float16"):
@@ -130,7 +129,7 @@ class EncoderDecoder(_Stack):
         cross = self.new_cross_cache(batch=len(srcs), capacity=max(len(s) for s in srcs), dtype=dtype)
         for b, s in enumerate(srcs):
             self._fill_cross(cross, b, self.encode(s))
-            self.projections += self.cfg.n_layers
+            notify(self, "cross_projections", self.cfg.n_layers)
         return cross
 
     def prefill(self, tokens, *, cache: KVCache, cross: CrossAttentionCache, seq=0, all_logits=False):

@@ -19,6 +19,7 @@ from kvsimd._kvsimd import CrossAttentionCache, KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ModelConfig, check_config, weights_generation
 from kvsimd.nn.generate import _short, _tokens_1d
+from kvsimd.observe import notify
 from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, alibi_slopes, check_layer, need_norm, need_weight,
                                pack_layers, sinusoidal_table, _norm)
 
@@ -65,14 +66,13 @@ class _Stack:
             self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
         self.embed_norm = embed_norm
         self.slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None
-        self.decoder_positions = 0   # token positions run through the decoder layers
         if self._VALID_AT_INIT:    # (EncoderDecoder: once its encoder half is set)
             self._ensure_valid()
 
     # ------------------------------------------------------------------ validation
     # Assigning any weight or config attribute (here, or on a ModelConfig / weights object) bumps
     # layers.weights_generation(); the next prefill/step/generate then validates the model again.
-    _UNTRACKED = frozenset(("decoder_positions", "encoder_positions", "projections", "tokenizer", "source", "_valid", "_packed"))
+    _UNTRACKED = frozenset(("tokenizer", "source", "_valid", "_packed"))
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -228,7 +228,7 @@ class _Stack:
         x = self._embed(t, plan.embed_positions)
         self._packed.layers.run(x, plan, cross)
         cache.end_prefill(plan)
-        self.decoder_positions += t.size
+        notify(self, "positions", "decoder", t.size)
         return x
 
     def _step(self, tokens, cache: KVCache, cross=None, finish=None):
@@ -250,7 +250,7 @@ class _Stack:
                 x = self._embed(t, plan.embed_positions)
                 self._packed.layers.run(x, plan, cross)
                 cache.end_step(plan)
-                self.decoder_positions += t.size
+                notify(self, "positions", "decoder", t.size)
                 return x if finish is None else finish(x)
 
     # ------------------------------------------------------------------ uncached pass
@@ -267,7 +267,7 @@ class _Stack:
             plan = _kvsimd._local_plan(T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.rope, self.slopes, True)
             x = self._embed(t, plan.embed_positions)
             self._packed.layers.run(x, plan, cross)
-            self.decoder_positions += T
+            notify(self, "positions", "decoder", T)
             return self._logits(x)
 
     def _prefill_logits(self, tokens, cache, seq, cross, all_logits=False):
