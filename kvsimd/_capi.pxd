@@ -71,8 +71,6 @@ cdef extern from "kvsimd.h" nogil:
     ctypedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink) noexcept nogil
 
     ctypedef struct kv_kernels:
-        const char *name
-        uint32_t required
         const char *cflags
         kv_attn_fn attn
         kv_rot_fn rotate
@@ -82,12 +80,13 @@ cdef extern from "kvsimd.h" nogil:
 
     uint32_t kv_cpu_features() noexcept
     kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept
-    kv_status kv_set_isa(const char *name, char *msg, size_t msg_len) noexcept
+    kv_status kv_set_isa(const char *name, int forced, char *msg, size_t msg_len) noexcept
     const kv_kernels *kv_active() noexcept
     int kv_active_isa() noexcept
     int kv_isa_count() noexcept
     const kv_kernels *kv_isa_row(int i) noexcept
     const char *kv_isa_name(int i) noexcept
+    uint32_t kv_isa_required(int i) noexcept
     int kv_isa_compiled(int i) noexcept
     int kv_isa_supported(int i) noexcept
     int kv_select_isa(uint32_t features) noexcept

@@ -26,7 +26,6 @@ cdef _init_dispatch():
 
 
 _init_dispatch()
-_forced_name = _os.environ.get("KVSIMD_FORCE_ISA") or None
 
 
 def _isa_names(which):
@@ -48,39 +47,50 @@ def cpu_features():
     return [name for name, bit in _FEATURE_BITS if f & bit]
 
 
+def _row_flags():
+    """{name: the compiler flags the build gave that row} for every compiled row."""
+    cdef const kv_kernels *row
+    out = {}
+    for i in range(kv_isa_count()):
+        row = kv_isa_row(i)
+        if row != NULL:
+            out[kv_isa_name(i).decode()] = row.cflags.decode()
+    return out
+
+
 def isa_info():
     """Which paths are compiled into this build, which this CPU can run, which is active.
 
     Returns a dict with keys ``compiled``, ``supported`` (lists, best last), ``active`` (str),
-    ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None)
-    and ``features`` (detected CPU features)."""
+    ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None),
+    ``features`` (detected CPU features) and ``flags`` (each compiled row's compiler flags, as
+    the build passed them)."""
+    active = active_isa()
     return {
         "compiled": _isa_names("compiled"),
         "supported": _isa_names("supported"),
-        "active": active_isa(),
-        "forced": _forced_name,
+        "active": active,
+        "forced": active if kv_forced() else None,
         "features": cpu_features(),
+        "flags": _row_flags(),
     }
 
 
-def _set_isa(name):
-    """Switch the active path in-process (tests only; see kvsimd.testing.use_isa)."""
-    global _forced_name
+def _set_isa(name, forced=True):
+    """Switch the active path in-process (tests only; see kvsimd.testing.use_isa); ``forced`` is
+    what ``isa_info()["forced"]`` reports from now on (C keeps it: kv_forced)."""
     cdef char msg[512]
     if not isinstance(name, str):
         raise KVSimdISAError("ISA name must be a str, got %r" % (name,))
     nb = name.encode("utf-8", "surrogatepass")    # a name with lone surrogates is just an unknown name
     if b"\0" in nb:                                # C would read it only up to the NUL
         raise KVSimdISAError("ISA name must not contain NUL, got %r" % (name,))
-    if kv_set_isa(nb, msg, sizeof(msg)) != KV_OK:
+    if kv_set_isa(nb, 1 if forced else 0, msg, sizeof(msg)) != KV_OK:
         raise KVSimdISAError(_c_text(msg))
-    _forced_name = name
 
 
 def _restore_isa(name, forced):
-    global _forced_name
-    _set_isa(name)
-    _forced_name = forced
+    _set_isa(name, forced is not None)
 
 
 def show_runtime(file=None):
@@ -98,9 +108,9 @@ def show_runtime(file=None):
     ]
     for i in range(kv_isa_count()):
         name = kv_isa_name(i).decode()
-        row = kv_isa_row(i)
-        state = "not compiled" if row == NULL else ("supported" if kv_isa_supported(i) else "cpu lacks it")
-        flags = row.cflags.decode() if row != NULL else ""
+        state = ("supported" if kv_isa_supported(i) else "cpu lacks it") if kv_isa_compiled(i) else "not compiled"
+        flags = info["flags"].get(name)
+        flags = "" if flags is None else (flags or "(baseline x86-64)")
         mark = "*" if name == info["active"] else " "
         lines.append("  %s %-11s %-13s %s" % (mark, name, state, flags))
     lines.append("active: %s%s" % (info["active"], " (forced)" if info["forced"] else ""))
@@ -122,7 +132,7 @@ def _kernel_addresses():
         rows[kv_isa_name(i).decode()] = {
             "attn": <size_t>row.attn, "rotate": <size_t>row.rotate,
             "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
-            "required": row.required,
+            "required": kv_isa_required(i),
         }
     base = <size_t>&ap
     attn_layout = {

@@ -33,7 +33,13 @@ typedef enum kv_status {
     KV_ERR_POSITION = 5
 } kv_status;
 
-typedef enum kv_isa { KV_ISA_SCALAR = 0, KV_ISA_AVX2 = 1, KV_ISA_AVX512FP16 = 2, KV_ISA_COUNT = 3 } kv_isa;
+/* KV_ISA_SCALAR, KV_ISA_AVX2, ...: the rows of isa_rows.def, in its order. */
+typedef enum kv_isa {
+#define KV_ISA_ROW(id, name, required, cflags) KV_ISA_##id,
+#include "isa_rows.def"
+#undef KV_ISA_ROW
+    KV_ISA_COUNT
+} kv_isa;
 
 typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1 } kv_dtype;
 
@@ -131,15 +137,14 @@ typedef void (*kv_rot_fn)(const kv_rot_params *p);
 typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);
 
-/* One row of the dispatch table: the kernels of one ISA. */
 /* fp32 multiply-add throughput probe: runs `iters` rounds of independent FMA chains, stores a
    result in *sink (so nothing is optimized away) and returns the floating-point ops done. */
 typedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink);
 
+/* One row of the dispatch table: the kernels of one ISA (its name and required features are
+   in isa_rows.def, read through kv_isa_name / kv_isa_required). */
 typedef struct kv_kernels {
-    const char *name;
-    uint32_t required;      /* KV_FEAT_* bits the CPU must have */
-    const char *cflags;     /* how this row was compiled (for show_runtime) */
+    const char *cflags;     /* the flags the build compiled this row with (KV_ROW_CFLAGS) */
     kv_attn_fn attn;
     kv_rot_fn rotate;
     kv_f32_to_f16_fn f32_to_f16;
@@ -152,16 +157,19 @@ uint32_t kv_cpu_features(void);
 
 /* dispatch.c */
 kv_status kv_init(const char *force, char *msg, size_t msg_len);  /* once, at import */
-kv_status kv_set_isa(const char *name, char *msg, size_t msg_len);
+/* Make row `name` active; `forced` is what kv_forced() reports from now on (1 for a test's
+   or KVSIMD_FORCE_ISA's choice, 0 to restore the automatic choice it replaced). */
+kv_status kv_set_isa(const char *name, int forced, char *msg, size_t msg_len);
 const kv_kernels *kv_active(void);
 int kv_active_isa(void);
 int kv_isa_count(void);                            /* rows in the table */
 const kv_kernels *kv_isa_row(int i);               /* NULL if not compiled */
-const char *kv_isa_name(int i);
+const char *kv_isa_name(int i);                    /* "?" out of range */
+uint32_t kv_isa_required(int i);                   /* KV_FEAT_* bits row i needs */
 int kv_isa_compiled(int i);
 int kv_isa_supported(int i);                       /* compiled and runnable here */
 int kv_select_isa(uint32_t features);              /* best compiled row for a feature mask */
-int kv_forced(void);
+int kv_forced(void);                               /* active row chosen by name, not detection */
 uint32_t kv_features(void);                        /* cached kv_cpu_features() */
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
 
