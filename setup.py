@@ -76,7 +76,8 @@ directives = {
 
 ext = Extension(
     "kvsimd._kvsimd",
-    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c", "src_c/cache.c"],
+    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c", "src_c/cache.c",
+             "src_c/layout.c"],
     include_dirs=["src_c", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                    ("KV_BUILT_ROWS", " ".join("KV_ROW(%s)" % isa for isa in rows))],

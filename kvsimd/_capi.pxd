@@ -64,6 +64,18 @@ cdef extern from "kvsimd.h" nogil:
         int32_t dtype
         int32_t style
 
+    ctypedef struct kv_field:
+        const char *name
+        size_t offset, size
+        char code
+    enum:
+        KV_STRUCT_ATTN_PARAMS
+        KV_STRUCT_ATTN_RANGE
+        KV_STRUCT_ROT_PARAMS
+        KV_STRUCT_COUNT
+    const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size) noexcept
+    const char *kv_struct_name(int which) noexcept
+
     ctypedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace) noexcept nogil
     ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
     ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil

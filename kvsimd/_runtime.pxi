@@ -117,13 +117,26 @@ def show_runtime(file=None):
     print("\n".join(lines), file=out)
 
 
+def _struct_layouts():
+    """The C layout of the parameter structs, as C reports it (offsetof/sizeof in layout.c):
+    {struct name: {"size": bytes, "fields": {field: (offset, size, struct letter)}}}."""
+    cdef const kv_field *f
+    cdef size_t n, size
+    out = {}
+    for which in range(KV_STRUCT_COUNT):
+        f = kv_struct_layout(which, &n, &size)
+        out[kv_struct_name(which).decode()] = {
+            "size": size,
+            "fields": {f[i].name.decode(): (f[i].offset, f[i].size, chr(f[i].code)) for i in range(n)},
+        }
+    return out
+
+
 def _kernel_addresses():
     """Addresses, in this process, of every compiled row's kernels and of the detection code,
     plus the C layout of the parameter structs.  Used by the emulator test harness to run the
     very machine code of this extension module inside an emulated CPU."""
     cdef const kv_kernels *row
-    cdef kv_attn_params ap
-    cdef kv_rot_params rp
     rows = {}
     for i in range(kv_isa_count()):
         row = kv_isa_row(i)
@@ -134,33 +147,11 @@ def _kernel_addresses():
             "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
             "required": kv_isa_required(i),
         }
-    base = <size_t>&ap
-    attn_layout = {
-        "size": sizeof(kv_attn_params),
-        "q": <size_t>&ap.q - base, "k": <size_t>&ap.k - base, "v": <size_t>&ap.v - base,
-        "out": <size_t>&ap.out - base, "m": <size_t>&ap.m - base, "l": <size_t>&ap.l - base,
-        "alibi": <size_t>&ap.alibi - base, "key_pos": <size_t>&ap.key_pos - base,
-        "query_pos": <size_t>&ap.query_pos - base, "H": <size_t>&ap.H - base, "Hkv": <size_t>&ap.Hkv - base,
-        "D": <size_t>&ap.D - base, "n_total": <size_t>&ap.n_total - base, "t0": <size_t>&ap.t0 - base,
-        "t1": <size_t>&ap.t1 - base, "g0": <size_t>&ap.g0 - base, "g1": <size_t>&ap.g1 - base,
-        "scale": <size_t>&ap.scale - base, "dtype": <size_t>&ap.dtype - base, "init": <size_t>&ap.init - base,
-        "finalize": <size_t>&ap.finalize - base, "q_alt": <size_t>&ap.q_alt - base,
-        "ranges": <size_t>&ap.ranges - base, "n_ranges": <size_t>&ap.n_ranges - base,
-    }
-    base = <size_t>&rp
-    rot_layout = {
-        "size": sizeof(kv_rot_params),
-        "x": <size_t>&rp.x - base, "cs": <size_t>&rp.cs - base, "H": <size_t>&rp.H - base,
-        "D": <size_t>&rp.D - base, "R": <size_t>&rp.R - base, "n_total": <size_t>&rp.n_total - base,
-        "t0": <size_t>&rp.t0 - base, "t1": <size_t>&rp.t1 - base, "cs_stride": <size_t>&rp.cs_stride - base,
-        "dtype": <size_t>&rp.dtype - base, "style": <size_t>&rp.style - base,
-    }
     return {
         "rows": rows,
         "kv_cpu_features": <size_t>kv_cpu_features,
         "kv_select_isa": <size_t>kv_select_isa,
-        "attn_params": attn_layout,
-        "rot_params": rot_layout,
+        "structs": _struct_layouts(),
         "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
         "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
     }

@@ -85,35 +85,46 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
  *   attention-sink query of a ring cache, rotated at another position); every KV head reads
  *   its ranges in order before the next head starts.
  */
-/* Four int64s, the layout a KVCache step plan keeps per range. */
-typedef struct kv_attn_range {
-    int64_t query;          /* 0: q, 1: q_alt */
-    int64_t t0, t1;
-    int64_t query_pos;      /* ALiBi distances of this range */
-} kv_attn_range;
+/* The parameter structs are defined by field lists, F(type, name, code), so that C itself can
+ * report their layout (kv_struct_layout, from offsetof/sizeof) to the emulator test harness:
+ * no copy of a field list is kept anywhere else.  code is the Python struct letter of the field
+ * (pointers are 'Q': the layout is that of x86-64). */
+#define KV_FIELD_(type, name, code) type name;
 
-typedef struct kv_attn_params {
-    const float *q;
-    const void *k;
-    const void *v;
-    float *out;
-    float *m;
-    float *l;
-    const float *alibi;
-    const int64_t *key_pos;
-    int64_t query_pos;
-    int64_t H, Hkv, D;
-    int64_t n_total;        /* row stride of a head in k/v, in tokens */
-    int64_t t0, t1;
-    int64_t g0, g1;
-    float scale;
-    int32_t dtype;          /* kv_dtype of k and v */
-    int32_t init;
-    int32_t finalize;
-    const float *q_alt;     /* [H, D], or NULL */
-    const kv_attn_range *ranges;
-    int64_t n_ranges;
-} kv_attn_params;
+/* Four int64s, the layout a KVCache step plan keeps per range. */
+#define KV_ATTN_RANGE_FIELDS(F) \
+    F(int64_t, query, 'q')          /* 0: q, 1: q_alt */ \
+    F(int64_t, t0, 'q') \
+    F(int64_t, t1, 'q') \
+    F(int64_t, query_pos, 'q')      /* ALiBi distances of this range */
+typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
+
+#define KV_ATTN_PARAMS_FIELDS(F) \
+    F(const float *, q, 'Q') \
+    F(const void *, k, 'Q') \
+    F(const void *, v, 'Q') \
+    F(float *, out, 'Q') \
+    F(float *, m, 'Q') \
+    F(float *, l, 'Q') \
+    F(const float *, alibi, 'Q') \
+    F(const int64_t *, key_pos, 'Q') \
+    F(int64_t, query_pos, 'q') \
+    F(int64_t, H, 'q') \
+    F(int64_t, Hkv, 'q') \
+    F(int64_t, D, 'q') \
+    F(int64_t, n_total, 'q')        /* row stride of a head in k/v, in tokens */ \
+    F(int64_t, t0, 'q') \
+    F(int64_t, t1, 'q') \
+    F(int64_t, g0, 'q') \
+    F(int64_t, g1, 'q') \
+    F(float, scale, 'f') \
+    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */ \
+    F(int32_t, init, 'i') \
+    F(int32_t, finalize, 'i') \
+    F(const float *, q_alt, 'Q')    /* [H, D], or NULL */ \
+    F(const kv_attn_range *, ranges, 'Q') \
+    F(int64_t, n_ranges, 'q')
+typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
  *   x [H, n_total, D] (dtype); rows (h, t) for t in t0..t1-1 are rotated in place.
@@ -121,16 +132,30 @@ typedef struct kv_attn_params {
  *   cs_stride == 0 means every token uses the same R pairs (a K-cache shift).
  *   Pair r is (x[2r], x[2r+1]) for KV_ROPE_GPTJ and (x[r], x[r+R]) for KV_ROPE_NEOX;
  *   dims 2R..D-1 are not touched. */
-typedef struct kv_rot_params {
-    void *x;
-    const float *cs;
-    int64_t H, D, R;
-    int64_t n_total;
-    int64_t t0, t1;
-    int64_t cs_stride;      /* in floats */
-    int32_t dtype;
-    int32_t style;
-} kv_rot_params;
+#define KV_ROT_PARAMS_FIELDS(F) \
+    F(void *, x, 'Q') \
+    F(const float *, cs, 'Q') \
+    F(int64_t, H, 'q') \
+    F(int64_t, D, 'q') \
+    F(int64_t, R, 'q') \
+    F(int64_t, n_total, 'q') \
+    F(int64_t, t0, 'q') \
+    F(int64_t, t1, 'q') \
+    F(int64_t, cs_stride, 'q')      /* in floats */ \
+    F(int32_t, dtype, 'i') \
+    F(int32_t, style, 'i')
+typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
+
+/* Layout of a parameter struct, one entry per field, in declaration order (layout.c). */
+typedef struct kv_field {
+    const char *name;
+    size_t offset, size;
+    char code;              /* Python struct letter: 'Q' pointer, 'q' int64, 'i' int32, 'f' float */
+} kv_field;
+enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS = 2, KV_STRUCT_COUNT = 3 };
+/* Fields of struct `which` (NULL if unknown); *n_fields and *struct_size are set. */
+const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size);
+const char *kv_struct_name(int which);
 
 typedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace);
 typedef void (*kv_rot_fn)(const kv_rot_params *p);

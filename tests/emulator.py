@@ -375,20 +375,16 @@ def shared_guest(so_path):
     return _shared_guest
 
 
-def pack_struct(layout, values, types):
-    """Bytes of a C struct from the offsets reported by the extension and (name -> value)."""
+def pack_struct(layout, values):
+    """Bytes of a C struct from its layout as C reports it (``_kernel_addresses()["structs"][name]``:
+    offsets, sizes and struct letters from offsetof/sizeof) and (field name -> value); fields not
+    given are zero.  An unknown field name is a KeyError."""
     buf = bytearray(layout["size"])
     for name, val in values.items():
-        struct.pack_into("<" + types[name], buf, layout[name], val)
+        offset, size, code = layout["fields"][name]
+        assert struct.calcsize("<" + code) == size, (name, code, size)
+        struct.pack_into("<" + code, buf, offset, val)
     return bytes(buf)
-
-
-ATTN_TYPES = {"q": "Q", "k": "Q", "v": "Q", "out": "Q", "m": "Q", "l": "Q", "alibi": "Q", "key_pos": "Q",
-              "query_pos": "q", "H": "q", "Hkv": "q", "D": "q", "n_total": "q", "t0": "q", "t1": "q",
-              "g0": "q", "g1": "q", "scale": "f", "dtype": "i", "init": "i", "finalize": "i",
-              "q_alt": "Q", "ranges": "Q", "n_ranges": "q"}
-ROT_TYPES = {"x": "Q", "cs": "Q", "H": "q", "D": "q", "R": "q", "n_total": "q", "t0": "q", "t1": "q",
-             "cs_stride": "q", "dtype": "i", "style": "i"}
 
 
 def child_main():

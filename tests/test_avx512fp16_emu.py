@@ -27,7 +27,7 @@ import emulator  # noqa: E402
 import test_attend  # noqa: E402
 import test_rope  # noqa: E402
 from strategies import gqa_ratios, head_dims, kv_dtypes, kv_heads, rope_shapes, seeds, styles, token_counts  # noqa: E402,E501
-from emulator import ATTN_TYPES, ROT_TYPES, XCR0_YMM, XCR0_ZMM, EmuError, pack_struct  # noqa: E402
+from emulator import XCR0_YMM, XCR0_ZMM, EmuError, pack_struct  # noqa: E402
 
 INFO = ext._kernel_addresses()
 REQUIRED = os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1"
@@ -144,10 +144,10 @@ def guest_rotate(guest, x, cs, cs_stride, style, rd, t0=0, t1=None, offset=2):
     t1 = N if t1 is None else t1
     xa = guest.put(x, offset=offset, guard=128)
     ca = guest.put(np.ascontiguousarray(cs, np.float32), offset=4)
-    prm = pack_struct(INFO["rot_params"], {
+    prm = pack_struct(INFO["structs"]["kv_rot_params"], {
         "x": xa, "cs": ca, "H": H, "D": D, "R": rd // 2, "n_total": N, "t0": t0, "t1": t1,
         "cs_stride": cs_stride, "dtype": 1 if x.dtype == np.float16 else 0,
-        "style": 0 if style == "gptj" else 1}, ROT_TYPES)
+        "style": 0 if style == "gptj" else 1})
     guest.call(guest.guest_address(fn("rotate")), guest.put(prm))
     out = np.frombuffer(guest.read(xa, x.nbytes), x.dtype).reshape(x.shape).copy()
     return out, guest.read(xa + x.nbytes, 128) == b"\xa5" * 128
@@ -289,15 +289,15 @@ def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_a
     ws = guest.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
     extra = {}
     if ranges is not None:   # kv_attn_range rows: (use q_alt, t0, t1, query position)
-        rows = np.array([(int(r[2]), r[0], r[1], r[3]) for r in ranges], dtype=np.int64)
+        rows = b"".join(pack_struct(INFO["structs"]["kv_attn_range"],
+                                    {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]}) for r in ranges)
         extra = {"ranges": guest.put(rows), "n_ranges": len(ranges), "q_alt": guest.put(q_alt)}
-    prm = pack_struct(INFO["attn_params"], {**extra,
+    prm = pack_struct(INFO["structs"]["kv_attn_params"], {**extra,
         "q": guest.put(q), "k": guest.put(k, offset=2), "v": guest.put(v, offset=2), "out": out,
         "m": ml, "l": ml + 4 * H, "alibi": guest.put(alibi) if alibi is not None else 0,
         "key_pos": guest.put(kpos) if kpos is not None else 0, "query_pos": qpos,
         "H": H, "Hkv": Hkv, "D": D, "n_total": N, "t0": 0, "t1": N, "g0": 0, "g1": Hkv,
-        "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0, "init": 1, "finalize": 1},
-        ATTN_TYPES)
+        "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0, "init": 1, "finalize": 1})
     guest.call(guest.guest_address(fn("attn")), guest.put(prm), ws)
     return np.frombuffer(guest.read(out, 4 * H * D), np.float32).reshape(H, D)
 

@@ -158,3 +158,23 @@ def test_forced_has_one_source():
                    "with use_isa(%r): pass\nprint(kvsimd.active_isa(), kvsimd.isa_info()['forced'])" % NATIVE_ISAS[-1],
                    force="scalar")
     assert r.returncode == 0 and r.stdout.split() == ["scalar", "scalar"], r.stderr
+
+
+def test_struct_layouts_come_from_c():
+    """The emulator packs kv_attn_params / kv_attn_range / kv_rot_params from the layout C reports
+    (offsetof/sizeof over the field lists in kvsimd.h): every field's bytes inside the struct,
+    no two overlapping, gaps only alignment padding, each letter as wide as the C field."""
+    import struct
+
+    from kvsimd import _kvsimd
+    layouts = _kvsimd._struct_layouts()
+    assert set(layouts) == {"kv_attn_params", "kv_attn_range", "kv_rot_params"}
+    for name, lay in layouts.items():
+        spans = sorted((off, size, code, field) for field, (off, size, code) in lay["fields"].items())
+        end = 0
+        for off, size, code, field in spans:
+            assert struct.calcsize("<" + code) == size, (name, field)
+            assert off >= end and off - end < size and off % size == 0, (name, field, off, end)
+            end = off + size
+        assert end <= lay["size"] < end + 8, name
+    assert layouts["kv_attn_range"]["size"] == 32    # what a KVCache step plan keeps per range
