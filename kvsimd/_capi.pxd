@@ -37,22 +37,15 @@ cdef extern from "kvsimd.h" nogil:
         const void *k
         const void *v
         float *out
-        float *m
-        float *l
         const float *alibi
         const int64_t *key_pos
-        int64_t query_pos
-        int64_t H, Hkv, D
-        int64_t n_total
-        int64_t t0, t1
-        int64_t g0, g1
-        float scale
-        int32_t dtype
-        int32_t init
-        int32_t finalize
         const float *q_alt
         const kv_attn_range *ranges
         int64_t n_ranges
+        int64_t H, Hkv, D
+        int64_t n_total
+        float scale
+        int32_t dtype
 
     ctypedef struct kv_rot_params:
         void *x
@@ -76,7 +69,7 @@ cdef extern from "kvsimd.h" nogil:
     const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size) noexcept
     const char *kv_struct_name(int which) noexcept
 
-    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace) noexcept nogil
+    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace) noexcept nogil
     ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
     ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil
     ctypedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n) noexcept nogil

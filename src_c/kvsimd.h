@@ -70,28 +70,24 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
 
-/* Single-query attention over one contiguous key range, continuing an online softmax.
- *   q   [H, D] float32; k, v [Hkv, n_total, D] (dtype), tokens t0..t1-1 are read.
- *   State per query head h: m[h] (running max), l[h] (running sum of exp), and
- *   acc[h, :] = out[h, :] (un-normalised sum of p * v, or the final output).
- *   init=1 starts a fresh state (m=-inf, l=0, acc=0); init=0 continues it.
- *   finalize=1 divides acc by l at the end (out = softmax(scores) @ v).
- *   ALiBi: score(h, t) -= alibi[h] * (query_pos - key_pos[t]) when alibi != NULL;
- *   key_pos == NULL means key_pos[t] = t.
- *   Query heads h in [g*G, (g+1)*G) use KV head g, G = H / Hkv; each K/V row is read once
- *   per group.  Only KV heads g0..g1-1 are processed (lets callers split work across threads).
- *   Several ranges under one softmax: ranges != NULL lists n_ranges ranges (t0, t1 and
- *   query_pos of the params are then unused), each scored with q or with q_alt (the
- *   attention-sink query of a ring cache, rotated at another position); every KV head reads
- *   its ranges in order before the next head starts.
- */
 /* The parameter structs are defined by field lists, F(type, name, code), so that C itself can
  * report their layout (kv_struct_layout, from offsetof/sizeof) to the emulator test harness:
  * no copy of a field list is kept anywhere else.  code is the Python struct letter of the field
  * (pointers are 'Q': the layout is that of x86-64). */
 #define KV_FIELD_(type, name, code) type name;
 
-/* Four int64s, the layout a KVCache step plan keeps per range. */
+/* Single-query attention over a list of key ranges, under one softmax:
+ *   out[h, :] = softmax_t(score(h, t)) @ v[g, t, :] over the tokens t of every range, where
+ *   score(h, t) = scale * q'[h] . k[g, t]  (- alibi[h] * (range.query_pos - key_pos[t]) when
+ *   alibi != NULL; key_pos == NULL means key_pos[t] = t), and q' is q, or q_alt for a range
+ *   with query = 1 (the attention-sink query of a ring cache, rotated at another position).
+ *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype); ranges: n_ranges >= 1
+ *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
+ *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
+ *   in order.  The kernel computes KV heads g0..g1-1 (its arguments: ops.c splits heads
+ *   across threads); its softmax state lives in the workspace.
+ *
+ * Four int64s per range: the layout a KVCache step plan keeps per range. */
 #define KV_ATTN_RANGE_FIELDS(F) \
     F(int64_t, query, 'q')          /* 0: q, 1: q_alt */ \
     F(int64_t, t0, 'q') \
@@ -104,26 +100,17 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(const void *, k, 'Q') \
     F(const void *, v, 'Q') \
     F(float *, out, 'Q') \
-    F(float *, m, 'Q') \
-    F(float *, l, 'Q') \
-    F(const float *, alibi, 'Q') \
-    F(const int64_t *, key_pos, 'Q') \
-    F(int64_t, query_pos, 'q') \
+    F(const float *, alibi, 'Q')    /* [H] slopes, or NULL */ \
+    F(const int64_t *, key_pos, 'Q') /* [n_total], or NULL */ \
+    F(const float *, q_alt, 'Q')    /* [H, D], or NULL (no range uses it) */ \
+    F(const kv_attn_range *, ranges, 'Q') \
+    F(int64_t, n_ranges, 'q')       /* >= 1 */ \
     F(int64_t, H, 'q') \
     F(int64_t, Hkv, 'q') \
     F(int64_t, D, 'q') \
     F(int64_t, n_total, 'q')        /* row stride of a head in k/v, in tokens */ \
-    F(int64_t, t0, 'q') \
-    F(int64_t, t1, 'q') \
-    F(int64_t, g0, 'q') \
-    F(int64_t, g1, 'q') \
     F(float, scale, 'f') \
-    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */ \
-    F(int32_t, init, 'i') \
-    F(int32_t, finalize, 'i') \
-    F(const float *, q_alt, 'Q')    /* [H, D], or NULL */ \
-    F(const kv_attn_range *, ranges, 'Q') \
-    F(int64_t, n_ranges, 'q')
+    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
@@ -157,7 +144,8 @@ enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS
 const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size);
 const char *kv_struct_name(int which);
 
-typedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace);
+/* KV heads g0..g1-1 of the attention p (workspace: kv_attn_workspace_bytes, 64-byte aligned) */
+typedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace);
 typedef void (*kv_rot_fn)(const kv_rot_params *p);
 typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);

@@ -285,20 +285,22 @@ def guest_attend(guest, q, k, v, alibi=None, kpos=None, qpos=0, ranges=None, q_a
     H, D = q.shape
     Hkv, N, _ = k.shape
     out = guest.alloc(4 * H * D)
-    ml = guest.alloc(8 * H)
     ws = guest.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
     extra = {}
-    if ranges is not None:   # kv_attn_range rows: (use q_alt, t0, t1, query position)
-        rows = b"".join(pack_struct(INFO["structs"]["kv_attn_range"],
-                                    {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]}) for r in ranges)
-        extra = {"ranges": guest.put(rows), "n_ranges": len(ranges), "q_alt": guest.put(q_alt)}
+    if ranges is None:       # kv_attn_range rows: (t0, t1, use q_alt, query position)
+        ranges = [(0, N, False, qpos)]
+    else:
+        extra = {"q_alt": guest.put(q_alt)}
+    rows = b"".join(pack_struct(INFO["structs"]["kv_attn_range"],
+                                {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]}) for r in ranges)
     prm = pack_struct(INFO["structs"]["kv_attn_params"], {**extra,
         "q": guest.put(q), "k": guest.put(k, offset=2), "v": guest.put(v, offset=2), "out": out,
-        "m": ml, "l": ml + 4 * H, "alibi": guest.put(alibi) if alibi is not None else 0,
-        "key_pos": guest.put(kpos) if kpos is not None else 0, "query_pos": qpos,
-        "H": H, "Hkv": Hkv, "D": D, "n_total": N, "t0": 0, "t1": N, "g0": 0, "g1": Hkv,
-        "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0, "init": 1, "finalize": 1})
-    guest.call(guest.guest_address(fn("attn")), guest.put(prm), ws)
+        "alibi": guest.put(alibi) if alibi is not None else 0,
+        "key_pos": guest.put(kpos) if kpos is not None else 0,
+        "ranges": guest.put(rows), "n_ranges": len(ranges),
+        "H": H, "Hkv": Hkv, "D": D, "n_total": N,
+        "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0})
+    guest.call(guest.guest_address(fn("attn")), guest.put(prm), 0, Hkv, ws)
     return np.frombuffer(guest.read(out, 4 * H * D), np.float32).reshape(H, D)
 
 

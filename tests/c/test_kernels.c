@@ -68,8 +68,7 @@ static void test_attention(const kv_kernels *row, const char *name)
         for (int dt = 0; dt < 2; dt++) {
             const size_t nkv = (size_t)(Hkv * N * D);
             float *q = malloc(sizeof(float) * (size_t)(H * D)), *kf = malloc(sizeof(float) * nkv),
-                  *vf = malloc(sizeof(float) * nkv), *out = malloc(sizeof(float) * (size_t)(H * D)),
-                  *ml = malloc(sizeof(float) * (size_t)(2 * H));
+                  *vf = malloc(sizeof(float) * nkv), *out = malloc(sizeof(float) * (size_t)(H * D));
             uint16_t *kh = malloc(2 * nkv), *vh = malloc(2 * nkv);
             double *ref = malloc(sizeof(double) * (size_t)(H * D)), *wsc = malloc(sizeof(double) * (size_t)(H * D));
             void *ws = aligned_alloc(64, (kv_attn_workspace_bytes(H, Hkv, D) + 63) / 64 * 64);
@@ -82,10 +81,11 @@ static void test_attention(const kv_kernels *row, const char *name)
                 vf[i] = kv_h2f_soft(vh[i]);
             }
             ref_attend(q, kf, vf, H, Hkv, N, D, ref, wsc);
-            kv_attn_params p = {q, dt ? (void *)kh : (void *)kf, dt ? (void *)vh : (void *)vf, out, ml, ml + H,
-                                NULL, NULL, 0, H, Hkv, D, N, 0, N, 0, Hkv, (float)(1.0 / sqrt((double)D)),
-                                dt ? KV_F16 : KV_F32, 1, 1};
-            row->attn(&p, ws);
+            const kv_attn_range whole = {.query = 0, .t0 = 0, .t1 = N, .query_pos = N - 1};
+            kv_attn_params p = {.q = q, .k = dt ? (void *)kh : (void *)kf, .v = dt ? (void *)vh : (void *)vf,
+                                .out = out, .ranges = &whole, .n_ranges = 1, .H = H, .Hkv = Hkv, .D = D,
+                                .n_total = N, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32};
+            row->attn(&p, 0, Hkv, ws);
             double worst = 0;
             for (int64_t i = 0; i < H * D; i++) {
                 double e = fabs(out[i] - ref[i]) / wsc[i];
@@ -94,7 +94,7 @@ static void test_attention(const kv_kernels *row, const char *name)
             }
             CHECK(worst <= 1e-5, "%s attn H=%lld Hkv=%lld N=%lld D=%lld %s: error %.3g", name, (long long)H,
                   (long long)Hkv, (long long)N, (long long)D, dt ? "f16" : "f32", worst);
-            free(q); free(kf); free(vf); free(out); free(ml); free(kh); free(vh); free(ref); free(wsc); free(ws);
+            free(q); free(kf); free(vf); free(out); free(kh); free(vh); free(ref); free(wsc); free(ws);
         }
     }
 }
