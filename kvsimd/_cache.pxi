@@ -46,7 +46,7 @@ def _reset_streaming(cache, seq):
 
 cdef class _StepPlan:
     """One decode step's validated slots, positions, key ranges and scratch (see KVCache.step_plan)."""
-    cdef object slots, kpos, spos, alibi, rng, nr, two, cs, ws, qs, ml, key_pos, owner
+    cdef object slots, kpos, spos, alibi, rng, nr, two, cs, ws, qs, key_pos, owner
     cdef int64_t B, H, HD, nrmax, rd
     cdef int nt
     cdef double theta
@@ -363,13 +363,12 @@ cdef class KVCache:
             p.B, p.H, p.HD, p.nrmax = B, H, HD, nr
             p.scale = _need_scale(scale, D)
             p.nt = _threads_now()
-            p.ws, p.qs, p.ml = self._scratch(H, p.nt)
+            p.ws, p.qs = self._scratch(H, p.nt)
             p.owner = self
         return p
 
     cdef tuple _scratch(self, int64_t H, int nt):
-        """Buffers kept between calls: kernel workspace (for nt threads), an [H, head_dim] query,
-        softmax state."""
+        """Buffers kept between calls: kernel workspace (for nt threads), an [H, head_dim] query."""
         ws = getattr(self, "_ws", None)
         need = kv_attend_workspace_bytes(H, self.n_kv_heads, self.head_dim, nt)
         if need == 0:
@@ -380,10 +379,7 @@ cdef class KVCache:
         qs = getattr(self, "_qs", None)
         if qs is None or qs.shape[0] < H * self.head_dim:
             qs = self._qs = _np.empty(H * self.head_dim, dtype=_np.float32)
-        ml = getattr(self, "_ml", None)
-        if ml is None or ml.shape[0] < 2 * H:
-            ml = self._ml = _np.empty(2 * H, dtype=_np.float32)
-        return ws, qs, ml
+        return ws, qs
 
     cdef int _attend_plan(self, int64_t l, float *qkv, int64_t row, float *out, _StepPlan plan) except -1:
         """The work of step_attend for a validated plan (no Python objects touched per head).
@@ -412,7 +408,6 @@ cdef class KVCache:
         cdef char *kc
         cdef char *vc
         cdef size_t es = 2 if self._kv_dtype == KV_F16 else 4
-        cdef float *mlp = <float *>_ptr(plan.ml)
         cdef int nt = plan.nt
         memset(&p, 0, sizeof(p))
         self._acquire()
@@ -447,16 +442,12 @@ cdef class KVCache:
                     p.k = kc
                     p.v = vc
                     p.out = out + b * HD
-                    p.m = mlp
-                    p.l = p.m + H
                     p.alibi = alibi
                     p.key_pos = kpos_all + b * C if alibi != NULL else NULL
                     p.H, p.Hkv, p.D = H, Hkv, D
                     p.n_total = C
-                    p.g0, p.g1 = 0, Hkv
                     p.scale = plan.scale
                     p.dtype = self._kv_dtype
-                    p.init, p.finalize = 1, 1
                     kv_attend(&p, wsp, nt)
         finally:
             self._release()
@@ -466,7 +457,9 @@ cdef class KVCache:
         """Every sequence b: out[b] = attention of q[b] ([H, head_dim]) over its committed
         tokens of layer l (a cross-attention step: no positions, no mask)."""
         cdef kv_attn_params p
+        cdef kv_attn_range whole
         memset(&p, 0, sizeof(p))
+        memset(&whole, 0, sizeof(whole))
         cdef int64_t B = self.batch, Hkv = self.n_kv_heads, D = self.head_dim, b
         if not 0 <= l < self.n_layers:
             raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
@@ -475,9 +468,8 @@ cdef class KVCache:
         if (self._lengths == 0).any():
             raise KVSimdValueError("cross-attention cache has empty sequences %s" % _np.nonzero(self._lengths == 0)[0].tolist())
         cdef int nt = _threads_now()
-        ws, _, ml = self._scratch(H, nt)
+        ws, _ = self._scratch(H, nt)
         cdef void *wsp = _aligned64(ws)
-        cdef float *mlp = <float *>_ptr(ml)
         cdef const int64_t *lens = <const int64_t *>_ptr(self._lengths)
         self._acquire()
         try:
@@ -487,18 +479,15 @@ cdef class KVCache:
                     p.k = kv_cache_block(&self.c, l, 0, b)
                     p.v = kv_cache_block(&self.c, l, 1, b)
                     p.out = out + b * H * D
-                    p.m = mlp
-                    p.l = mlp + H
                     p.alibi = NULL
                     p.key_pos = NULL
-                    p.query_pos = 0
+                    whole.t1 = lens[b]
+                    p.ranges = &whole
+                    p.n_ranges = 1
                     p.H, p.Hkv, p.D = H, Hkv, D
-                    p.n_total, p.t0, p.t1 = self.capacity, 0, lens[b]
-                    p.g0, p.g1 = 0, Hkv
+                    p.n_total = self.capacity
                     p.scale = 1.0 / sqrtf(<float>D)
                     p.dtype = self._kv_dtype
-                    p.init = 1
-                    p.finalize = 1
                     kv_attend(&p, wsp, nt)
         finally:
             self._release()
@@ -532,7 +521,9 @@ cdef class KVCache:
         ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place.
         ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``."""
         cdef kv_attn_params p
+        cdef kv_attn_range whole
         memset(&p, 0, sizeof(p))
+        memset(&whole, 0, sizeof(whole))
         cdef int64_t H, D = self.head_dim
         cdef int nt
         with self._claim():
@@ -547,11 +538,11 @@ cdef class KVCache:
             sc = _need_scale(scale, D)
             p.alibi = NULL
             p.key_pos = NULL
-            p.query_pos = n - 1
+            whole.query_pos = n - 1
             if alibi_slopes is not None:
                 p.alibi = <const float *>_ptr(_need_slopes(alibi_slopes, H))
                 if query_position is not None:
-                    p.query_pos = _need_pos(query_position, "query_position")
+                    whole.query_pos = _need_pos(query_position, "query_position")
             elif query_position is not None:
                 raise KVSimdValueError("query_position only applies with alibi_slopes")
             if out is None:
@@ -561,20 +552,18 @@ cdef class KVCache:
                 _need_no_overlap(out, "out", (("q", q), ("alibi_slopes", alibi_slopes),
                                               ("the cache storage", self._storage())))
             nt = _threads_now()
-            ml = _np.empty(2 * H, dtype=_np.float32)
             ws = _workspace(H, self.n_kv_heads, D, nt)
             p.q = <const float *>_ptr(q)
             p.k = kv_cache_block(&self.c, l, 0, s)
             p.v = kv_cache_block(&self.c, l, 1, s)
             p.out = <float *>_ptr(out)
-            p.m = <float *>_ptr(ml)
-            p.l = p.m + H
+            whole.t1 = n
+            p.ranges = &whole
+            p.n_ranges = 1
             p.H, p.Hkv, p.D = H, self.n_kv_heads, D
-            p.n_total, p.t0, p.t1 = self.capacity, 0, n
-            p.g0, p.g1 = 0, self.n_kv_heads
+            p.n_total = self.capacity
             p.scale = sc
             p.dtype = self._kv_dtype
-            p.init, p.finalize = 1, 1
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)

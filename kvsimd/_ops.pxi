@@ -248,6 +248,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     scored with ``q_alt`` (float32 ``[H, D]``, e.g. the query rotated at another position) and
     its ALiBi distances use its own ``query_position``.  One kernel call for all ranges."""
     cdef kv_attn_params p
+    cdef kv_attn_range whole
     memset(&p, 0, sizeof(p))
     _need_array(q, "q", (_F32,), 2, "[H, D]")
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]")
@@ -297,25 +298,23 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         p.n_ranges = rng.shape[0]
     elif q_alt is not None:
         raise KVSimdValueError("q_alt is only used by ranges that ask for it (ranges=...)")
+    else:
+        whole.query, whole.t0, whole.t1, whole.query_pos = 0, 0, N, qpos
+        p.ranges = &whole
+        p.n_ranges = 1
     cdef int nt = _threads_now()
-    ml = _np.empty(2 * H, dtype=_np.float32)
     ws = _workspace(H, Hkv, D, nt)
     cdef void *wsp = _aligned64(ws)
     p.q = <const float *>_ptr(q)
     p.k = _ptr(k)
     p.v = _ptr(v)
     p.out = <float *>_ptr(out)
-    p.m = <float *>_ptr(ml)
-    p.l = p.m + H
     p.alibi = alibi
     p.key_pos = kpos
-    p.query_pos = qpos
     p.H, p.Hkv, p.D = H, Hkv, D
-    p.n_total, p.t0, p.t1 = N, 0, N
-    p.g0, p.g1 = 0, Hkv
+    p.n_total = N
     p.scale = sc
     p.dtype = KV_F16 if k.dtype == _F16 else KV_F32
-    p.init, p.finalize = 1, 1
     with nogil:
         kv_attend(&p, wsp, nt)
     return out
