@@ -98,6 +98,7 @@ cdef extern from "kvsimd.h" nogil:
     int kv_forced() noexcept
     uint32_t kv_features() noexcept
     const char *kv_compiler() noexcept
+    int kv_sanitized() noexcept
 
     size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
     size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads) noexcept

@@ -117,6 +117,12 @@ def show_runtime(file=None):
     print("\n".join(lines), file=out)
 
 
+def _sanitized():
+    """Was this build made with KVSIMD_SANITIZE=1?  Its kernel objects then call the sanitizer
+    runtime, so the emulator (where nothing else is mapped) cannot run them."""
+    return bool(kv_sanitized())
+
+
 def _struct_layouts():
     """The C layout of the parameter structs, as C reports it (offsetof/sizeof in layout.c):
     {struct name: {"size": bytes, "fields": {field: (offset, size, struct letter)}}}."""

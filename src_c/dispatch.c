@@ -75,6 +75,21 @@ const kv_kernels *kv_active(void) { return kv_current; }
 int kv_active_isa(void) { return kv_current_isa; }
 int kv_forced(void) { return kv_was_forced; }
 uint32_t kv_features(void) { return kv_feature_mask; }
+int kv_sanitized(void)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    return 1;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+    return 1;
+#else
+    return 0;
+#endif
+#else
+    return 0;
+#endif
+}
+
 const char *kv_compiler(void)
 {
 #if defined(__clang__)

@@ -185,6 +185,7 @@ int kv_select_isa(uint32_t features);              /* best compiled row for a fe
 int kv_forced(void);                               /* active row chosen by name, not detection */
 uint32_t kv_features(void);                        /* cached kv_cpu_features() */
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
+int kv_sanitized(void);                            /* built with AddressSanitizer (KVSIMD_SANITIZE) */
 
 /* ops.c: entry points over the active row.  Arguments are validated by the caller.
    Workspace sizes are 0 when the arguments are out of range or the size does not fit a size_t. */

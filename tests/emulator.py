@@ -371,7 +371,8 @@ def shared_guest(so_path):
             if os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1":
                 pytest.fail(msg)
             pytest.skip(msg)
-        _shared_guest = Guest(so_path)
+        # room for the largest kernel cases: K and V of [32, 4099, 128] float32, 67 MB each
+        _shared_guest = Guest(so_path, arena_size=160 << 20)
     return _shared_guest
 
 
