@@ -36,8 +36,20 @@ COMPILED_ISAS = INFO["compiled"]
 NATIVE_ISAS = INFO["supported"]
 SIMD_ISAS = [isa for isa in NATIVE_ISAS if isa != "scalar"]
 
-# Modules whose tests are slow as a whole: a cmake/ctest build, benchmark runs.
-SLOW_MODULES = {"test_c_units.py", "test_bench.py"}
+# Slow tests, by module: which of its tests are slow.  The cmake/ctest build, benchmark runs,
+# the CLI run as subprocesses on a model, the real SmolLM2 model loaded by transformers, the GGUF
+# fuzzer, the complexity accounting, the README's model example; with the emulated rows' long cases (below), what
+# `pytest -m "not slow"` leaves out.  The README's `python -m pytest` runs everything.
+SLOW = {
+    "test_c_units.py": lambda item: True,
+    "test_bench.py": lambda item: True,
+    "test_cli.py": lambda item: True,
+    "test_fuzz_gguf.py": lambda item: True,
+    "test_gguf.py": lambda item: "theirs" in item.fixturenames,
+    "test_models.py": lambda item: item.name.startswith("test_complexity_accounting"),
+    "test_review_f.py": lambda item: item.name.startswith("test_smollm2_chat_template"),
+    "test_readme.py": lambda item: "Models and decoding" in item.name,
+}
 
 
 def pytest_configure(config):
@@ -49,11 +61,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if os.path.basename(str(item.fspath)) in SLOW_MODULES:
+        module = os.path.basename(str(item.fspath))
+        if module in SLOW and SLOW[module](item):
             item.add_marker(pytest.mark.slow)
         callspec = getattr(item, "callspec", None)
         row = callspec.params.get("row") if callspec else None
-        if row is not None and row not in NATIVE_ISAS and item.get_closest_marker("emulated_slow"):
+        # on an emulated row: the hypothesis cases and the cases marked emulated_slow
+        if row is not None and row not in NATIVE_ISAS and (
+                item.get_closest_marker("emulated_slow") or item.get_closest_marker("row_cases")):
             item.add_marker(pytest.mark.slow)
 
 
