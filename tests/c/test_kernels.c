@@ -94,7 +94,25 @@ static void test_attention(const kv_kernels *row, const char *name)
             }
             CHECK(worst <= 1e-5, "%s attn H=%lld Hkv=%lld N=%lld D=%lld %s: error %.3g", name, (long long)H,
                   (long long)Hkv, (long long)N, (long long)D, dt ? "f16" : "f32", worst);
-            free(q); free(kf); free(vf); free(out); free(kh); free(vh); free(ref); free(wsc); free(ws);
+            /* one KV head per call (the thread split of ops.c): the same bits */
+            float *out1 = malloc(sizeof(float) * (size_t)(H * D));
+            p.out = out1;
+            for (int64_t g = Hkv - 1; g >= 0; g--)
+                row->attn(&p, g, g + 1, ws);
+            CHECK(memcmp(out, out1, sizeof(float) * (size_t)(H * D)) == 0, "%s attn: per-head calls differ", name);
+            /* the keys as two ranges, the later first, under one softmax: rounding only */
+            const kv_attn_range halves[2] = {{0, N / 2, N, N - 1}, {0, 0, N / 2, N - 1}};
+            p.ranges = N >= 2 ? halves : &whole;
+            p.n_ranges = N >= 2 ? 2 : 1;
+            row->attn(&p, 0, Hkv, ws);
+            worst = 0;
+            for (int64_t i = 0; i < H * D; i++) {
+                double e = fabs(out1[i] - ref[i]) / wsc[i];
+                if (e > worst)
+                    worst = e;
+            }
+            CHECK(worst <= 1e-5, "%s attn, two ranges, N=%lld: error %.3g", name, (long long)N, worst);
+            free(q); free(kf); free(vf); free(out); free(out1); free(kh); free(vh); free(ref); free(wsc); free(ws);
         }
     }
 }
