@@ -14,22 +14,23 @@ BASE_CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function", "-
                # kernels never call libc (no memcpy/memset from loop idioms), so that the same
                # object code also runs in the emulator used by the tests
                "-fno-tree-loop-distribute-patterns", "-fno-stack-protector"]
-ISA_FLAGS = {
-    "scalar": [],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512fp16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512fp16"],
-}
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "src_c"))
+from isa_rows import read_rows  # noqa: E402  (src_c/isa_rows.def: the one table of ISA rows)
+
+ISA_ROWS = read_rows()
+ISA_FLAGS = dict(ISA_ROWS)
 
 
-def compiler_accepts(flags):
-    """Can the C compiler build AVX512-FP16 code with these flags?"""
+def compiler_accepts(isa):
+    """Can the C compiler build this row's vector layer (its intrinsics) with the row's flags?"""
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    src = "#include <immintrin.h>\n__m512h f(__m512h a, __m512h b) { return _mm512_fmul_pch(a, b); }\n"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "probe.c")
         with open(path, "w") as fh:
-            fh.write(src)
-        cmd = cc.split() + flags + ["-c", path, "-o", os.path.join(tmp, "probe.o")]
+            fh.write('#include "vec_%s.h"\nint kv_probe(void) { return KV_W; }\n' % isa)
+        inc = ["-I" + os.path.join(HERE, "src_c"), "-I" + os.path.join(HERE, "src_c", "kernels")]
+        cmd = cc.split() + inc + ISA_FLAGS[isa] + ["-c", path, "-o", os.path.join(tmp, "probe.o")]
         try:
             return subprocess.run(cmd, capture_output=True).returncode == 0
         except OSError:
@@ -42,19 +43,22 @@ SANITIZE = os.environ.get("KVSIMD_SANITIZE") == "1"
 SAN_CFLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if SANITIZE else []
 SAN_LDFLAGS = ["-fsanitize=address,undefined"] if SANITIZE else []
 
-rows = ["scalar", "avx2"]
-if compiler_accepts(ISA_FLAGS["avx512fp16"]):
-    rows.append("avx512fp16")
-else:
-    print("kvsimd: the C compiler does not accept -mavx512fp16; the avx512fp16 row is not compiled",
-          file=sys.stderr)
+rows = []
+for isa, _flags in ISA_ROWS:
+    if isa == "scalar" or compiler_accepts(isa):
+        rows.append(isa)
+    else:
+        print("kvsimd: the C compiler does not accept %s; the %s row is not compiled" % (" ".join(ISA_FLAGS[isa]), isa),
+              file=sys.stderr)
 
 libraries = [
     ("kv_" + isa, {
         "sources": ["src_c/kernels/tu_%s.c" % isa],
         "include_dirs": ["src_c", "src_c/kernels"],
-        "cflags": BASE_CFLAGS + ["-fPIC"] + ISA_FLAGS[isa] + SAN_CFLAGS,
-        "obj_deps": {"": [os.path.join("src_c", "kvsimd.h")] +
+        # the row's flags, and the same flags as the text show_runtime prints
+        "cflags": BASE_CFLAGS + ["-fPIC"] + ISA_FLAGS[isa] + SAN_CFLAGS
+        + ['-DKV_ROW_CFLAGS="%s"' % " ".join(ISA_FLAGS[isa])],
+        "obj_deps": {"": [os.path.join("src_c", "kvsimd.h"), os.path.join("src_c", "isa_rows.def")] +
                      [os.path.join("src_c", "kernels", f) for f in os.listdir("src_c/kernels")]},
     })
     for isa in rows
@@ -72,10 +76,11 @@ directives = {
 
 ext = Extension(
     "kvsimd._kvsimd",
-    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c", "src_c/cache.c"],
+    sources=["kvsimd/_kvsimd.pyx", "src_c/cpu.c", "src_c/dispatch.c", "src_c/ops.c", "src_c/membench.c", "src_c/cache.c",
+             "src_c/layout.c"],
     include_dirs=["src_c", numpy.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
-    + ([("KV_HAVE_AVX512FP16", "1")] if "avx512fp16" in rows else []),
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                   ("KV_BUILT_ROWS", " ".join("KV_ROW(%s)" % isa for isa in rows))],
     extra_compile_args=["-O2", "-fvisibility=hidden", "-fopenmp"] + SAN_CFLAGS,
     extra_link_args=["-fopenmp"] + SAN_LDFLAGS,
     libraries=["m"],

@@ -35,7 +35,7 @@ cdef class _KVStore:
     cdef object _lengths
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
-    cdef object _ws, _ml          # attention scratch kept between calls
+    cdef object _ws               # attention workspace kept between calls
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
         self._depth = 0
@@ -222,17 +222,15 @@ cdef class _KVStore:
         """(address, nbytes) of the C block, for overlap checks."""
         return (<size_t>self.c.data, self.c.nbytes)
 
-    cdef tuple _scratch(self, int64_t H, int nt):
-        """Buffers kept between calls: kernel workspace (for nt threads) and softmax state."""
+    cdef object _scratch(self, int64_t H, int nt):
+        """The kernel workspace for nt threads, kept between calls."""
         need = kv_attend_workspace_bytes(H, self.n_kv_heads, self.head_dim, nt)
         if need == 0:
             raise KVSimdValueError("attention with H=%d query heads over %d KV heads: sizes out of range"
                                    % (H, self.n_kv_heads))
         if self._ws is None or self._ws.shape[0] < need + 64:
             self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt)
-        if self._ml is None or self._ml.shape[0] < 2 * H:
-            self._ml = _np.empty(2 * H, dtype=_np.float32)
-        return self._ws, self._ml
+        return self._ws
 
     def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
@@ -268,10 +266,10 @@ cdef class _KVStore:
                 _need_no_overlap(out, "out", (("q", q), ("alibi_slopes", alibi_slopes),
                                               ("the cache storage", self._storage())))
             nt = _threads_now()
-            ws, ml = self._scratch(H, nt)
+            ws = self._scratch(H, nt)
             rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
             _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
-                       kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), <float *>_ptr(ml), alibi, NULL,
+                       kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), alibi, NULL,
                        <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, self._kv_dtype)
             wsp = _aligned64(ws)
             with nogil:
@@ -768,20 +766,3 @@ cdef class _Tx:
         for b in range(c.batch):
             del c._tokens[b][self.ntok[b]:]
         c._head[:], c._seen[:], c._lengths[:] = self.head, self.seen, self.lengths
-
-
-_STATUS = {    # kv_status -> (exception, what it means)
-    KV_ERR_NOMEM: (KVSimdMemoryError, "out of memory"),
-    KV_ERR_ARG: (KVSimdValueError, "an argument out of range"),
-    KV_ERR_ISA: (KVSimdISAError, "an ISA this CPU cannot run"),
-    KV_ERR_CAPACITY: (KVSimdCapacityError, "beyond the capacity"),
-    KV_ERR_POSITION: (KVSimdPositionError, "a position out of range"),
-}
-
-
-cdef int _check_status(kv_status rc, str what) except -1:
-    """The one conversion of a C status code into the exception it stands for, naming the call."""
-    if rc == KV_OK:
-        return 0
-    exc, meaning = _STATUS.get(rc, (KVSimdValueError, "unknown status"))
-    raise exc("%s: %s (C status %d)" % (what, meaning, rc))

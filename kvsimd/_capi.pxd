@@ -37,22 +37,15 @@ cdef extern from "kvsimd.h" nogil:
         const void *k
         const void *v
         float *out
-        float *m
-        float *l
         const float *alibi
         const int64_t *key_pos
-        int64_t query_pos
-        int64_t H, Hkv, D
-        int64_t n_total
-        int64_t t0, t1
-        int64_t g0, g1
-        float scale
-        int32_t dtype
-        int32_t init
-        int32_t finalize
         const float *q_alt
         const kv_attn_range *ranges
         int64_t n_ranges
+        int64_t H, Hkv, D
+        int64_t n_total
+        float scale
+        int32_t dtype
 
     ctypedef struct kv_rot_params:
         void *x
@@ -64,15 +57,25 @@ cdef extern from "kvsimd.h" nogil:
         int32_t dtype
         int32_t style
 
-    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace) noexcept nogil
+    ctypedef struct kv_field:
+        const char *name
+        size_t offset, size
+        char code
+    enum:
+        KV_STRUCT_ATTN_PARAMS
+        KV_STRUCT_ATTN_RANGE
+        KV_STRUCT_ROT_PARAMS
+        KV_STRUCT_COUNT
+    const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size) noexcept
+    const char *kv_struct_name(int which) noexcept
+
+    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace) noexcept nogil
     ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
     ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil
     ctypedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n) noexcept nogil
     ctypedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink) noexcept nogil
 
     ctypedef struct kv_kernels:
-        const char *name
-        uint32_t required
         const char *cflags
         kv_attn_fn attn
         kv_rot_fn rotate
@@ -82,18 +85,20 @@ cdef extern from "kvsimd.h" nogil:
 
     uint32_t kv_cpu_features() noexcept
     kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept
-    kv_status kv_set_isa(const char *name, char *msg, size_t msg_len) noexcept
+    kv_status kv_set_isa(const char *name, int forced, char *msg, size_t msg_len) noexcept
     const kv_kernels *kv_active() noexcept
     int kv_active_isa() noexcept
     int kv_isa_count() noexcept
     const kv_kernels *kv_isa_row(int i) noexcept
     const char *kv_isa_name(int i) noexcept
+    uint32_t kv_isa_required(int i) noexcept
     int kv_isa_compiled(int i) noexcept
     int kv_isa_supported(int i) noexcept
     int kv_select_isa(uint32_t features) noexcept
     int kv_forced() noexcept
     uint32_t kv_features() noexcept
     const char *kv_compiler() noexcept
+    int kv_sanitized() noexcept
 
     size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D) noexcept
     size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads) noexcept

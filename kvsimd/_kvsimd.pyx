@@ -14,8 +14,11 @@ cnp.import_array()
 
 __version__ = KV_VERSION.decode()
 
-include "_runtime.pxi"
-include "_ops.pxi"
-include "_cache.pxi"
-include "_plan.pxi"
-include "_layer.pxi"
+include "_runtime.pxi"      # dispatch, isa_info, show_runtime, thread count
+include "_validate.pxi"     # the boundary checks, RopeSpec, the attention params, status codes
+include "_ops.pxi"          # kvsimd.ops: kernels over NumPy arrays
+include "_probes.pxi"       # benchmark probes
+include "_hooks.pxi"        # testing hooks (ISA switch, the emulator harness)
+include "_cache.pxi"        # _KVStore, KVCache (ring, policies, transactions), CrossAttentionCache
+include "_plan.pxi"         # the attention plan of a forward pass
+include "_layer.pxi"        # Linear, Norm, Block, Layers: the one transformer layer

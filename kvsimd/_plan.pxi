@@ -8,52 +8,6 @@
 # _attend_rows, with no Python object touched per row or head.
 
 
-cdef class RopeSpec:
-    """Validated RoPE parameters for rows of ``head_dim``: ``theta``, ``style`` ("gptj" pairs
-    adjacent values, "neox" the two halves) and ``rotary_dim`` (None: head_dim).  The one RoPE
-    check of kvsimd: ops.apply_rope / shift_keys, prefill, decode steps and the shift policy."""
-    cdef readonly double theta
-    cdef readonly int64_t rotary_dim, head_dim
-    cdef kv_rope_style st
-
-    def __cinit__(self, theta, style, rotary_dim, head_dim):
-        D = _need_int(head_dim, "head_dim")
-        _need_head_dim(D)
-        self.theta, self.st, self.rotary_dim = _rope_params(theta, style, rotary_dim, D)
-        self.head_dim = D
-
-    @property
-    def style(self):
-        return "gptj" if self.st == KV_ROPE_GPTJ else "neox"
-
-    def __repr__(self):
-        return "RopeSpec(theta=%r, style=%r, rotary_dim=%d, head_dim=%d)" % (self.theta, self.style, self.rotary_dim,
-                                                                              self.head_dim)
-
-    def __reduce__(self):
-        return RopeSpec, (self.theta, self.style, self.rotary_dim, self.head_dim)
-
-
-cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
-                            float *out, float *ml, const float *alibi, const int64_t *key_pos,
-                            const int64_t *ranges, int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D,
-                            int64_t n_total, float scale, kv_dtype dtype) noexcept nogil:
-    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows)."""
-    memset(p, 0, sizeof(kv_attn_params))
-    p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
-    p.m = ml
-    p.l = ml + H
-    p.alibi, p.key_pos = alibi, key_pos
-    p.ranges = <const kv_attn_range *>ranges
-    p.n_ranges = n_ranges
-    p.H, p.Hkv, p.D = H, Hkv, D
-    p.n_total = n_total
-    p.g0, p.g1 = 0, Hkv
-    p.scale = scale
-    p.dtype = dtype
-    p.init, p.finalize = 1, 1
-
-
 cdef class _Plan:
     """One forward pass's attention rows (see the header of this file).  Read-only to Python."""
     cdef readonly int64_t R, H, HD, nrmax, rd
@@ -62,7 +16,7 @@ cdef class _Plan:
     cdef readonly dict refill           # reevaluate: sequence -> token ids to prefill first
     cdef readonly object tokens
     cdef readonly int kind              # 0 decode step, 1 prefill chunk, 2 local (encoder / uncached)
-    cdef object seqs, slots, kpos, spos, two, rng, nr, cs, alibi, key_pos, ws, qs, ml
+    cdef object seqs, slots, kpos, spos, two, rng, nr, cs, alibi, key_pos, ws, qs
     cdef bint do_rope, one_layer
     cdef readonly bint explicit         # made by step_plan from explicit slots and ranges
     cdef kv_rope_style st
@@ -129,7 +83,6 @@ cdef int _plan_tables(_Plan p) except -1:
             if p.two[r]:
                 kv_rope_table(<float *>_ptr(p.cs) + (2 * r + 1) * p.rd, <double>p.spos[r], p.theta, p.rd // 2, p.rd)
     p.qs = _np.empty((<object>p.R, <object>p.HD) if p.two.any() else (1, 1), dtype=_np.float32)
-    p.ml = _np.empty(2 * p.H, dtype=_np.float32)
     p.ws = _workspace(p.H, p.owner.n_kv_heads, p.owner.head_dim, p.nt)
     return 0
 
@@ -161,7 +114,6 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
     cdef const int64_t *kpos_all = <const int64_t *>_ptr(plan.key_pos) if plan.key_pos is not None else NULL
     cdef void *wsp = _aligned64(plan.ws)
-    cdef float *mlp = <float *>_ptr(plan.ml)
     cdef char *kc
     cdef char *vc
     cdef size_t es = 2 if store._kv_dtype == KV_F16 else 4
@@ -196,7 +148,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 sq = sqp[r]
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
-                           mlp, alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
+                           alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
                            rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
     finally:
@@ -220,9 +172,7 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
         if not 0 <= seqs[r] < cross.batch or lens[seqs[r]] == 0:
             raise KVSimdValueError("cross-attention cache has no tokens for sequence %d" % seqs[r])
     cdef int nt = _threads_now()
-    ws, ml = cross._scratch(H, nt)
-    cdef void *wsp = _aligned64(ws)
-    cdef float *mlp = <float *>_ptr(ml)
+    cdef void *wsp = _aligned64(cross._scratch(H, nt))
     cdef float scale = 1.0 / sqrtf(<float>D)
     rng[0], rng[1], rng[3] = 0, 0, 0
     cross._acquire()
@@ -232,7 +182,7 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                 s = seqs[r]
                 rng[2] = lens[s]
                 _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
-                           kv_cache_block(&cross.c, l, 1, s), out + r * H * D, mlp, NULL, NULL, rng, 1,
+                           kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
                            H, Hkv, D, cross.capacity, scale, cross._kv_dtype)
                 kv_attend(&p, wsp, nt)
     finally:

@@ -26,7 +26,6 @@ cdef _init_dispatch():
 
 
 _init_dispatch()
-_forced_name = _os.environ.get("KVSIMD_FORCE_ISA") or None
 
 
 def _isa_names(which):
@@ -48,39 +47,33 @@ def cpu_features():
     return [name for name, bit in _FEATURE_BITS if f & bit]
 
 
+def _row_flags():
+    """{name: the compiler flags the build gave that row} for every compiled row."""
+    cdef const kv_kernels *row
+    out = {}
+    for i in range(kv_isa_count()):
+        row = kv_isa_row(i)
+        if row != NULL:
+            out[kv_isa_name(i).decode()] = row.cflags.decode()
+    return out
+
+
 def isa_info():
     """Which paths are compiled into this build, which this CPU can run, which is active.
 
     Returns a dict with keys ``compiled``, ``supported`` (lists, best last), ``active`` (str),
-    ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None)
-    and ``features`` (detected CPU features)."""
+    ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None),
+    ``features`` (detected CPU features) and ``flags`` (each compiled row's compiler flags, as
+    the build passed them)."""
+    active = active_isa()
     return {
         "compiled": _isa_names("compiled"),
         "supported": _isa_names("supported"),
-        "active": active_isa(),
-        "forced": _forced_name,
+        "active": active,
+        "forced": active if kv_forced() else None,
         "features": cpu_features(),
+        "flags": _row_flags(),
     }
-
-
-def _set_isa(name):
-    """Switch the active path in-process (tests only; see kvsimd.testing.use_isa)."""
-    global _forced_name
-    cdef char msg[512]
-    if not isinstance(name, str):
-        raise KVSimdISAError("ISA name must be a str, got %r" % (name,))
-    nb = name.encode("utf-8", "surrogatepass")    # a name with lone surrogates is just an unknown name
-    if b"\0" in nb:                                # C would read it only up to the NUL
-        raise KVSimdISAError("ISA name must not contain NUL, got %r" % (name,))
-    if kv_set_isa(nb, msg, sizeof(msg)) != KV_OK:
-        raise KVSimdISAError(_c_text(msg))
-    _forced_name = name
-
-
-def _restore_isa(name, forced):
-    global _forced_name
-    _set_isa(name)
-    _forced_name = forced
 
 
 def show_runtime(file=None):
@@ -98,62 +91,13 @@ def show_runtime(file=None):
     ]
     for i in range(kv_isa_count()):
         name = kv_isa_name(i).decode()
-        row = kv_isa_row(i)
-        state = "not compiled" if row == NULL else ("supported" if kv_isa_supported(i) else "cpu lacks it")
-        flags = row.cflags.decode() if row != NULL else ""
+        state = ("supported" if kv_isa_supported(i) else "cpu lacks it") if kv_isa_compiled(i) else "not compiled"
+        flags = info["flags"].get(name)
+        flags = "" if flags is None else (flags or "(baseline x86-64)")
         mark = "*" if name == info["active"] else " "
         lines.append("  %s %-11s %-13s %s" % (mark, name, state, flags))
     lines.append("active: %s%s" % (info["active"], " (forced)" if info["forced"] else ""))
     print("\n".join(lines), file=out)
-
-
-def _kernel_addresses():
-    """Addresses, in this process, of every compiled row's kernels and of the detection code,
-    plus the C layout of the parameter structs.  Used by the emulator test harness to run the
-    very machine code of this extension module inside an emulated CPU."""
-    cdef const kv_kernels *row
-    cdef kv_attn_params ap
-    cdef kv_rot_params rp
-    rows = {}
-    for i in range(kv_isa_count()):
-        row = kv_isa_row(i)
-        if row == NULL:
-            continue
-        rows[kv_isa_name(i).decode()] = {
-            "attn": <size_t>row.attn, "rotate": <size_t>row.rotate,
-            "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
-            "required": row.required,
-        }
-    base = <size_t>&ap
-    attn_layout = {
-        "size": sizeof(kv_attn_params),
-        "q": <size_t>&ap.q - base, "k": <size_t>&ap.k - base, "v": <size_t>&ap.v - base,
-        "out": <size_t>&ap.out - base, "m": <size_t>&ap.m - base, "l": <size_t>&ap.l - base,
-        "alibi": <size_t>&ap.alibi - base, "key_pos": <size_t>&ap.key_pos - base,
-        "query_pos": <size_t>&ap.query_pos - base, "H": <size_t>&ap.H - base, "Hkv": <size_t>&ap.Hkv - base,
-        "D": <size_t>&ap.D - base, "n_total": <size_t>&ap.n_total - base, "t0": <size_t>&ap.t0 - base,
-        "t1": <size_t>&ap.t1 - base, "g0": <size_t>&ap.g0 - base, "g1": <size_t>&ap.g1 - base,
-        "scale": <size_t>&ap.scale - base, "dtype": <size_t>&ap.dtype - base, "init": <size_t>&ap.init - base,
-        "finalize": <size_t>&ap.finalize - base, "q_alt": <size_t>&ap.q_alt - base,
-        "ranges": <size_t>&ap.ranges - base, "n_ranges": <size_t>&ap.n_ranges - base,
-    }
-    base = <size_t>&rp
-    rot_layout = {
-        "size": sizeof(kv_rot_params),
-        "x": <size_t>&rp.x - base, "cs": <size_t>&rp.cs - base, "H": <size_t>&rp.H - base,
-        "D": <size_t>&rp.D - base, "R": <size_t>&rp.R - base, "n_total": <size_t>&rp.n_total - base,
-        "t0": <size_t>&rp.t0 - base, "t1": <size_t>&rp.t1 - base, "cs_stride": <size_t>&rp.cs_stride - base,
-        "dtype": <size_t>&rp.dtype - base, "style": <size_t>&rp.style - base,
-    }
-    return {
-        "rows": rows,
-        "kv_cpu_features": <size_t>kv_cpu_features,
-        "kv_select_isa": <size_t>kv_select_isa,
-        "attn_params": attn_layout,
-        "rot_params": rot_layout,
-        "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
-        "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
-    }
 
 
 MAX_THREADS = KV_MAX_THREADS

@@ -33,7 +33,13 @@ typedef enum kv_status {
     KV_ERR_POSITION = 5
 } kv_status;
 
-typedef enum kv_isa { KV_ISA_SCALAR = 0, KV_ISA_AVX2 = 1, KV_ISA_AVX512FP16 = 2, KV_ISA_COUNT = 3 } kv_isa;
+/* KV_ISA_SCALAR, KV_ISA_AVX2, ...: the rows of isa_rows.def, in its order. */
+typedef enum kv_isa {
+#define KV_ISA_ROW(id, name, required, cflags) KV_ISA_##id,
+#include "isa_rows.def"
+#undef KV_ISA_ROW
+    KV_ISA_COUNT
+} kv_isa;
 
 typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1 } kv_dtype;
 
@@ -64,50 +70,48 @@ typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
 
-/* Single-query attention over one contiguous key range, continuing an online softmax.
- *   q   [H, D] float32; k, v [Hkv, n_total, D] (dtype), tokens t0..t1-1 are read.
- *   State per query head h: m[h] (running max), l[h] (running sum of exp), and
- *   acc[h, :] = out[h, :] (un-normalised sum of p * v, or the final output).
- *   init=1 starts a fresh state (m=-inf, l=0, acc=0); init=0 continues it.
- *   finalize=1 divides acc by l at the end (out = softmax(scores) @ v).
- *   ALiBi: score(h, t) -= alibi[h] * (query_pos - key_pos[t]) when alibi != NULL;
- *   key_pos == NULL means key_pos[t] = t.
- *   Query heads h in [g*G, (g+1)*G) use KV head g, G = H / Hkv; each K/V row is read once
- *   per group.  Only KV heads g0..g1-1 are processed (lets callers split work across threads).
- *   Several ranges under one softmax: ranges != NULL lists n_ranges ranges (t0, t1 and
- *   query_pos of the params are then unused), each scored with q or with q_alt (the
- *   attention-sink query of a ring cache, rotated at another position); every KV head reads
- *   its ranges in order before the next head starts.
- */
-/* Four int64s, the layout a KVCache step plan keeps per range. */
-typedef struct kv_attn_range {
-    int64_t query;          /* 0: q, 1: q_alt */
-    int64_t t0, t1;
-    int64_t query_pos;      /* ALiBi distances of this range */
-} kv_attn_range;
+/* The parameter structs are defined by field lists, F(type, name, code), so that C itself can
+ * report their layout (kv_struct_layout, from offsetof/sizeof) to the emulator test harness:
+ * no copy of a field list is kept anywhere else.  code is the Python struct letter of the field
+ * (pointers are 'Q': the layout is that of x86-64). */
+#define KV_FIELD_(type, name, code) type name;
 
-typedef struct kv_attn_params {
-    const float *q;
-    const void *k;
-    const void *v;
-    float *out;
-    float *m;
-    float *l;
-    const float *alibi;
-    const int64_t *key_pos;
-    int64_t query_pos;
-    int64_t H, Hkv, D;
-    int64_t n_total;        /* row stride of a head in k/v, in tokens */
-    int64_t t0, t1;
-    int64_t g0, g1;
-    float scale;
-    int32_t dtype;          /* kv_dtype of k and v */
-    int32_t init;
-    int32_t finalize;
-    const float *q_alt;     /* [H, D], or NULL */
-    const kv_attn_range *ranges;
-    int64_t n_ranges;
-} kv_attn_params;
+/* Single-query attention over a list of key ranges, under one softmax:
+ *   out[h, :] = softmax_t(score(h, t)) @ v[g, t, :] over the tokens t of every range, where
+ *   score(h, t) = scale * q'[h] . k[g, t]  (- alibi[h] * (range.query_pos - key_pos[t]) when
+ *   alibi != NULL; key_pos == NULL means key_pos[t] = t), and q' is q, or q_alt for a range
+ *   with query = 1 (the attention-sink query of a ring cache, rotated at another position).
+ *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype); ranges: n_ranges >= 1
+ *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
+ *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
+ *   in order.  The kernel computes KV heads g0..g1-1 (its arguments: ops.c splits heads
+ *   across threads); its softmax state lives in the workspace.
+ *
+ * Four int64s per range: the layout a KVCache step plan keeps per range. */
+#define KV_ATTN_RANGE_FIELDS(F) \
+    F(int64_t, query, 'q')          /* 0: q, 1: q_alt */ \
+    F(int64_t, t0, 'q') \
+    F(int64_t, t1, 'q') \
+    F(int64_t, query_pos, 'q')      /* ALiBi distances of this range */
+typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
+
+#define KV_ATTN_PARAMS_FIELDS(F) \
+    F(const float *, q, 'Q') \
+    F(const void *, k, 'Q') \
+    F(const void *, v, 'Q') \
+    F(float *, out, 'Q') \
+    F(const float *, alibi, 'Q')    /* [H] slopes, or NULL */ \
+    F(const int64_t *, key_pos, 'Q') /* [n_total], or NULL */ \
+    F(const float *, q_alt, 'Q')    /* [H, D], or NULL (no range uses it) */ \
+    F(const kv_attn_range *, ranges, 'Q') \
+    F(int64_t, n_ranges, 'q')       /* >= 1 */ \
+    F(int64_t, H, 'q') \
+    F(int64_t, Hkv, 'q') \
+    F(int64_t, D, 'q') \
+    F(int64_t, n_total, 'q')        /* row stride of a head in k/v, in tokens */ \
+    F(float, scale, 'f') \
+    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */
+typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
  *   x [H, n_total, D] (dtype); rows (h, t) for t in t0..t1-1 are rotated in place.
@@ -115,31 +119,45 @@ typedef struct kv_attn_params {
  *   cs_stride == 0 means every token uses the same R pairs (a K-cache shift).
  *   Pair r is (x[2r], x[2r+1]) for KV_ROPE_GPTJ and (x[r], x[r+R]) for KV_ROPE_NEOX;
  *   dims 2R..D-1 are not touched. */
-typedef struct kv_rot_params {
-    void *x;
-    const float *cs;
-    int64_t H, D, R;
-    int64_t n_total;
-    int64_t t0, t1;
-    int64_t cs_stride;      /* in floats */
-    int32_t dtype;
-    int32_t style;
-} kv_rot_params;
+#define KV_ROT_PARAMS_FIELDS(F) \
+    F(void *, x, 'Q') \
+    F(const float *, cs, 'Q') \
+    F(int64_t, H, 'q') \
+    F(int64_t, D, 'q') \
+    F(int64_t, R, 'q') \
+    F(int64_t, n_total, 'q') \
+    F(int64_t, t0, 'q') \
+    F(int64_t, t1, 'q') \
+    F(int64_t, cs_stride, 'q')      /* in floats */ \
+    F(int32_t, dtype, 'i') \
+    F(int32_t, style, 'i')
+typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
 
-typedef void (*kv_attn_fn)(const kv_attn_params *p, void *workspace);
+/* Layout of a parameter struct, one entry per field, in declaration order (layout.c). */
+typedef struct kv_field {
+    const char *name;
+    size_t offset, size;
+    char code;              /* Python struct letter: 'Q' pointer, 'q' int64, 'i' int32, 'f' float */
+} kv_field;
+enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS = 2, KV_STRUCT_COUNT = 3 };
+/* Fields of struct `which` (NULL if unknown); *n_fields and *struct_size are set. */
+const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size);
+const char *kv_struct_name(int which);
+
+/* KV heads g0..g1-1 of the attention p (workspace: kv_attn_workspace_bytes, 64-byte aligned) */
+typedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace);
 typedef void (*kv_rot_fn)(const kv_rot_params *p);
 typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);
 
-/* One row of the dispatch table: the kernels of one ISA. */
 /* fp32 multiply-add throughput probe: runs `iters` rounds of independent FMA chains, stores a
    result in *sink (so nothing is optimized away) and returns the floating-point ops done. */
 typedef uint64_t (*kv_peak_fn)(int64_t iters, float *sink);
 
+/* One row of the dispatch table: the kernels of one ISA (its name and required features are
+   in isa_rows.def, read through kv_isa_name / kv_isa_required). */
 typedef struct kv_kernels {
-    const char *name;
-    uint32_t required;      /* KV_FEAT_* bits the CPU must have */
-    const char *cflags;     /* how this row was compiled (for show_runtime) */
+    const char *cflags;     /* the flags the build compiled this row with (KV_ROW_CFLAGS) */
     kv_attn_fn attn;
     kv_rot_fn rotate;
     kv_f32_to_f16_fn f32_to_f16;
@@ -152,18 +170,22 @@ uint32_t kv_cpu_features(void);
 
 /* dispatch.c */
 kv_status kv_init(const char *force, char *msg, size_t msg_len);  /* once, at import */
-kv_status kv_set_isa(const char *name, char *msg, size_t msg_len);
+/* Make row `name` active; `forced` is what kv_forced() reports from now on (1 for a test's
+   or KVSIMD_FORCE_ISA's choice, 0 to restore the automatic choice it replaced). */
+kv_status kv_set_isa(const char *name, int forced, char *msg, size_t msg_len);
 const kv_kernels *kv_active(void);
 int kv_active_isa(void);
 int kv_isa_count(void);                            /* rows in the table */
 const kv_kernels *kv_isa_row(int i);               /* NULL if not compiled */
-const char *kv_isa_name(int i);
+const char *kv_isa_name(int i);                    /* "?" out of range */
+uint32_t kv_isa_required(int i);                   /* KV_FEAT_* bits row i needs */
 int kv_isa_compiled(int i);
 int kv_isa_supported(int i);                       /* compiled and runnable here */
 int kv_select_isa(uint32_t features);              /* best compiled row for a feature mask */
-int kv_forced(void);
+int kv_forced(void);                               /* active row chosen by name, not detection */
 uint32_t kv_features(void);                        /* cached kv_cpu_features() */
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
+int kv_sanitized(void);                            /* built with AddressSanitizer (KVSIMD_SANITIZE) */
 
 /* ops.c: entry points over the active row.  Arguments are validated by the caller.
    Workspace sizes are 0 when the arguments are out of range or the size does not fit a size_t. */

@@ -23,10 +23,11 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
     if (H < 1 || Hkv < 1 || D < 1 || D > KV_MAX_HEAD_DIM)
         return 0;
     const size_t G = (size_t)(H / Hkv), Dp = (size_t)((D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH);
-    /* qbuf, qalt, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk] */
+    /* qbuf, qalt, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk];
+       softmax state m, l [G] */
     const size_t fixed = 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH;
     size_t floats, bytes;
-    if (!mul_add(G, 3 * Dp + KV_MAX_CHUNK, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
+    if (!mul_add(G, 3 * Dp + KV_MAX_CHUNK + 2, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
         return 0;
     return bytes;
 }
@@ -56,27 +57,24 @@ size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
     const kv_kernels *row = kv_active();
-    const int64_t heads = p->g1 - p->g0;
+    const int64_t heads = p->Hkv;
     threads = clamp_threads(threads);
     const int nt = (int)(heads < threads ? heads : threads);
     if (nt <= 1) {
-        row->attn(p, workspace);
+        row->attn(p, 0, heads, workspace);
         return;
     }
     const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
 #endif
-    for (int64_t g = p->g0; g < p->g1; g++) {
+    for (int64_t g = 0; g < heads; g++) {
 #if defined(_OPENMP)
         const int tid = omp_get_thread_num();
 #else
         const int tid = 0;
 #endif
-        kv_attn_params q = *p;
-        q.g0 = g;
-        q.g1 = g + 1;
-        row->attn(&q, (char *)workspace + (size_t)tid * one);
+        row->attn(p, g, g + 1, (char *)workspace + (size_t)tid * one);
     }
 }
 

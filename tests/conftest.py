@@ -1,11 +1,24 @@
-"""Shared fixtures: the ISA paths to test, a reproducible seed, hypothesis profiles."""
+"""Shared fixtures: the ISA paths to test, a reproducible seed, hypothesis profiles, markers.
+
+Kernel tests take the ``row`` fixture: one *runner* per ISA row compiled into this build, all
+with the same small API (``attend``, ``apply_rope``, ``shift_keys``, ``to_float16``,
+``to_float32``; the signatures of kvsimd.ops).  A row this CPU runs is run natively (through
+``kvsimd.testing.use_isa``); a row it cannot run is run in the emulated Sapphire Rapids of
+tests/emulator.py, on the very machine code of the extension module.  When the emulator cannot
+be set up that row is a skip with the reason, or a failure with ``KVSIMD_REQUIRE_EMULATOR=1`` (CI).
+Write a kernel case once with ``@row_cases(...)`` (hypothesis, fewer examples on an emulated row)
+or a plain test taking ``row``; tests of the Python API's own checks take ``isa`` (native rows).
+"""
 import os
+import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, example, given, settings
 
 import kvsimd
+import kvsimd._kvsimd as ext
+from kvsimd import ops
 from kvsimd.testing import use_isa
 
 settings.register_profile("dev", max_examples=25, deadline=None,
@@ -18,15 +31,50 @@ settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True
 settings.load_profile(os.environ.get("KVSIMD_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 INFO = kvsimd.isa_info()
-# Paths this CPU runs natively.  avx512fp16 is compiled but runs only in the emulator here:
-# tests/test_avx512fp16_emu.py executes the same machine code in an emulated Sapphire Rapids.
+COMPILED_ISAS = INFO["compiled"]
+# Paths this CPU runs natively; the other compiled rows run in the emulator (``row`` fixture).
 NATIVE_ISAS = INFO["supported"]
 SIMD_ISAS = [isa for isa in NATIVE_ISAS if isa != "scalar"]
+
+# Slow tests, by module: which of its tests are slow.  The cmake/ctest build, benchmark runs,
+# the CLI run as subprocesses on a model, the real SmolLM2 model loaded by transformers, the GGUF
+# fuzzer, the complexity accounting, the README's model example; with the emulated rows' long cases (below), what
+# `pytest -m "not slow"` leaves out.  The README's `python -m pytest` runs everything.
+SLOW = {
+    "test_c_units.py": lambda item: True,
+    "test_bench.py": lambda item: True,
+    "test_cli.py": lambda item: True,
+    "test_fuzz_gguf.py": lambda item: True,
+    "test_gguf.py": lambda item: "theirs" in item.fixturenames,
+    "test_models.py": lambda item: item.name.startswith("test_complexity_accounting"),
+    "test_review_f.py": lambda item: item.name.startswith("test_smollm2_chat_template"),
+    "test_readme.py": lambda item: "Models and decoding" in item.name,
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a cmake/ctest build, a benchmark run or a long emulated case "
+                                       "(the fast set: pytest -m 'not slow')")
+    config.addinivalue_line("markers", "emulated_slow: slow on an emulated row only (marked slow there)")
+    config.addinivalue_line("markers", "row_cases: a hypothesis kernel case over every row (conftest.row_cases)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = os.path.basename(str(item.fspath))
+        if module in SLOW and SLOW[module](item):
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        row = callspec.params.get("row") if callspec else None
+        # on an emulated row: the hypothesis cases and the cases marked emulated_slow
+        if row is not None and row not in NATIVE_ISAS and (
+                item.get_closest_marker("emulated_slow") or item.get_closest_marker("row_cases")):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(params=NATIVE_ISAS)
 def isa(request):
-    """Run the test on each ISA path this CPU supports."""
+    """Run the test on each ISA path this CPU supports (tests of the Python API)."""
     with use_isa(request.param):
         yield request.param
 
@@ -39,3 +87,166 @@ def seed():
 @pytest.fixture
 def rng(seed):
     return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------------------- row runners
+class NativeRow:
+    """A row this CPU runs: kvsimd.ops with the row made active for each call."""
+    emulated = False
+
+    def __init__(self, isa):
+        self.isa = isa
+
+    def attend(self, q, k, v, **kw):
+        with use_isa(self.isa):
+            return ops.attend(q, k, v, **kw)
+
+    def apply_rope(self, x, positions, **kw):
+        with use_isa(self.isa):
+            ops.apply_rope(x, positions, **kw)
+
+    def shift_keys(self, k, delta, **kw):
+        with use_isa(self.isa):
+            ops.shift_keys(k, delta, **kw)
+
+    def _convert(self, fn, src, dtype, fill):
+        """fn into a view one element into a guarded buffer: no write past either end."""
+        n = src.size
+        buf = np.full(n + 33, fill, np.uint16 if dtype == np.float16 else np.uint32)
+        out = buf[1:n + 1].view(dtype)
+        with use_isa(self.isa):
+            assert fn(src, out=out) is out
+        assert np.all(buf[0] == fill) and np.all(buf[n + 1:] == fill), "wrote outside the output"
+        return out.copy()
+
+    def to_float16(self, f):
+        return self._convert(ops.to_float16, f, np.float16, 0x5A5A)
+
+    def to_float32(self, h):
+        return self._convert(ops.to_float32, h, np.float32, 0x5A5A5A5A)
+
+
+class EmulatedRow:
+    """A row run in the emulator: its kernels from the dispatch table, called with structs
+    packed from the layout C reports; inputs at odd offsets, outputs followed by guard bytes."""
+    emulated = True
+    GUARD = 128
+
+    def __init__(self, isa, guest):
+        self.isa, self.guest = isa, guest
+        self.info = ext._kernel_addresses()
+
+    def _fn(self, name):
+        return self.guest.guest_address(self.info["rows"][self.isa][name])
+
+    def _pack(self, struct_name, values):
+        from emulator import pack_struct
+        return pack_struct(self.info["structs"][struct_name], values)
+
+    def _read_guarded(self, addr, nbytes):
+        data = self.guest.read(addr, nbytes)
+        assert self.guest.read(addr + nbytes, self.GUARD) == b"\xa5" * self.GUARD, "wrote past the end"
+        return data
+
+    def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
+               ranges=None, q_alt=None, out=None):
+        g = self.guest
+        g.reset_arena()
+        H, D = q.shape
+        Hkv, N, _ = k.shape
+        qpos = N - 1 if query_position is None else query_position
+        rows = [(0, N, False, qpos)] if ranges is None else [
+            (r[0], r[1], bool(r[2]) if len(r) > 2 else False, r[3] if len(r) > 3 else qpos) for r in ranges]
+        packed = b"".join(self._pack("kv_attn_range", {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]})
+                          for r in rows)
+        dst = g.put(np.zeros(H * D, np.float32), guard=self.GUARD)
+        prm = self._pack("kv_attn_params", {
+            "q": g.put(q), "k": g.put(k, offset=2), "v": g.put(v, offset=2), "out": dst,
+            "alibi": g.put(alibi_slopes) if alibi_slopes is not None else 0,
+            "key_pos": g.put(key_positions) if key_positions is not None else 0,
+            "q_alt": g.put(q_alt) if q_alt is not None else 0,
+            "ranges": g.put(packed), "n_ranges": len(rows), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
+            "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0})
+        ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
+        g.call(self._fn("attn"), g.put(prm), 0, Hkv, ws)
+        res = np.frombuffer(self._read_guarded(dst, 4 * H * D), np.float32).reshape(H, D)
+        if out is None:
+            return res.copy()
+        out[...] = res
+        return out
+
+    def _rotate(self, x, cs, cs_stride, style, rd, t0=0, t1=None):
+        """The row's rotate kernel on x [H, N, D] in place (angles as ops.c computes them)."""
+        g = self.guest
+        g.reset_arena()
+        H, N, D = x.shape
+        xa = g.put(x, offset=2, guard=self.GUARD)
+        prm = self._pack("kv_rot_params", {
+            "x": xa, "cs": g.put(np.ascontiguousarray(cs, np.float32), offset=4), "H": H, "D": D, "R": rd // 2,
+            "n_total": N, "t0": t0, "t1": N if t1 is None else t1, "cs_stride": cs_stride,
+            "dtype": 1 if x.dtype == np.float16 else 0, "style": 0 if style == "gptj" else 1})
+        g.call(self._fn("rotate"), g.put(prm))
+        x[...] = np.frombuffer(self._read_guarded(xa, x.nbytes), x.dtype).reshape(x.shape)
+
+    def apply_rope(self, x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
+        rd = x.shape[-1] if rotary_dim is None else rotary_dim
+        cs = np.concatenate([ext._rope_table(float(p), theta, rd // 2, rd) for p in positions])
+        self._rotate(x, cs, rd, style, rd)
+
+    def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
+        rd = k.shape[-1] if rotary_dim is None else rotary_dim
+        self._rotate(k, ext._rope_table(float(delta), theta, rd // 2, rd), 0, style, rd, start, stop)
+
+    def _convert(self, name, src, dtype):
+        g = self.guest
+        g.reset_arena()
+        n = src.size
+        isz = np.dtype(dtype).itemsize
+        dst = g.put(np.zeros(n, dtype), offset=2, guard=self.GUARD)
+        g.call(self._fn(name), dst, g.put(np.ascontiguousarray(src), offset=4), n)
+        return np.frombuffer(self._read_guarded(dst, isz * n), dtype).copy()
+
+    def to_float16(self, f):
+        return self._convert("f32_to_f16", f, np.float16)
+
+    def to_float32(self, h):
+        return self._convert("f16_to_f32", h, np.float32)
+
+
+@pytest.fixture(params=COMPILED_ISAS)
+def row(request):
+    """Every row compiled into this build, with one API: native where this CPU runs it, else in
+    the emulator (a skip with the reason when it cannot run, a failure under
+    KVSIMD_REQUIRE_EMULATOR=1)."""
+    if request.param in NATIVE_ISAS:
+        return NativeRow(request.param)
+    if ext._sanitized():   # not a missing feature: the normal build runs this row in the emulator
+        pytest.skip("a sanitized build's %s object calls the sanitizer runtime: not runnable in the emulator"
+                    % request.param)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import emulator
+    return EmulatedRow(request.param, emulator.shared_guest(ext.__file__))
+
+
+def row_cases(emulated_examples=None, examples=(), **strategies):
+    """A hypothesis-driven kernel case over every row: the decorated body takes ``(row, **drawn)``;
+    the test takes the ``row`` fixture, draws the strategies with the active profile's example
+    count (at most ``emulated_examples`` on an emulated row: ~5M guest instructions/s) and replays
+    each dict of ``examples`` first."""
+    def decorate(body):
+        def test(row):
+            def case(**drawn):
+                body(row, **drawn)
+            run = given(**strategies)(case)
+            for ex in examples:
+                run = example(**ex)(run)
+            if row.emulated and emulated_examples is not None:
+                run = settings(max_examples=min(settings.default.max_examples, emulated_examples))(run)
+            # a database entry per test and row (all share this inner function's source)
+            run.hypothesis.inner_test._hypothesis_internal_add_digest = (body.__module__ + body.__qualname__
+                                                                         + row.isa).encode()
+            run()
+        test.__name__, test.__qualname__, test.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        test.__module__ = body.__module__
+        return pytest.mark.row_cases(test)
+    return decorate

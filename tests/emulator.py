@@ -371,24 +371,21 @@ def shared_guest(so_path):
             if os.environ.get("KVSIMD_REQUIRE_EMULATOR") == "1":
                 pytest.fail(msg)
             pytest.skip(msg)
-        _shared_guest = Guest(so_path)
+        # room for the largest kernel cases: K and V of [32, 4099, 128] float32, 67 MB each
+        _shared_guest = Guest(so_path, arena_size=160 << 20)
     return _shared_guest
 
 
-def pack_struct(layout, values, types):
-    """Bytes of a C struct from the offsets reported by the extension and (name -> value)."""
+def pack_struct(layout, values):
+    """Bytes of a C struct from its layout as C reports it (``_kernel_addresses()["structs"][name]``:
+    offsets, sizes and struct letters from offsetof/sizeof) and (field name -> value); fields not
+    given are zero.  An unknown field name is a KeyError."""
     buf = bytearray(layout["size"])
     for name, val in values.items():
-        struct.pack_into("<" + types[name], buf, layout[name], val)
+        offset, size, code = layout["fields"][name]
+        assert struct.calcsize("<" + code) == size, (name, code, size)
+        struct.pack_into("<" + code, buf, offset, val)
     return bytes(buf)
-
-
-ATTN_TYPES = {"q": "Q", "k": "Q", "v": "Q", "out": "Q", "m": "Q", "l": "Q", "alibi": "Q", "key_pos": "Q",
-              "query_pos": "q", "H": "q", "Hkv": "q", "D": "q", "n_total": "q", "t0": "q", "t1": "q",
-              "g0": "q", "g1": "q", "scale": "f", "dtype": "i", "init": "i", "finalize": "i",
-              "q_alt": "Q", "ranges": "Q", "n_ranges": "q"}
-ROT_TYPES = {"x": "Q", "cs": "Q", "H": "q", "D": "q", "R": "q", "n_total": "q", "t0": "q", "t1": "q",
-             "cs_stride": "q", "dtype": "i", "style": "i"}
 
 
 def child_main():

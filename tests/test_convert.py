@@ -1,5 +1,6 @@
-"""fp32 <-> fp16 conversion: bit-identical to NumPy's casts on every native path,
-including inf, NaN payloads, subnormals and rounding ties."""
+"""fp32 <-> fp16 conversion on every compiled ISA row (the ``row`` fixture: native, or emulated
+when this CPU lacks the row): bit-identical to NumPy's casts, including inf, NaN payloads,
+subnormals and rounding ties, and never a write outside the output (the runners check)."""
 import numpy as np
 import pytest
 
@@ -29,22 +30,32 @@ def interesting_floats(rng):
     return bits.view(np.float32)
 
 
-def test_to_float32_all_halves_bit_identical(isa):
+def test_to_float32_all_halves_bit_identical(row):
     h = all_halves()
-    out = ops.to_float32(h)
+    out = row.to_float32(h)
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out.view(np.uint32), h.astype(np.float32).view(np.uint32))
 
 
-def test_to_float16_bit_identical(isa, rng):
+def test_to_float16_bit_identical(row, rng):
     f = interesting_floats(rng)
     with np.errstate(over="ignore", invalid="ignore"):
         want = f.astype(np.float16).view(np.uint16)
-    got = ops.to_float16(f).view(np.uint16)
+    got = row.to_float16(f).view(np.uint16)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, [(hex(f.view(np.uint32)[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 1000, 1001])
+def test_lengths_round_trip(row, rng, n):
+    """Every vector-width tail, both directions (unaligned and guarded: see the runners)."""
+    f = (rng.standard_normal(n) * 100).astype(np.float32)
+    h = row.to_float16(f)
+    np.testing.assert_array_equal(h.view(np.uint16), f.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(row.to_float32(h), f.astype(np.float16).astype(np.float32))
+
+
+# ---------------------------------------------------------------- the Python API (native rows)
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 33, 1001])
 def test_lengths_and_shapes(isa, rng, n):
     f = rng.standard_normal(n).astype(np.float32)

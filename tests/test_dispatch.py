@@ -11,7 +11,11 @@ from kvsimd.testing import use_isa
 
 from conftest import NATIVE_ISAS
 
-ALL = ["scalar", "avx2", "avx512fp16"]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src_c"))
+from isa_rows import read_rows  # noqa: E402  (the build's own table: src_c/isa_rows.def)
+
+ROWS = read_rows()
+ALL = [name for name, _ in ROWS]
 
 
 def run_python(code, force=None):
@@ -122,4 +126,55 @@ def test_show_runtime(capsys):
     for name in kvsimd.isa_info()["compiled"]:
         assert name in text
     assert "active: " + kvsimd.active_isa() in text
-    assert "-mavx2 -mfma -mf16c" in text
+    flags = kvsimd.isa_info()["flags"]
+    for name in kvsimd.isa_info()["compiled"]:
+        line = next(ln for ln in text.splitlines() if ln[4:].split()[:1] == [name])
+        assert line.endswith(flags[name] or "(baseline x86-64)"), line
+
+
+def test_rows_and_flags_are_the_build_table():
+    """The names, order and per-row compiler flags the extension reports are those of
+    src_c/isa_rows.def, from which setup.py compiled each row (and passed the same text to it as
+    KV_ROW_CFLAGS): a row compiled with other flags than it reports fails here."""
+    assert ALL[:2] == ["scalar", "avx2"] and len(ALL) == len(set(ALL))
+    info = kvsimd.isa_info()
+    assert info["compiled"] == [name for name in ALL if name in info["compiled"]]
+    assert set(info["flags"]) == set(info["compiled"])
+    for name, flags in ROWS:
+        if name in info["compiled"]:
+            assert info["flags"][name] == " ".join(flags), name
+
+
+def test_forced_has_one_source():
+    """use_isa and KVSIMD_FORCE_ISA both end in C's kv_forced: isa_info reports the active row
+    while forced, None once the automatic choice is restored."""
+    with use_isa("scalar"):
+        assert kvsimd.isa_info()["forced"] == "scalar"
+        with use_isa(NATIVE_ISAS[-1]):
+            assert kvsimd.isa_info()["forced"] == NATIVE_ISAS[-1]
+        assert kvsimd.isa_info()["forced"] == "scalar" and kvsimd.active_isa() == "scalar"
+    assert kvsimd.isa_info()["forced"] is None
+    r = run_python("import kvsimd; from kvsimd.testing import use_isa\n"
+                   "with use_isa(%r): pass\nprint(kvsimd.active_isa(), kvsimd.isa_info()['forced'])" % NATIVE_ISAS[-1],
+                   force="scalar")
+    assert r.returncode == 0 and r.stdout.split() == ["scalar", "scalar"], r.stderr
+
+
+def test_struct_layouts_come_from_c():
+    """The emulator packs kv_attn_params / kv_attn_range / kv_rot_params from the layout C reports
+    (offsetof/sizeof over the field lists in kvsimd.h): every field's bytes inside the struct,
+    no two overlapping, gaps only alignment padding, each letter as wide as the C field."""
+    import struct
+
+    from kvsimd import _kvsimd
+    layouts = _kvsimd._struct_layouts()
+    assert set(layouts) == {"kv_attn_params", "kv_attn_range", "kv_rot_params"}
+    for name, lay in layouts.items():
+        spans = sorted((off, size, code, field) for field, (off, size, code) in lay["fields"].items())
+        end = 0
+        for off, size, code, field in spans:
+            assert struct.calcsize("<" + code) == size, (name, field)
+            assert off >= end and off - end < size and off % size == 0, (name, field, off, end)
+            end = off + size
+        assert end <= lay["size"] < end + 8, name
+    assert layouts["kv_attn_range"]["size"] == 32    # what a KVCache step plan keeps per range

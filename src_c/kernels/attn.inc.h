@@ -278,161 +278,239 @@ static inline const void *KV_FN(block_rows)(const char *base, float *buf, int32_
     return buf;
 }
 
-static void KV_FN(attn)(const kv_attn_params *p, void *workspace)
+/* One call's view of its workspace and of the KV head being computed.  Every array starts
+   on a 64-byte boundary (offsets are multiples of 16 floats). */
+typedef struct KV_FN(attn_state) {
+    const kv_attn_params *p;
+    int64_t D, Dp, G, N;
+    size_t esize, row_bytes;
+    int aligned;            /* D % KV_W == 0: full blocks are read in place */
+    float *qbuf;            /* [G, Dp] scaled queries */
+    float *qalt;            /* [G, Dp] scaled q_alt */
+    float *acc;             /* [G, Dp] running outputs */
+    float *kblk, *vblk;     /* [KV_B, Dp] zero-padded blocks (tails only) */
+    vf *red;                /* [KV_GS, KV_B] partial dot products */
+    float *sc;              /* [G, KV_CHUNK] scores, then weights */
+    float *m, *l;           /* [G] running max and sum of exp of the softmax */
+    float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
+    float one[KV_GS];
+    int64_t g, h0;          /* the KV head, its first query head */
+    const char *kbase, *vbase;
+} KV_FN(attn_state);
+
+KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p, void *workspace)
 {
-    const int64_t D = p->D, G = p->H / p->Hkv, N = p->n_total;
-    const int64_t Dp = (D + KV_W - 1) / KV_W * KV_W;
-    const size_t esize = p->dtype == KV_F16 ? 2 : 4;
-    /* workspace: every array starts on a 64-byte boundary (offsets are multiples of 16 floats) */
-    float *qbuf = (float *)workspace;                 /* [G, Dp] scaled queries */
-    float *qalt = qbuf + G * Dp;                      /* [G, Dp] scaled q_alt */
-    float *acc = qalt + G * Dp;                       /* [G, Dp] running outputs */
-    float *kblk = acc + G * Dp;                       /* [KV_B, Dp] padded block (tails only) */
-    float *vblk = kblk + KV_B * Dp;                   /* [KV_B, Dp] */
-    vf *red = (vf *)(vblk + KV_B * Dp);               /* [KV_GS, KV_B] partial dot products */
-    float *sc = (float *)(red + KV_GS * KV_B);        /* [G, KV_CHUNK] scores, then weights */
-    float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS], one[KV_GS];
-    for (int i = 0; i < KV_GS; i++)
-        one[i] = 1.0f;
+    st->p = p;
+    st->D = p->D;
+    st->G = p->H / p->Hkv;
+    st->N = p->n_total;
+    st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
+    st->esize = p->dtype == KV_F16 ? 2 : 4;
+    st->row_bytes = (size_t)st->D * st->esize;
     /* Full blocks are read straight from the cache (fp16 widened in registers); a partial
        last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
-    const int aligned = (D % KV_W) == 0;
-    const size_t row_bytes = (size_t)D * esize;
-    const kv_attn_range one_range = {0, p->t0, p->t1, p->query_pos};
-    const kv_attn_range *ranges = p->ranges ? p->ranges : &one_range;
-    const int64_t n_ranges = p->ranges ? p->n_ranges : 1;
+    st->aligned = (st->D % KV_W) == 0;
+    const int64_t G = st->G, Dp = st->Dp;
+    st->qbuf = (float *)workspace;
+    st->qalt = st->qbuf + G * Dp;
+    st->acc = st->qalt + G * Dp;
+    st->kblk = st->acc + G * Dp;
+    st->vblk = st->kblk + KV_B * Dp;
+    st->red = (vf *)(st->vblk + KV_B * Dp);
+    st->sc = (float *)(st->red + KV_GS * KV_B);
+    st->m = st->sc + G * KV_CHUNK;
+    st->l = st->m + G;
+    for (int i = 0; i < KV_GS; i++)
+        st->one[i] = 1.0f;
+}
 
-    for (int64_t g = p->g0; g < p->g1; g++) {
-        const int64_t h0 = g * G;
-        const char *kbase = (const char *)p->k + (size_t)(g * N) * (size_t)D * esize;
-        const char *vbase = (const char *)p->v + (size_t)(g * N) * (size_t)D * esize;
-        const vf scv = vf_set1(p->scale);
-        for (int64_t i = 0; i < G; i++) {
-            const float *qi = p->q + (h0 + i) * D;
-            const float *qa = p->q_alt ? p->q_alt + (h0 + i) * D : qi;
-            float *o = p->out + (h0 + i) * D;
-            int64_t c = 0;
-            for (; c + KV_W <= D; c += KV_W) {
-                vf_store(qbuf + i * Dp + c, vf_mul(vf_load(qi + c), scv));
-                if (p->q_alt)
-                    vf_store(qalt + i * Dp + c, vf_mul(vf_load(qa + c), scv));
-                vf_store(acc + i * Dp + c, p->init ? vf_zero() : vf_load(o + c));
-            }
-            if (c < D) {
-                vf_store(qbuf + i * Dp + c, vf_mul(vf_load_part(qi + c, D - c), scv));
-                if (p->q_alt)
-                    vf_store(qalt + i * Dp + c, vf_mul(vf_load_part(qa + c, D - c), scv));
-                vf_store(acc + i * Dp + c, p->init ? vf_zero() : vf_load_part(o + c, D - c));
-            }
-            if (p->init) {
-                p->m[h0 + i] = KV_NEG_INF;
-                p->l[h0 + i] = 0.0f;
+/* Start KV head g: its G scaled queries (and q_alt) in the workspace, a fresh softmax state. */
+KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g)
+{
+    const kv_attn_params *p = st->p;
+    const int64_t D = st->D, Dp = st->Dp, h0 = g * st->G;
+    st->g = g;
+    st->h0 = h0;
+    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
+    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
+    const vf scv = vf_set1(p->scale);
+    for (int64_t i = 0; i < st->G; i++) {
+        const float *qi = p->q + (h0 + i) * D;
+        const float *qa = p->q_alt ? p->q_alt + (h0 + i) * D : qi;
+        int64_t c = 0;
+        for (; c + KV_W <= D; c += KV_W) {
+            vf_store(st->qbuf + i * Dp + c, vf_mul(vf_load(qi + c), scv));
+            if (p->q_alt)
+                vf_store(st->qalt + i * Dp + c, vf_mul(vf_load(qa + c), scv));
+            vf_store(st->acc + i * Dp + c, vf_zero());
+        }
+        if (c < D) {
+            vf_store(st->qbuf + i * Dp + c, vf_mul(vf_load_part(qi + c, D - c), scv));
+            if (p->q_alt)
+                vf_store(st->qalt + i * Dp + c, vf_mul(vf_load_part(qa + c, D - c), scv));
+            vf_store(st->acc + i * Dp + c, vf_zero());
+        }
+        st->m[i] = KV_NEG_INF;
+        st->l[i] = 0.0f;
+    }
+}
+
+/* Pass 1 over the chunk c0..c1-1: the scores of every query head (reading only K), ALiBi
+   included, into sc[i][t - c0]; padded rows of a short block score -inf.  The chunk's last
+   block prefetches the start of V for pass 2. */
+KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, int64_t c0, int64_t c1,
+                                        int64_t query_pos)
+{
+    const kv_attn_params *p = st->p;
+    const int64_t D = st->D, Dp = st->Dp, G = st->G;
+    const char *kpf_next = st->vbase + (size_t)(c0 * D) * st->esize;
+    for (int64_t t = c0, tn; t < c1; t = tn) {
+        tn = kv_grid_end(t, KV_B, c1);
+        const int64_t nb = tn - t;
+        const char *kpf = kv_ahead(st->kbase, t, c1, D, st->esize, kpf_next);
+        int64_t ks;
+        int rmode;
+        const void *kb = KV_FN(block_rows)(st->kbase, st->kblk, p->dtype, t, nb, D, Dp, st->aligned, &ks, &rmode);
+        for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
+            const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+            KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
+            for (int i = 0; i < nh; i++) {
+                float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
+                for (int jj = 0; jj < KV_B; jj += KV_W)
+                    vf_reduce_block(st->red + i * KV_B + jj, s + jj);
+                for (int64_t j = nb; j < KV_B; j++)
+                    s[j] = KV_NEG_INF;
+                if (p->alibi) {
+                    const float slope = p->alibi[st->h0 + i0 + i];
+                    for (int64_t j = 0; j < nb; j++) {
+                        const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
+                        s[j] -= slope * (float)(query_pos - kp);
+                    }
+                }
             }
         }
-        /* Each range in chunks of KV_CHUNK tokens, in two passes: all scores of the chunk
-           (reading only K), one softmax update, then the weighted sum (reading only V).  Each
-           pass reads one sequential stream: alternating K and V blocks measured ~15% slower
-           from DRAM. */
-        for (int64_t ri = 0; ri < n_ranges; ri++) {
-            const float *qs = ranges[ri].query && p->q_alt ? qalt : qbuf;
-            const int64_t r1 = ranges[ri].t1, query_pos = ranges[ri].query_pos;
-            /* Chunks and blocks sit on multiples of KV_CHUNK and KV_B tokens, whatever the
-               range's start: a range from token 4 reads a 12-row block, then whole blocks that
-               never straddle a 2 KiB boundary (misaligned blocks measured ~4% slower from DRAM).
-               Blocks write KV_B scores at (t - c0): a short first block's tail is overwritten by
-               the next block, and the chunk's scores end at the padded end of its last block. */
-            for (int64_t c0 = ranges[ri].t0, c1; c0 < r1; c0 = c1) {
-                c1 = kv_grid_end(c0, KV_CHUNK, r1);
+    }
+}
+
+/* The online-softmax update, once per chunk and query head: scores become weights
+   exp(s - m_new), l and m are updated, and the accumulators' rescale exp(m_old - m_new) is
+   left in corr (first KV_GS heads: applied in pass 2) or applied here (the others).
+   cn: tokens in the chunk; cend..cpad-1: past the last block's padding. */
+KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t cn, int64_t cend, int64_t cpad)
+{
+    const int64_t Dp = st->Dp;
+    for (int64_t i = 0; i < st->G; i++) {
+        float *s = st->sc + i * KV_CHUNK;
+        float *m = st->m + i, *l = st->l + i;
+        for (int64_t j = cend; j < cpad; j++)
+            s[j] = KV_NEG_INF;
+        vf mx = vf_load(s);
+        for (int64_t j = KV_W; j < cpad; j += KV_W)
+            mx = vf_max(mx, vf_load(s + j));
+        const float bmax = vf_hmax(mx);
+        const float m_new = bmax > *m ? bmax : *m;
+        const vf mv = vf_set1(m_new);
+        vf sum = vf_zero();
+        for (int64_t j = 0; j < cpad; j += KV_W) {
+            const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
+            vf_store(s + j, e);
+            sum = vf_add(sum, e);
+        }
+        float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
+        for (int64_t j = cn; j < cpad; j++) {
+            tail += s[j];
+            s[j] = 0.0f;
+        }
+        const float cr = KV_FN(expf1)(*m - m_new);
+        *l = *l * cr + (vf_hsum(sum) - tail);
+        *m = m_new;
+        if (i < KV_GS)
+            st->corr[i] = cr;
+        else  /* heads beyond the first group: rescale their accumulators here */
+            for (int64_t c = 0; c < Dp; c += KV_W)
+                vf_store(st->acc + i * Dp + c, vf_mul(vf_load(st->acc + i * Dp + c), vf_set1(cr)));
+    }
+}
+
+/* Pass 2 over the chunk: acc += weights @ V (reading only V); the first block applies the
+   rescale of the softmax update.  next_k: the K rows read after this chunk (prefetched in
+   its last block), or NULL. */
+KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, int64_t c1, const char *next_k)
+{
+    const kv_attn_params *p = st->p;
+    const int64_t D = st->D, Dp = st->Dp, G = st->G;
+    for (int64_t t = c0, tn; t < c1; t = tn) {
+        tn = kv_grid_end(t, KV_B, c1);
+        const int64_t nb = tn - t;
+        const char *vpf = kv_ahead(st->vbase, t, c1, D, st->esize, next_k);
+        int64_t vs;
+        int rmode;
+        const void *vb = KV_FN(block_rows)(st->vbase, st->vblk, p->dtype, t, nb, D, Dp, st->aligned, &vs, &rmode);
+        for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
+            const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+            KV_FN(accumulate_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : st->one,
+                                st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, Dp, nh,
+                                i0 ? NULL : vpf, st->row_bytes);
+        }
+    }
+}
+
+/* The K rows read after chunk c0..c1 of range ri: the next chunk, the next range or the next
+   KV head's first range; NULL after the last. */
+KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t ri, int64_t c1, int64_t g1)
+{
+    const kv_attn_params *p = st->p;
+    if (c1 < p->ranges[ri].t1)
+        return st->kbase + (size_t)(c1 * st->D) * st->esize;
+    if (ri + 1 < p->n_ranges)
+        return st->kbase + (size_t)(p->ranges[ri + 1].t0 * st->D) * st->esize;
+    if (st->g + 1 < g1)
+        return st->kbase + (size_t)((st->N + p->ranges[0].t0) * st->D) * st->esize;
+    return NULL;
+}
+
+/* out = acc / l for the G query heads of the current KV head. */
+KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
+{
+    const int64_t D = st->D, Dp = st->Dp;
+    for (int64_t i = 0; i < st->G; i++) {
+        float *o = st->p->out + (st->h0 + i) * D;
+        const vf inv = vf_set1(1.0f / st->l[i]);
+        int64_t c = 0;
+        for (; c + KV_W <= D; c += KV_W)
+            vf_store(o + c, vf_mul(vf_load(st->acc + i * Dp + c), inv));
+        if (c < D)
+            vf_store_part(o + c, vf_mul(vf_load(st->acc + i * Dp + c), inv), D - c);
+    }
+}
+
+/* Each range in chunks of KV_CHUNK tokens, in two passes: all scores of the chunk (reading
+   only K), one softmax update, then the weighted sum (reading only V).  Each pass reads one
+   sequential stream: alternating K and V blocks measured ~15% slower from DRAM.
+   Chunks and blocks sit on multiples of KV_CHUNK and KV_B tokens, whatever the range's start:
+   a range from token 4 reads a 12-row block, then whole blocks that never straddle a 2 KiB
+   boundary (misaligned blocks measured ~4% slower from DRAM).  Blocks write KV_B scores at
+   (t - c0): a short first block's tail is overwritten by the next block, and the chunk's
+   scores end at the padded end of its last block. */
+static void KV_FN(attn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace)
+{
+    KV_FN(attn_state) st;
+    KV_FN(attn_setup)(&st, p, workspace);
+    for (int64_t g = g0; g < g1; g++) {
+        KV_FN(attn_head_start)(&st, g);
+        for (int64_t ri = 0; ri < p->n_ranges; ri++) {
+            const kv_attn_range *r = &p->ranges[ri];
+            const float *qs = r->query && p->q_alt ? st.qalt : st.qbuf;
+            for (int64_t c0 = r->t0, c1; c0 < r->t1; c0 = c1) {
+                c1 = kv_grid_end(c0, KV_CHUNK, r->t1);
                 const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
-                const int64_t cn = c1 - c0, cend = last - c0 + KV_B, cpad = (cend + KV_B - 1) / KV_B * KV_B;
-                /* the K rows read after this chunk: the next chunk, range or KV head */
-                const char *next_k = c1 < r1 ? kbase + (size_t)(c1 * D) * esize
-                                   : ri + 1 < n_ranges ? kbase + (size_t)(ranges[ri + 1].t0 * D) * esize
-                                   : g + 1 < p->g1 ? kbase + (size_t)((N + ranges[0].t0) * D) * esize : NULL;
-                /* pass 1: scores */
-                for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = kv_grid_end(t, KV_B, c1);
-                    const int64_t nb = tn - t;
-                    const char *kpf = kv_ahead(kbase, t, c1, D, esize, vbase + (size_t)(c0 * D) * esize);
-                    int64_t ks;
-                    int rmode;
-                    const void *kb = KV_FN(block_rows)(kbase, kblk, p->dtype, t, nb, D, Dp, aligned, &ks, &rmode);
-                    for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-                        const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
-                        KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, Dp, red, nh, i0 ? NULL : kpf, row_bytes);
-                        for (int i = 0; i < nh; i++) {
-                            float *s = sc + (i0 + i) * KV_CHUNK + (t - c0);
-                            for (int jj = 0; jj < KV_B; jj += KV_W)
-                                vf_reduce_block(red + i * KV_B + jj, s + jj);
-                            for (int64_t j = nb; j < KV_B; j++)
-                                s[j] = KV_NEG_INF;
-                            if (p->alibi) {
-                                const float slope = p->alibi[h0 + i0 + i];
-                                for (int64_t j = 0; j < nb; j++) {
-                                    const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
-                                    s[j] -= slope * (float)(query_pos - kp);
-                                }
-                            }
-                        }
-                    }
-                }
-                /* online softmax update, once per chunk and head */
-                for (int64_t i = 0; i < G; i++) {
-                    float *s = sc + i * KV_CHUNK;
-                    float *m = p->m + h0 + i, *l = p->l + h0 + i;
-                    for (int64_t j = cend; j < cpad; j++)   /* past the last block's padding */
-                        s[j] = KV_NEG_INF;
-                    vf mx = vf_load(s);
-                    for (int64_t j = KV_W; j < cpad; j += KV_W)
-                        mx = vf_max(mx, vf_load(s + j));
-                    const float bmax = vf_hmax(mx);
-                    const float m_new = bmax > *m ? bmax : *m;
-                    const vf mv = vf_set1(m_new);
-                    vf sum = vf_zero();
-                    for (int64_t j = 0; j < cpad; j += KV_W) {
-                        const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
-                        vf_store(s + j, e);
-                        sum = vf_add(sum, e);
-                    }
-                    float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
-                    for (int64_t j = cn; j < cpad; j++) {
-                        tail += s[j];
-                        s[j] = 0.0f;
-                    }
-                    const float cr = KV_FN(expf1)(*m - m_new);
-                    *l = *l * cr + (vf_hsum(sum) - tail);
-                    *m = m_new;
-                    if (i < KV_GS)
-                        corr[i] = cr;
-                    else  /* heads beyond the first group: rescale their accumulators here */
-                        for (int64_t c = 0; c < Dp; c += KV_W)
-                            vf_store(acc + i * Dp + c, vf_mul(vf_load(acc + i * Dp + c), vf_set1(cr)));
-                }
-                /* pass 2: weighted sum of V */
-                for (int64_t t = c0, tn; t < c1; t = tn) {
-                    tn = kv_grid_end(t, KV_B, c1);
-                    const int64_t nb = tn - t;
-                    const char *vpf = kv_ahead(vbase, t, c1, D, esize, next_k);
-                    int64_t vs;
-                    int rmode;
-                    const void *vb = KV_FN(block_rows)(vbase, vblk, p->dtype, t, nb, D, Dp, aligned, &vs, &rmode);
-                    for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-                        const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
-                        KV_FN(accumulate_n)(acc + i0 * Dp, (t == c0 && i0 == 0) ? corr : one, sc + i0 * KV_CHUNK + (t - c0),
-                                            KV_CHUNK, vb, rmode, vs, Dp, nh, i0 ? NULL : vpf, row_bytes);
-                    }
-                }
+                const int64_t cend = last - c0 + KV_B;
+                KV_FN(attn_score_chunk)(&st, qs, c0, c1, r->query_pos);
+                KV_FN(attn_softmax_update)(&st, c1 - c0, cend, (cend + KV_B - 1) / KV_B * KV_B);
+                KV_FN(attn_accumulate_chunk)(&st, c0, c1, KV_FN(attn_next_k)(&st, ri, c1, g1));
+            }
         }
-        }
-        for (int64_t i = 0; i < G; i++) {
-            float *o = p->out + (h0 + i) * D;
-            const vf inv = vf_set1(p->finalize ? 1.0f / p->l[h0 + i] : 1.0f);
-            int64_t c = 0;
-            for (; c + KV_W <= D; c += KV_W)
-                vf_store(o + c, vf_mul(vf_load(acc + i * Dp + c), inv));
-            if (c < D)
-                vf_store_part(o + c, vf_mul(vf_load(acc + i * Dp + c), inv), D - c);
-        }
+        KV_FN(attn_finalize)(&st);
     }
 }

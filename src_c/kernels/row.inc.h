@@ -4,11 +4,12 @@
 #ifndef KV_ISA
 #error "include a vec_<isa>.h first"
 #endif
+#ifndef KV_ROW_CFLAGS
+#error "the build passes -DKV_ROW_CFLAGS=\"<this row's flags from isa_rows.def>\""
+#endif
 #define KV_CAT_(a, b) a##_##b
 #define KV_CAT(a, b) KV_CAT_(a, b)
 #define KV_FN(name) KV_CAT(kv_##name, KV_ISA)
-#define KV_STR_(x) #x
-#define KV_STR(x) KV_STR_(x)
 
 #include "attn.inc.h"
 #include "rope.inc.h"
@@ -16,6 +17,6 @@
 #include "peak.inc.h"
 
 const kv_kernels KV_FN(kernels) = {
-    KV_STR(KV_ISA), KV_ROW_REQUIRED, KV_ROW_CFLAGS,
+    KV_ROW_CFLAGS,
     KV_FN(attn), KV_FN(rotate), KV_FN(f32_to_f16), KV_FN(f16_to_f32), KV_FN(fma_peak),
 };

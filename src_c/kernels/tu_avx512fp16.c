@@ -1,5 +1,4 @@
-/* tu_avx512fp16.c - the avx512fp16 row: compiled once, with this ISA's flags only. */
+/* tu_avx512fp16.c - the avx512fp16 row: compiled once, with the flags isa_rows.def gives it (the build
+   also passes them as KV_ROW_CFLAGS). */
 #include "vec_avx512fp16.h"
-#define KV_ROW_REQUIRED KV_FEAT_AVX512FP16
-#define KV_ROW_CFLAGS "-mavx512f -mavx512bw -mavx512vl -mavx512fp16"
 #include "row.inc.h"

@@ -1,5 +1,4 @@
-/* tu_scalar.c - the scalar row: compiled once, with this ISA's flags only. */
+/* tu_scalar.c - the scalar row: compiled once, with the flags isa_rows.def gives it (the build
+   also passes them as KV_ROW_CFLAGS). */
 #include "vec_scalar.h"
-#define KV_ROW_REQUIRED 0
-#define KV_ROW_CFLAGS "(baseline x86-64)"
 #include "row.inc.h"

@@ -60,7 +60,7 @@ static void ref_attend(const float *q, const float *k, const float *v, int64_t H
     free(s);
 }
 
-static void test_attention(const kv_kernels *row)
+static void test_attention(const kv_kernels *row, const char *name)
 {
     static const int64_t shapes[][4] = {{9, 3, 1, 64}, {9, 3, 77, 64}, {4, 1, 33, 17}, {8, 8, 300, 128}, {2, 2, 5, 1}, {6, 2, 40, 80}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -68,8 +68,7 @@ static void test_attention(const kv_kernels *row)
         for (int dt = 0; dt < 2; dt++) {
             const size_t nkv = (size_t)(Hkv * N * D);
             float *q = malloc(sizeof(float) * (size_t)(H * D)), *kf = malloc(sizeof(float) * nkv),
-                  *vf = malloc(sizeof(float) * nkv), *out = malloc(sizeof(float) * (size_t)(H * D)),
-                  *ml = malloc(sizeof(float) * (size_t)(2 * H));
+                  *vf = malloc(sizeof(float) * nkv), *out = malloc(sizeof(float) * (size_t)(H * D));
             uint16_t *kh = malloc(2 * nkv), *vh = malloc(2 * nkv);
             double *ref = malloc(sizeof(double) * (size_t)(H * D)), *wsc = malloc(sizeof(double) * (size_t)(H * D));
             void *ws = aligned_alloc(64, (kv_attn_workspace_bytes(H, Hkv, D) + 63) / 64 * 64);
@@ -82,24 +81,43 @@ static void test_attention(const kv_kernels *row)
                 vf[i] = kv_h2f_soft(vh[i]);
             }
             ref_attend(q, kf, vf, H, Hkv, N, D, ref, wsc);
-            kv_attn_params p = {q, dt ? (void *)kh : (void *)kf, dt ? (void *)vh : (void *)vf, out, ml, ml + H,
-                                NULL, NULL, 0, H, Hkv, D, N, 0, N, 0, Hkv, (float)(1.0 / sqrt((double)D)),
-                                dt ? KV_F16 : KV_F32, 1, 1};
-            row->attn(&p, ws);
+            const kv_attn_range whole = {.query = 0, .t0 = 0, .t1 = N, .query_pos = N - 1};
+            kv_attn_params p = {.q = q, .k = dt ? (void *)kh : (void *)kf, .v = dt ? (void *)vh : (void *)vf,
+                                .out = out, .ranges = &whole, .n_ranges = 1, .H = H, .Hkv = Hkv, .D = D,
+                                .n_total = N, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32};
+            row->attn(&p, 0, Hkv, ws);
             double worst = 0;
             for (int64_t i = 0; i < H * D; i++) {
                 double e = fabs(out[i] - ref[i]) / wsc[i];
                 if (e > worst)
                     worst = e;
             }
-            CHECK(worst <= 1e-5, "%s attn H=%lld Hkv=%lld N=%lld D=%lld %s: error %.3g", row->name, (long long)H,
+            CHECK(worst <= 1e-5, "%s attn H=%lld Hkv=%lld N=%lld D=%lld %s: error %.3g", name, (long long)H,
                   (long long)Hkv, (long long)N, (long long)D, dt ? "f16" : "f32", worst);
-            free(q); free(kf); free(vf); free(out); free(ml); free(kh); free(vh); free(ref); free(wsc); free(ws);
+            /* one KV head per call (the thread split of ops.c): the same bits */
+            float *out1 = malloc(sizeof(float) * (size_t)(H * D));
+            p.out = out1;
+            for (int64_t g = Hkv - 1; g >= 0; g--)
+                row->attn(&p, g, g + 1, ws);
+            CHECK(memcmp(out, out1, sizeof(float) * (size_t)(H * D)) == 0, "%s attn: per-head calls differ", name);
+            /* the keys as two ranges, the later first, under one softmax: rounding only */
+            const kv_attn_range halves[2] = {{0, N / 2, N, N - 1}, {0, 0, N / 2, N - 1}};
+            p.ranges = N >= 2 ? halves : &whole;
+            p.n_ranges = N >= 2 ? 2 : 1;
+            row->attn(&p, 0, Hkv, ws);
+            worst = 0;
+            for (int64_t i = 0; i < H * D; i++) {
+                double e = fabs(out1[i] - ref[i]) / wsc[i];
+                if (e > worst)
+                    worst = e;
+            }
+            CHECK(worst <= 1e-5, "%s attn, two ranges, N=%lld: error %.3g", name, (long long)N, worst);
+            free(q); free(kf); free(vf); free(out); free(out1); free(kh); free(vh); free(ref); free(wsc); free(ws);
         }
     }
 }
 
-static void test_rotation(const kv_kernels *row)
+static void test_rotation(const kv_kernels *row, const char *name)
 {
     const int64_t H = 3, N = 21, D = 80;
     const int64_t rds[] = {80, 32, 2};
@@ -131,11 +149,11 @@ static void test_rotation(const kv_kernels *row)
             for (int64_t i = 0; i < H * N * D; i++)
                 if (fabs(x[i] - want[i]) > worst)
                     worst = fabs(x[i] - want[i]);
-            CHECK(worst <= 4e-6, "%s rotate style=%d rd=%lld: error %.3g", row->name, style, (long long)rd, worst);
+            CHECK(worst <= 4e-6, "%s rotate style=%d rd=%lld: error %.3g", name, style, (long long)rd, worst);
         }
 }
 
-static void test_conversion(const kv_kernels *row)
+static void test_conversion(const kv_kernels *row, const char *name)
 {
     static uint16_t h[65536], h2[65536];
     static float f[65536];
@@ -151,12 +169,12 @@ static void test_conversion(const kv_kernels *row)
         if (a.u != b.u || h2[i] != h[i])
             bad++;
     }
-    CHECK(bad == 0, "%s: %d halves do not round-trip bit-exactly", row->name, bad);
+    CHECK(bad == 0, "%s: %d halves do not round-trip bit-exactly", name, bad);
     /* ties round to even: 1 + 2^-11 -> 1, 1 + 3*2^-11 -> 1 + 2^-9 */
     float t[2] = {1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f};
     uint16_t o[2];
     row->f32_to_f16(o, t, 2);
-    CHECK(o[0] == 0x3C00 && o[1] == 0x3C02, "%s: ties not to even (%x %x)", row->name, o[0], o[1]);
+    CHECK(o[0] == 0x3C00 && o[1] == 0x3C02, "%s: ties not to even (%x %x)", name, o[0], o[1]);
 }
 
 static void test_dispatch(void)
@@ -166,9 +184,9 @@ static void test_dispatch(void)
     CHECK(kv_select_isa(KV_FEAT_AVX2) == KV_ISA_AVX2, "avx2 features -> avx2");
     const int best = kv_isa_compiled(KV_ISA_AVX512FP16) ? KV_ISA_AVX512FP16 : KV_ISA_AVX2;
     CHECK(kv_select_isa(KV_FEAT_AVX2 | KV_FEAT_AVX512FP16) == best, "avx512fp16 features -> best compiled");
-    CHECK(kv_set_isa("nonsense", msg, sizeof msg) == KV_ERR_ISA, "unknown name accepted");
+    CHECK(kv_set_isa("nonsense", 1, msg, sizeof msg) == KV_ERR_ISA, "unknown name accepted");
     CHECK(strstr(msg, "unknown ISA 'nonsense'") != NULL, "message: %s", msg);
-    CHECK(kv_set_isa("scalar", msg, sizeof msg) == KV_OK && kv_active_isa() == KV_ISA_SCALAR, "scalar not settable");
+    CHECK(kv_set_isa("scalar", 1, msg, sizeof msg) == KV_OK && kv_active_isa() == KV_ISA_SCALAR && kv_forced(), "scalar not settable");
     const uint32_t f = kv_cpu_features();
     CHECK(!(f & KV_FEAT_AVX2) || (f & KV_FEAT_OS_YMM), "AVX2 usable without OS YMM state");
     CHECK(!(f & KV_FEAT_AVX512FP16) || (f & KV_FEAT_OS_ZMM), "AVX512 usable without OS ZMM state");
@@ -208,10 +226,10 @@ int main(void)
         if (!kv_isa_supported(i))
             continue;
         const kv_kernels *row = kv_isa_row(i);
-        printf("row %s\n", row->name);
-        test_attention(row);
-        test_rotation(row);
-        test_conversion(row);
+        printf("row %s\n", kv_isa_name(i));
+        test_attention(row, kv_isa_name(i));
+        test_rotation(row, kv_isa_name(i));
+        test_conversion(row, kv_isa_name(i));
     }
     test_dispatch();
     test_sizes();

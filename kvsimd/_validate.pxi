@@ -1,0 +1,293 @@
+# The boundary: every check of what callers hand kvsimd, one function per concept, used by every
+# entry point (ops.*, the caches, the layers), with the GIL, before any kernel runs without it;
+# kernels themselves never check anything.  Also the one RoPE spec, the one filling of the
+# attention parameters and the one conversion of C status codes.
+import itertools as _itertools
+import math as _math
+import time as _time
+
+import numpy as _np
+
+from kvsimd.errors import (KVSimdCapacityError, KVSimdISAError, KVSimdMemoryError, KVSimdPositionError, KVSimdTypeError,
+                           KVSimdValueError)
+
+_F16 = _np.dtype(_np.float16)
+_F32 = _np.dtype(_np.float32)
+_I64 = _np.dtype(_np.int64)
+_KV_DTYPES = (_F16, _F32)
+_STYLES = {"gptj": KV_ROPE_GPTJ, "neox": KV_ROPE_NEOX}
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
+_MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kpos cannot overflow int64
+_FLT_MAX = 3.4028234663852886e38
+_MIN_THETA = 1e-200       # every angle |position| * theta**-1 stays finite
+_MAX_HEADS = 1 << 16      # query heads per attention call (bounds workspace sizes)
+
+
+cdef inline void *_ptr(cnp.ndarray a) noexcept:
+    return cnp.PyArray_DATA(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# The boundary checks: one function per concept, used by every entry point (ops.*, KVCache.*).
+
+def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False, shape=None):
+    """Check type (no masked arrays), dtype (None: any), rank (-1: any), shape, contiguity,
+    alignment and, for a buffer kvsimd writes, writability; return the array."""
+    if not isinstance(a, _np.ndarray):
+        raise KVSimdTypeError("%s must be a numpy.ndarray, got %s" % (name, type(a).__name__))
+    if isinstance(a, _np.ma.MaskedArray):
+        raise KVSimdTypeError("%s is a numpy.ma.MaskedArray: kvsimd would ignore its mask; pass "
+                              "%s.filled(...) or the data you mean" % (name, name))
+    if dtypes is not None and a.dtype not in dtypes:
+        raise KVSimdTypeError("%s must have dtype %s, got %s"
+                              % (name, " or ".join(str(d) for d in dtypes), a.dtype))
+    if ndim >= 0 and a.ndim != ndim:
+        raise KVSimdValueError("%s must be %d-D %s, got shape %s" % (name, ndim, dims, a.shape))
+    if shape is not None and a.shape != tuple(shape):
+        raise KVSimdValueError("%s must have shape %s, got %s" % (name, tuple(shape), a.shape))
+    if not a.flags.c_contiguous:
+        raise KVSimdValueError("%s must be C-contiguous (shape %s, strides %s); use numpy.ascontiguousarray"
+                               % (name, a.shape, a.strides))
+    if not a.flags.aligned:
+        raise KVSimdValueError("%s is not aligned to its %d-byte elements" % (name, a.itemsize))
+    if writeable and not a.flags.writeable:
+        raise KVSimdValueError("%s is read-only, but the operation writes it in place" % name)
+    return a
+
+
+cdef inline size_t _addr(cnp.ndarray a) noexcept:
+    return <size_t>cnp.PyArray_DATA(a)
+
+
+def _need_no_overlap(out, str oname, inputs):
+    """Refuse an output (a validated, C-contiguous array) whose bytes overlap any input of the
+    call: ``inputs`` lists (name, array or None) or (name, (start address, nbytes))."""
+    cdef size_t o0 = _addr(out), o1 = o0 + <size_t>out.nbytes, i0, i1
+    if o1 == o0:
+        return
+    for name, a in inputs:
+        if a is None:
+            continue
+        if isinstance(a, tuple):
+            i0, i1 = a[0], a[0] + a[1]
+        else:
+            i0 = _addr(a)
+            i1 = i0 + <size_t>a.nbytes
+        if i0 < o1 and o0 < i1:
+            raise KVSimdValueError("%s overlaps %s (bytes %#x..%#x and %#x..%#x): an output must not share memory "
+                                   "with any input" % (oname, name, o0, o1, i0, i1))
+
+
+def _as_int(x, str name):
+    if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, _np.integer)):
+        raise KVSimdTypeError("%s must be an integer, got %r" % (name, x))
+    return int(x)
+
+
+def _need_int(x, str name, lo=_I64_MIN, hi=_I64_MAX):
+    """The one conversion of an integer argument: an int (not a bool), in lo..hi (by default
+    the int64 range C takes), else a KVSimdTypeError/KVSimdValueError naming it."""
+    x = _as_int(x, name)
+    if not lo <= x <= hi:
+        if hi == _I64_MAX:
+            raise KVSimdValueError("%s must be >= %d (and < 2**63), got %d" % (name, lo, x))
+        raise KVSimdValueError("%s must be in %d..%d, got %d" % (name, lo, hi, x))
+    return x
+
+
+def _need_real(x, str name):
+    """A real number (int or float, not a bool or a string) as a Python float."""
+    if isinstance(x, (bool, _np.bool_)) or not isinstance(x, (int, float, _np.integer, _np.floating)):
+        raise KVSimdTypeError("%s must be a real number, got %r" % (name, x))
+    try:
+        return float(x)
+    except OverflowError:
+        raise KVSimdValueError("%s=%r does not fit a double" % (name, x)) from None
+
+
+def _need_flag(x, str name):
+    if isinstance(x, (bool, _np.bool_)) or (isinstance(x, (int, _np.integer)) and x in (0, 1)):
+        return bool(x)
+    raise KVSimdTypeError("%s must be a bool, got %r" % (name, x))
+
+
+def _need_pos(x, str name):
+    """A token position or position delta: an integer within +-2**53 (exact in double precision,
+    and a difference of two cannot overflow int64)."""
+    x = _as_int(x, name)
+    if not -_MAX_EXACT_POS <= x <= _MAX_EXACT_POS:
+        raise KVSimdPositionError("%s must be within +-2**53 to stay exact in double precision, got %d" % (name, x))
+    return x
+
+
+def _need_positions(a, str name, int64_t n, str nname="N"):
+    """int64 [n] positions, each within +-2**53 (see _need_pos)."""
+    _need_array(a, name, (_I64,), 1, "[%s]" % nname)
+    if a.shape[0] != n:
+        raise KVSimdValueError("%s must have %s=%d entries, got %d" % (name, nname, n, a.shape[0]))
+    if n and (a.min() < -_MAX_EXACT_POS or a.max() > _MAX_EXACT_POS):
+        raise KVSimdPositionError("%s must be within +-2**53 to stay exact in double precision, got min %d max %d"
+                                  % (name, a.min(), a.max()))
+    return a
+
+
+def _need_scale(scale, int64_t D):
+    """The attention scale: default 1/sqrt(D); else a finite real that float32 can hold."""
+    if scale is None:
+        return 1.0 / _math.sqrt(D)
+    s = _need_real(scale, "scale")
+    if not (_math.isfinite(s) and abs(s) <= _FLT_MAX):
+        raise KVSimdValueError("scale must be finite and within float32 range (|scale| <= %r), got %r"
+                               % (_FLT_MAX, s))
+    return s
+
+
+def _need_slopes(a, int64_t H):
+    """ALiBi slopes: float32 [H], finite."""
+    _need_array(a, "alibi_slopes", (_F32,), 1, "[H]")
+    if a.shape[0] != H:
+        raise KVSimdValueError("alibi_slopes must have H=%d entries, got %d" % (H, a.shape[0]))
+    if not _np.isfinite(a).all():
+        raise KVSimdValueError("alibi_slopes must be finite, got %s" % (a.tolist(),))
+    return a
+
+
+def _need_head_dim(int64_t D, str name="head_dim"):
+    if not 1 <= D <= KV_MAX_HEAD_DIM:
+        raise KVSimdValueError("%s must be in 1..%d, got %d" % (name, KV_MAX_HEAD_DIM, D))
+
+
+def _rope_params(theta, style, rotary_dim, int64_t D):
+    """RoPE parameters for rows of head_dim D: (theta, kv_rope_style, rotary_dim), validated."""
+    if not isinstance(style, str) or style not in _STYLES:
+        raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
+    th = _need_real(theta, "theta")
+    if not (th >= _MIN_THETA and _math.isfinite(th)):
+        raise KVSimdValueError("theta must be a positive finite number (at least %g), got %r" % (_MIN_THETA, th))
+    if D > KV_MAX_HEAD_DIM:
+        raise KVSimdValueError("head_dim (last axis) is %d; at most %d is supported" % (D, KV_MAX_HEAD_DIM))
+    rd = D if rotary_dim is None else _need_int(rotary_dim, "rotary_dim")
+    if rd <= 0 or rd % 2 or rd > D:
+        raise KVSimdValueError("rotary_dim must be even and in 2..head_dim=%d, got %d" % (D, rd))
+    return th, _STYLES[style], rd
+
+
+def _key_ranges(ranges, int64_t N, qpos, bint alt_first):
+    """Key ranges, one rule for every path: a non-empty sequence of non-empty, non-overlapping
+    integer ranges within 0..N, each with a query position within +-2**53.  Items are
+    ``(t0, t1[, use_q_alt[, query_position]])`` (ops.attend; default query position ``qpos``) or,
+    with ``alt_first``, ``(use_q_alt, t0, t1, query_position)`` (KVCache.step_plan).
+    Returns a list of (use_q_alt, t0, t1, query_position) in the given order."""
+    form = "(use_q_alt, t0, t1, query_position)" if alt_first else "(t0, t1[, use_q_alt[, query_position]])"
+    if isinstance(ranges, (str, bytes)):
+        raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges))
+    try:   # non-empty and non-overlapping: at most N ranges of at most 4 items (bounds an endless iterable)
+        items = [tuple(_itertools.islice(r, 5)) for r in _itertools.islice(iter(ranges), N + 1)]
+    except TypeError:
+        raise KVSimdTypeError("ranges must be a sequence of %s tuples, got %r" % (form, ranges)) from None
+    if not items:
+        raise KVSimdValueError("ranges is empty: attention needs at least one key")
+    if len(items) > N:
+        raise KVSimdValueError("ranges has more than N=%d ranges: they cannot all be non-empty and disjoint" % N)
+    rows = []
+    for i, r in enumerate(items):
+        if alt_first:
+            if len(r) != 4:
+                raise KVSimdValueError("range %d must be %s, got %r" % (i, form, r))
+            alt, t0, t1, qp = r
+        else:
+            if not 2 <= len(r) <= 4:
+                raise KVSimdValueError("range %d must be %s, got %r" % (i, form, r))
+            t0, t1 = r[0], r[1]
+            alt = r[2] if len(r) > 2 else False
+            qp = r[3] if len(r) > 3 else qpos
+        t0, t1 = _need_int(t0, "t0"), _need_int(t1, "t1")
+        if not 0 <= t0 < t1 <= N:
+            raise KVSimdValueError("key range %d: keys %d..%d must be non-empty and within 0..%d" % (i, t0, t1, N))
+        rows.append((_need_flag(alt, "use_q_alt"), t0, t1, _need_pos(qp, "query_position")))
+    srt = sorted(rows, key=lambda r: r[1])
+    for a, b in zip(srt, srt[1:]):
+        if b[1] < a[2]:
+            raise KVSimdValueError("key ranges overlap: %d..%d and %d..%d" % (a[1], a[2], b[1], b[2]))
+    return rows
+
+
+def _threads_now():
+    """The kernel thread count for one call, read once (see kv_attend in kvsimd.h)."""
+    return kv_get_num_threads()
+
+
+def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt):
+    """Scratch for one kv_attend call with ``nt`` threads (plus 64 bytes to align it)."""
+    cdef size_t n = kv_attend_workspace_bytes(H, Hkv, D, nt)
+    if n == 0:
+        raise KVSimdValueError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d: sizes out of range"
+                               % (H, Hkv, D))
+    try:
+        return _np.empty(n + 64, dtype=_np.uint8)
+    except MemoryError:
+        raise KVSimdMemoryError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d and %d threads needs "
+                                "%d bytes of scratch: cannot allocate them" % (H, Hkv, D, nt, n + 64)) from None
+
+
+cdef inline void *_aligned64(cnp.ndarray ws) noexcept:
+    return <void *>((<size_t>cnp.PyArray_DATA(ws) + 63) & ~(<size_t>63))
+
+
+_STATUS = {    # kv_status -> (exception, what it means)
+    KV_ERR_NOMEM: (KVSimdMemoryError, "out of memory"),
+    KV_ERR_ARG: (KVSimdValueError, "an argument out of range"),
+    KV_ERR_ISA: (KVSimdISAError, "an ISA this CPU cannot run"),
+    KV_ERR_CAPACITY: (KVSimdCapacityError, "beyond the capacity"),
+    KV_ERR_POSITION: (KVSimdPositionError, "a position out of range"),
+}
+
+
+cdef int _check_status(kv_status rc, str what) except -1:
+    """The one conversion of a C status code into the exception it stands for, naming the call."""
+    if rc == KV_OK:
+        return 0
+    exc, meaning = _STATUS.get(rc, (KVSimdValueError, "unknown status"))
+    raise exc("%s: %s (C status %d)" % (what, meaning, rc))
+
+
+cdef class RopeSpec:
+    """Validated RoPE parameters for rows of ``head_dim``: ``theta``, ``style`` ("gptj" pairs
+    adjacent values, "neox" the two halves) and ``rotary_dim`` (None: head_dim).  The one RoPE
+    check of kvsimd: ops.apply_rope / shift_keys, prefill, decode steps and the shift policy."""
+    cdef readonly double theta
+    cdef readonly int64_t rotary_dim, head_dim
+    cdef kv_rope_style st
+
+    def __cinit__(self, theta, style, rotary_dim, head_dim):
+        D = _need_int(head_dim, "head_dim")
+        _need_head_dim(D)
+        self.theta, self.st, self.rotary_dim = _rope_params(theta, style, rotary_dim, D)
+        self.head_dim = D
+
+    @property
+    def style(self):
+        return "gptj" if self.st == KV_ROPE_GPTJ else "neox"
+
+    def __repr__(self):
+        return "RopeSpec(theta=%r, style=%r, rotary_dim=%d, head_dim=%d)" % (self.theta, self.style, self.rotary_dim,
+                                                                              self.head_dim)
+
+    def __reduce__(self):
+        return RopeSpec, (self.theta, self.style, self.rotary_dim, self.head_dim)
+
+
+cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
+                            float *out, const float *alibi, const int64_t *key_pos, const int64_t *ranges,
+                            int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
+                            kv_dtype dtype) noexcept nogil:
+    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows)."""
+    memset(p, 0, sizeof(kv_attn_params))
+    p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
+    p.alibi, p.key_pos = alibi, key_pos
+    p.ranges = <const kv_attn_range *>ranges
+    p.n_ranges = n_ranges
+    p.H, p.Hkv, p.D = H, Hkv, D
+    p.n_total = n_total
+    p.scale = scale
+    p.dtype = dtype
