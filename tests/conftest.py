@@ -38,7 +38,7 @@ SIMD_ISAS = [isa for isa in NATIVE_ISAS if isa != "scalar"]
 
 # Slow tests, by module: which of its tests are slow.  The cmake/ctest build, benchmark runs,
 # the CLI run as subprocesses on a model, the real SmolLM2 model loaded by transformers, the GGUF
-# fuzzer, the complexity accounting, the README's model example; with the emulated rows' long cases (below), what
+# fuzzer, the complexity accounting, the README's model example, the stub check; with the emulated rows' long cases (below), what
 # `pytest -m "not slow"` leaves out.  The README's `python -m pytest` runs everything.
 SLOW = {
     "test_c_units.py": lambda item: True,
@@ -49,6 +49,7 @@ SLOW = {
     "test_models.py": lambda item: item.name.startswith("test_complexity_accounting"),
     "test_review_f.py": lambda item: item.name.startswith("test_smollm2_chat_template"),
     "test_readme.py": lambda item: "Models and decoding" in item.name,
+    "test_stubs.py": lambda item: True,           # mypy's stubtest: ~50 s
 }
 
 
