@@ -62,13 +62,17 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             raise KVSimdValueError("range %d uses q_alt, but q_alt was not given" % int(_np.argmax(rng[:, 0])))
     elif q_alt is not None:
         raise KVSimdValueError("q_alt is only used by ranges that ask for it (ranges=...)")
-    else:
-        rng = _np.array([[0, 0, N, qpos]], dtype=_np.int64)     # every key, one range
+    cdef int64_t whole[4]                # every key, one range (no array for the common call)
+    whole[0], whole[1], whole[2], whole[3] = 0, 0, N, qpos
+    cdef const int64_t *rp = whole
+    cdef int64_t nr = 1
+    if ranges is not None:
+        rp, nr = <const int64_t *>_ptr(rng), rng.shape[0]
     cdef int nt = _threads_now()
     ws = _workspace(H, Hkv, D, nt)
     cdef void *wsp = _aligned64(ws)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
-               <float *>_ptr(out), alibi, kpos, <const int64_t *>_ptr(rng), rng.shape[0], H, Hkv, D, N, sc,
+               <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc,
                KV_F16 if k.dtype == _F16 else KV_F32)
     with nogil:
         kv_attend(&p, wsp, nt)
