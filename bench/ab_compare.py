@@ -13,6 +13,8 @@ times them:
 * ``decode`` (``kvsimd.bench.decode``): median seconds of one decode step of the random
   SmolLM2-shaped model at each context and of the BART-shaped encoder-decoder; its control is
   the "weights floor", the step's matrix products alone (plain BLAS), timed step by step beside it;
+* ``prefill`` (``--sections ...,prefill``): median seconds of one prefill of 128 and 1024 random
+  tokens through the same random SmolLM2-shaped model (no control);
 * ``attention`` (``kvsimd.bench.kernels``): median seconds of one ``ops.attend`` call with cold
   caches, per shape x dtype x context, on the active ISA path (``--isa`` forces one on both
   sides through ``KVSIMD_FORCE_ISA``); its control is a plain read of the same bytes, timed
@@ -52,10 +54,10 @@ ENV = dict(os.environ)        # before kvsimd is imported here (it sets OMP_WAIT
 FULL = {"sections": ["decode", "attention"], "models": ["smollm2-shaped", "bart-shaped"],
         "contexts": [128, 2048, 8192], "steps": 24,
         "shapes": ["smollm2-gqa", "llama-gqa", "mha-128"], "attn_contexts": [512, 2048, 8192],
-        "dtypes": ["float16", "float32"], "repeat": 11}
+        "dtypes": ["float16", "float32"], "repeat": 11, "prefill_tokens": [128, 1024], "prefill_repeat": 3}
 CONTROL = "control"       # a case's control: the same process's plain-BLAS step, or plain read of the same bytes
 QUICK = dict(FULL, models=["smollm2-shaped"], contexts=[128], steps=8, shapes=["smollm2-gqa"],
-             attn_contexts=[512, 2048], repeat=3)
+             attn_contexts=[512, 2048], repeat=3, prefill_tokens=[64], prefill_repeat=1)
 
 
 # ------------------------------------------------------------------------------------ in a side
@@ -84,6 +86,23 @@ def worker(spec):
             key = "attention %s %s N=%d" % (r["shape"], r["dtype"], r["N"])
             times[key] = r["median_s"]
             times["%s | %s" % (key, CONTROL)] = r["bytes"] / (r["paired_read_GBps"] * 1e9)   # its paired plain read
+    if "prefill" in spec["sections"]:
+        # a whole prompt through the random SmolLM2-shaped model (no control: prefill is
+        # BLAS-bound matrix products plus attention over the prompt so far)
+        import numpy as np
+        kvsimd.set_num_threads(threads)
+        name = "smollm2-shaped"
+        model = kvsimd.Decoder.from_transformers(decode._hf_model(dict(decode.SHAPES[name], name=name)))
+        rng = np.random.default_rng(0)
+        for T in spec["prefill_tokens"]:
+            toks = rng.integers(0, model.cfg.vocab_size, T).tolist()
+            ts = []
+            for _ in range(spec["prefill_repeat"]):
+                cache = model.new_cache(capacity=T)
+                t0 = time.perf_counter()
+                model.prefill(toks, cache=cache)
+                ts.append(time.perf_counter() - t0)
+            times["prefill %s T=%d" % (name, T)] = sorted(ts)[len(ts) // 2]
     print(json.dumps({"kvsimd": os.path.dirname(os.path.abspath(kvsimd.__file__)), "isa": kvsimd.active_isa(),
                       "threads": kvsimd.get_num_threads(), "times": times}))
 
@@ -175,7 +194,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=10, help="processes per side, interleaved (default 10)")
     ap.add_argument("--threads", type=int, default=1, help="kvsimd threads on both sides (default 1)")
     ap.add_argument("--isa", help="force this ISA path on both sides (KVSIMD_FORCE_ISA)")
-    ap.add_argument("--sections", default="decode,attention", help="decode, attention or both (default)")
+    ap.add_argument("--sections", default="decode,attention", help="a comma list of decode, attention, prefill "
+                    "(default decode,attention)")
     ap.add_argument("--quick", action="store_true", help="one model, one context, one attention shape")
     ap.add_argument("--json", metavar="PATH", help="write every round's times and the ratios")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -185,8 +205,8 @@ def main(argv=None):
     if a.threads < 1:
         ap.error("--threads must be >= 1, got %d" % a.threads)
     sections = [s for s in a.sections.split(",") if s]
-    if not sections or any(s not in ("decode", "attention") for s in sections):
-        ap.error("--sections takes decode, attention or decode,attention, got %r" % a.sections)
+    if not sections or any(s not in ("decode", "attention", "prefill") for s in sections):
+        ap.error("--sections takes a comma list of decode, attention, prefill, got %r" % a.sections)
 
     sys.path.insert(0, ROOT)           # the statistics helper of this script's own tree
     from kvsimd.bench.common import median_ci

@@ -316,7 +316,7 @@ def test_ab_compare_runs_two_trees_interleaved(tmp_path):
     (["/nonexistent/tree", ROOT], "new /nonexistent/tree is neither a kvsimd checkout nor a Python interpreter"),
     ([ROOT, os.path.join(ROOT, "tests")], "is a folder without kvsimd/__init__.py"),
     ([ROOT, ROOT, "--rounds", "1"], "--rounds must be >= 2"),
-    ([ROOT, ROOT, "--sections", "rope"], "--sections takes decode, attention"),
+    ([ROOT, ROOT, "--sections", "rope"], "--sections takes a comma list of decode, attention, prefill"),
 ])
 def test_ab_compare_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
