@@ -1,0 +1,280 @@
+"""Issue 14 review: the new core API (KVCache plans and transactions, Layers.run, _local_plan)
+driven as a careless or hostile caller would.  Each case runs in one child process
+(tests/childcases.py), so a crash fails a case instead of the run; each must end in a
+KVSimdError naming what was wrong, with the cache's bookkeeping and K/V exactly as before."""
+import numpy as np
+import pytest
+
+import childcases
+
+CASES = {}
+case = childcases.registrar(CASES)
+child_results = childcases.results_fixture(__name__, CASES)
+
+STALE = r"stale plan: the cache changed since (begin_step|begin_prefill|step_plan) made it"
+
+
+def _decoder():
+    from kvsimd.testing import random_decoder
+    return random_decoder(64, 32, 2, 4, 2, 8, 48, seed=1)
+
+
+def _cache(d, capacity=16, **kw):
+    return d.new_cache(capacity=capacity, **kw)
+
+
+def _prefill(d, c, n=4, seq=0):
+    t = np.arange(1, n + 1, dtype=np.int64)
+    p = c.begin_prefill(seq, t, rope=d.rope, n_heads=4)
+    d._packed.layers.run(d._embed(t, p.embed_positions), p)
+    c.end_prefill(p)
+    return p
+
+
+def _step(d, c, tok=5):
+    """begin_step + the layers (no end_step): the plan of a step whose K/V are written."""
+    t = np.full(c.batch, tok, np.int64)
+    p = c.begin_step(t, rope=d.rope, n_heads=4)
+    d._packed.layers.run(d._embed(t, p.embed_positions), p)
+    return p
+
+
+def _state(c):
+    kv = [(np.array(c.keys(l, b, length=c.capacity)), np.array(c.values(l, b, length=c.capacity)))
+          for l in range(c.n_layers) for b in range(c.batch)]
+    return (c.lengths.tolist(), c.tokens, c.head.tolist(), c.seen.tolist(), c.positions.tolist(),
+            c.rotations.tolist(), kv)
+
+
+def _refused_intact(c, fn):
+    """fn() must raise a KVSimdError and leave every committed thing of ``c`` as it was."""
+    from kvsimd import KVSimdError
+    before = _state(c)
+    try:
+        fn()
+    except KVSimdError:
+        after = _state(c)
+        assert after[:4] == before[:4], "bookkeeping changed by a refused call: %s -> %s" % (before[:4], after[:4])
+        n = before[0]
+        for (k0, v0), (k1, v1), b in zip(before[6], after[6], list(range(c.batch)) * c.n_layers):
+            assert np.array_equal(k0[:, :n[b]], k1[:, :n[b]]) and np.array_equal(v0[:, :n[b]], v1[:, :n[b]]), \
+                "committed K/V changed by a refused call"
+        raise
+    raise AssertionError("no error: lengths %s tokens %s (before: %s %s)" % (c.lengths, c.tokens, before[0], before[1]))
+
+
+# ---------------------------------------------------------------- stale plans
+@case(STALE)
+def end_step_twice():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = _step(d, c); c.end_step(p)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def end_prefill_twice():
+    d = _decoder(); c = _cache(d); p = _prefill(d, c)
+    _refused_intact(c, lambda: c.end_prefill(p))
+
+
+@case(STALE)
+def end_step_after_reset():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = _step(d, c); c.reset()
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def layers_run_after_reset():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4); c.reset(0)
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p))
+
+
+@case(STALE)
+def end_prefill_after_reset():
+    d = _decoder(); c = _cache(d)
+    p = c.begin_prefill(0, np.arange(1, 5, dtype=np.int64), rope=d.rope, n_heads=4); c.reset()
+    _refused_intact(c, lambda: c.end_prefill(p))
+
+
+@case(STALE)
+def end_step_after_another_step_committed():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p1 = _step(d, c, 5); p2 = _step(d, c, 6); c.end_step(p2)
+    _refused_intact(c, lambda: c.end_step(p1))
+
+
+@case(STALE)
+def end_step_after_prefill_of_another_sequence():
+    d = _decoder(); c = _cache(d, batch=2); _prefill(d, c, seq=0); _prefill(d, c, seq=1)
+    p = _step(d, c); _prefill(d, c, 2, seq=1)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def end_step_after_forget():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = _step(d, c); c._forget(0, 4)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def end_step_after_commit():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = _step(d, c); c.commit(1)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def end_step_after_rollback():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    try:
+        with c.transaction():
+            p = _step(d, c)
+            raise RuntimeError("the caller's failure")
+    except RuntimeError:
+        pass
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(STALE)
+def end_step_after_sink_query_discard():
+    # sink_query: each begin_step on a full window discards the oldest token; ending the first
+    # plan after the second discard committed 9 tokens into a cache of 8
+    d = _decoder(); c = _cache(d, capacity=8, policy="sink_query", n_keep=2); _prefill(d, c, 8)
+    p1 = _step(d, c, 5); p2 = _step(d, c, 6); c.end_step(p2)
+    _refused_intact(c, lambda: c.end_step(p1))
+
+
+@case(STALE)
+def layers_run_after_shift_discard():
+    d = _decoder(); c = _cache(d, capacity=8, policy="shift", n_keep=2, n_discard=1); _prefill(d, c, 8)
+    p1 = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    p2 = _step(d, c, 6); c.end_step(p2)
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p1))
+
+
+@case(STALE)
+def step_plan_after_commit():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    one = np.array([4], np.int64)
+    p = c.step_plan(32, one, one, one, [[(False, 0, 5, 4)]], rope=d.rope)
+    c.reset()
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p))
+
+
+@case(r"plan of begin_step on this cache")
+def end_step_with_plan_of_another_cache():
+    d = _decoder(); c = _cache(d); c2 = _cache(d); _prefill(d, c); _prefill(d, c2)
+    p = _step(d, c)
+    _refused_intact(c2, lambda: c2.end_step(p))
+
+
+@case(r"begin_step on this cache")
+def end_step_with_prefill_plan():
+    d = _decoder(); c = _cache(d)
+    p = c.begin_prefill(0, np.arange(1, 5, dtype=np.int64), rope=d.rope, n_heads=4)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+# ---------------------------------------------------------------- transactions
+@case(r"transaction .*(already|not) (entered|open)")
+def transaction_exited_twice():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    t = c.transaction(); t.__enter__(); t.__exit__(None, None, None)
+    t.__exit__(None, None, None)
+
+
+@case(r"transaction .*not (entered|open)")
+def transaction_exit_without_enter_keeps_the_callers_claim():
+    # an unmatched __exit__ released a claim the caller held (another thread could then step)
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    with c._claim():
+        c.transaction().__exit__(None, None, None)
+
+
+@case(r"transaction .*already (entered|open)")
+def transaction_object_entered_twice():
+    # re-entering one transaction object made it forget it was the outer one: the cache kept it
+    # open for ever and no later transaction rolled anything back
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    t = c.transaction()
+    with t:
+        with t:
+            pass
+
+
+def test_rollback_works_after_a_refused_reentry():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    from kvsimd import KVSimdError
+    t = c.transaction()
+    with pytest.raises(KVSimdError):
+        with t:
+            with t:
+                pass
+    before = _state(c)
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            c.end_step(_step(d, c))
+            raise RuntimeError("fail")
+    assert _state(c)[:4] == before[:4]
+
+
+def test_nested_transactions_still_join_the_outer_one():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    before = _state(c)
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            with c.transaction():
+                c.end_step(_step(d, c))
+            raise RuntimeError("fail")
+    assert _state(c)[:4] == before[:4]
+
+
+# ---------------------------------------------------------------- Layers.run inputs
+@case(r"cross must be None for layers without cross-attention, got CrossAttentionCache")
+def cross_cache_to_layers_without_cross_attention():
+    # crashed (SIGSEGV): the blocks have no norm_cross / cross_q
+    from kvsimd import _kvsimd
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    cr = _kvsimd.CrossAttentionCache(2, 2, 8, 4, dtype="float32")
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p, cr))
+
+
+@case(r"T \(rows of the pass\) must be in 1\.\.\d+, got 0")
+def local_plan_without_rows():
+    from kvsimd import _kvsimd
+    d = _decoder()
+    _kvsimd._local_plan(0, 4, 2, 8, d.rope, None, True)
+
+
+@case(r"T \(rows of the pass\) must be in 1\.\.\d+, got 1099511627776")
+def local_plan_huge():
+    from kvsimd import _kvsimd
+    d = _decoder()
+    _kvsimd._local_plan(2 ** 40, 4, 2, 8, d.rope, None, True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refused(name, child_results):
+    childcases.check(name, child_results, CASES)
+
+
+def test_model_passes_unchanged():
+    """The checks refuse only misuse: prefill, steps and every policy's discards still match the
+    float64 reference."""
+    from kvsimd.testing import assert_matches_reference
+    d = _decoder()
+    for policy in ("fixed", "sink_query", "shift", "reevaluate"):
+        c = d.new_cache(capacity=8 if policy != "fixed" else 32, n_keep=2, policy=policy)
+        d.prefill([1, 2, 3, 4, 5], cache=c)
+        for t in range(6, 20):
+            d.step([t], cache=c)
+        assert c.length(0) <= c.capacity
+        assert c.tokens[0][-1] == 19
+    c = d.new_cache(capacity=32, dtype="float32")
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = d.prefill(toks, cache=c, all_logits=True)
+    assert_matches_reference(d, toks, logits)
