@@ -268,7 +268,11 @@ cdef class Layers:
                 raise KVSimdTypeError("cross must be a CrossAttentionCache, got %s" % type(cross).__name__)
             if (<_KVStore>cross).n_kv_heads != self.Hkv or (<_KVStore>cross).head_dim != self.D \
                     or (<_KVStore>cross).n_layers < len(self.blocks):
-                raise KVSimdValueError("cross cache shape does not fit the layers")
+                raise KVSimdValueError("cross must have at least %d layers of %d KV heads of %d, got %r"
+                                       % (len(self.blocks), self.Hkv, self.D, cross))
+        elif cross is not None:
+            raise KVSimdTypeError("cross must be None for layers without cross-attention, got %s"
+                                  % type(cross).__name__)
         for b in self.blocks:
             (<Block>b).verify()      # arrays read by pointer: unchanged since packing (cheap)
         return self._run(x, <_Plan>plan, store, cross)
