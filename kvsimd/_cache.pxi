@@ -78,13 +78,18 @@ cdef class _KVStore:
         and is refused once it differs (a stale plan's slots, ranges and positions are wrong)."""
         self._gen += 1
 
-    cdef int _need_current(self, _Plan plan) except -1:
+    cdef int _need_current(self, _Plan plan, str ending=None) except -1:
+        """Refuse a stale plan; with ``ending`` (end_step / end_prefill) also one whose K/V were
+        not written for every layer (committing it would make slots of old contents visible)."""
         if plan.gen != self._gen:
             raise KVSimdValueError("stale plan: the cache changed since %s made it (a commit, reset, discard, shift or "
                                    "rollback came in between); make a new plan"
                                    % ("begin_step" if plan.kind == 0 and not plan.explicit else
                                       "step_plan" if plan.kind == 0 else "begin_prefill" if plan.kind == 1
                                       else "_local_plan"))
+        if ending is not None and plan.done < self.n_layers:
+            raise KVSimdValueError("%s: the plan's K/V were written for %d of the cache's %d layers; run it through "
+                                   "the layers (Layers.run) before committing it" % (ending, plan.done, self.n_layers))
         return 0
 
     def __reduce__(self):
@@ -475,7 +480,7 @@ cdef class KVCache(_KVStore):
         with self._claim():
             if plan.owner is not self or plan.kind != 1:
                 raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
-            self._need_current(plan)
+            self._need_current(plan, "end_prefill")
             s, T = plan.seq, plan.R
             self.commit(T, seq=s)
             self._seen[s] += T
@@ -549,7 +554,7 @@ cdef class KVCache(_KVStore):
         with self._claim():
             if plan.owner is not self or plan.kind != 0 or plan.refill or plan.explicit:
                 raise KVSimdValueError("end_step needs a plan of begin_step on this cache (without refill)")
-            self._need_current(plan)
+            self._need_current(plan, "end_step")
             for b in range(self.batch):
                 self._rot[b, plan.slots[b]] = 0
                 self._seen[b] += 1

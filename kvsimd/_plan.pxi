@@ -26,6 +26,7 @@ cdef class _Plan:
     cdef int64_t seq                    # prefill: the sequence
     cdef list saved                     # transaction records of begin_* (see _Tx)
     cdef int64_t gen                    # the owner's change count when the plan was made
+    cdef int64_t done                   # layers 0..done-1 have the rows' K/V written (end_* need all)
 
 
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
@@ -154,6 +155,8 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
                            rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
+        if lb == plan.done:
+            plan.done += 1
     finally:
         store._release()
     return 0

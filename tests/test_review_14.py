@@ -257,6 +257,69 @@ def local_plan_huge():
     _kvsimd._local_plan(2 ** 40, 4, 2, 8, d.rope, None, True)
 
 
+@case(r"end_step: the plan's K/V were written for 0 of the cache's 2 layers")
+def end_step_before_the_layers_ran():
+    # committed a token whose slot still held old contents (zeros, or a discarded token's K/V)
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(r"end_prefill: the plan's K/V were written for 1 of the cache's 2 layers")
+def end_prefill_after_one_layer():
+    from kvsimd import _kvsimd
+    d = _decoder(); c = _cache(d)
+    t = np.arange(1, 5, dtype=np.int64)
+    p = c.begin_prefill(0, t, rope=d.rope, n_heads=4)
+    full = d._packed.layers
+    one = _kvsimd.Layers(full.blocks[:1], d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, activation="silu",
+                         gated=full.gated, pre_norm=full.pre_norm, parallel_residual=full.parallel)
+    one.run(d._embed(t, p.embed_positions), p)
+    _refused_intact(c, lambda: c.end_prefill(p))
+
+
+def _holder(c, action=None):
+    """A thread that holds ``c`` (its claim) until released, then runs ``action`` under it."""
+    import threading
+    held, go = threading.Event(), threading.Event()
+
+    def body():
+        with c._claim():
+            held.set()
+            go.wait(30)
+            if action is not None:
+                action()
+    th = threading.Thread(target=body)
+    th.start()
+    assert held.wait(30)
+    return go, th
+
+
+@case(STALE)
+def layers_run_while_another_thread_steps_the_cache():
+    from kvsimd import KVSimdBusyError
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    go, th = _holder(c, lambda: c.end_step(_step(d, c, 7)))
+    try:
+        with pytest.raises(KVSimdBusyError, match="in use by thread"):
+            d._packed.layers.run(np.zeros((1, 32), np.float32), p)
+    finally:
+        go.set(); th.join()
+    assert c.tokens == [[1, 2, 3, 4, 7]]
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p))
+
+
+@case(r"in use by thread")
+def transaction_from_two_threads():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    go, th = _holder(c)
+    try:
+        _refused_intact(c, lambda: c.transaction().__enter__())
+    finally:
+        go.set(); th.join()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused(name, child_results):
     childcases.check(name, child_results, CASES)
@@ -278,3 +341,4 @@ def test_model_passes_unchanged():
     toks = [3, 1, 4, 1, 5, 9, 2, 6]
     logits = d.prefill(toks, cache=c, all_logits=True)
     assert_matches_reference(d, toks, logits)
+
