@@ -37,6 +37,8 @@ cdef class _KVStore:
     cdef int _depth
     cdef object _ws               # attention workspace kept between calls
     cdef int64_t _gen             # bumped by every change of what is committed (see _changed)
+    cdef int64_t _nplans          # plans made on this store (each plan's serial)
+    cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did)
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
         self._depth = 0
@@ -90,6 +92,9 @@ cdef class _KVStore:
         if ending is not None and plan.done < self.n_layers:
             raise KVSimdValueError("%s: the plan's K/V were written for %d of the cache's %d layers; run it through "
                                    "the layers (Layers.run) before committing it" % (ending, plan.done, self.n_layers))
+        if ending is not None and self._writer != plan.serial:
+            raise KVSimdValueError("%s: another plan (or write()) wrote K/V into this cache's uncommitted slots after "
+                                   "this one, so its slots no longer hold its tokens; make a new plan" % ending)
         return 0
 
     def __reduce__(self):
@@ -211,6 +216,7 @@ cdef class _KVStore:
                         to_float16(src[h], out=blk[h, t0:t0 + T])
                 else:
                     blk[:, t0:t0 + T] = src
+            self._writer = 0
 
     def commit(self, n, seq=0):
         """Make ``n`` written tokens of sequence ``seq`` part of the cache."""

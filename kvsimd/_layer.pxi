@@ -275,7 +275,19 @@ cdef class Layers:
                                   % type(cross).__name__)
         for b in self.blocks:
             (<Block>b).verify()      # arrays read by pointer: unchanged since packing (cheap)
-        return self._run(x, <_Plan>plan, store, cross)
+        # the caches are held for the whole pass (not only per layer): no other thread can run or
+        # commit a plan between two layers of this one
+        store._acquire()
+        try:
+            if cross is not None:
+                (<_KVStore>cross)._acquire()
+            try:
+                return self._run(x, <_Plan>plan, store, cross)
+            finally:
+                if cross is not None:
+                    (<_KVStore>cross)._release()
+        finally:
+            store._release()
 
     cdef object _run(self, cnp.ndarray x, _Plan plan, _KVStore store, _KVStore cross):
         cdef int64_t R = x.shape[0], d = self.d, HD = self.H * self.D, nq, n, l, i, r

@@ -27,6 +27,7 @@ cdef class _Plan:
     cdef list saved                     # transaction records of begin_* (see _Tx)
     cdef int64_t gen                    # the owner's change count when the plan was made
     cdef int64_t done                   # layers 0..done-1 have the rows' K/V written (end_* need all)
+    cdef int64_t serial                 # this plan's number on its store (see _KVStore._writer)
 
 
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
@@ -34,6 +35,8 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     cdef _Plan p = _Plan.__new__(_Plan)
     p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
     p.gen = (<_KVStore>store)._gen
+    (<_KVStore>store)._nplans += 1
+    p.serial = (<_KVStore>store)._nplans
     if H < 1 or H % Hkv or H > _MAX_HEADS:
         raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
     p.do_rope = rope is not None
@@ -125,6 +128,8 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     store._acquire()
     try:
         store._need_current(plan)     # checked under the claim: no thread can change the cache now
+        if store._writer != plan.serial:  # another plan wrote since: this one's earlier layers are gone
+            store._writer, plan.done = plan.serial, 0
         with nogil:
             # 1. every row's q/k rotated and k/v stored (an encoder row reads keys after its own)
             for r in range(R):

@@ -320,6 +320,80 @@ def transaction_from_two_threads():
         go.set(); th.join()
 
 
+OVERWRITTEN = r"another plan .*wrote .* after this one"
+
+
+@case(OVERWRITTEN)
+def end_step_after_another_plan_overwrote_its_slots():
+    # two plans of one state share the next slot: the one run last owns the K/V there, so
+    # ending the other committed token 7 with the K/V of token 5
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p7 = _step(d, c, 7)
+    _step(d, c, 5)
+    _refused_intact(c, lambda: c.end_step(p7))
+
+
+@case(OVERWRITTEN)
+def end_prefill_after_write_into_its_slots():
+    d = _decoder(); c = _cache(d); p0 = _prefill(d, c)
+    t = np.arange(1, 3, dtype=np.int64)
+    p = c.begin_prefill(0, t, rope=d.rope, n_heads=4)
+    d._packed.layers.run(d._embed(t, p.embed_positions), p)
+    z = np.zeros((2, 2, 8), np.float32)
+    c.write(1, z, z)
+    _refused_intact(c, lambda: c.end_prefill(p))
+
+
+class _Hooked(np.ndarray):
+    """A weight whose matrix products call ``hook`` first (a caller-supplied array subclass is the
+    one point where Python runs inside Layers.run)."""
+    hook = None
+
+    def __array_ufunc__(self, ufunc, method, *args, **kw):
+        if _Hooked.hook is not None:
+            h, _Hooked.hook = _Hooked.hook, None
+            h()
+        args = tuple(np.asarray(a) if isinstance(a, _Hooked) else a for a in args)
+        return getattr(ufunc, method)(*args, **kw)
+
+
+@case(r"in use by thread")
+def another_thread_commits_between_two_layers_of_a_run():
+    # Layers.run took the cache per layer only: between two layers another thread could run its
+    # own plan of the same slot and commit it, with this run's K/V in some layers
+    import threading
+    from kvsimd import _kvsimd
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    full = d._packed.layers
+    blocks = []
+    for i, b in enumerate(full.blocks):
+        qkv = b.qkv
+        if i == 1:
+            qkv = _kvsimd.Linear(qkv.w.a.view(_Hooked), None if qkv.b is None else qkv.b.a)
+        blocks.append(_kvsimd.Block(b.norm1, qkv, b.o, b.norm2, b.ffn_in, b.ffn_out))
+    hooked = _kvsimd.Layers(blocks, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, activation="silu",
+                            gated=full.gated, pre_norm=full.pre_norm, parallel_residual=full.parallel)
+    p5 = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    errors = []
+
+    def other():
+        try:
+            c.end_step(_step(d, c, 7))
+        except BaseException as e:
+            errors.append(e)
+
+    def hook():
+        th = threading.Thread(target=other)
+        th.start(); th.join()
+    _Hooked.hook = hook
+    hooked.run(d._embed(np.array([5]), p5.embed_positions), p5)
+    assert _Hooked.hook is None, "the hook did not run"
+    assert c.tokens == [[1, 2, 3, 4]], c.tokens
+    c.end_step(p5)
+    assert c.tokens == [[1, 2, 3, 4, 5]]
+    raise errors[0]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused(name, child_results):
     childcases.check(name, child_results, CASES)
