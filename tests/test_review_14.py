@@ -394,6 +394,19 @@ def another_thread_commits_between_two_layers_of_a_run():
     raise errors[0]
 
 
+@case(r"x overlaps layers\[0\]\..*: an output must not share memory")
+def layers_run_with_x_a_view_of_a_weight():
+    # x is updated in place: a view of a weight made the pass rewrite the model silently
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    w = d._packed.layers.blocks[0].o.w.a
+    before = w.copy()
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    try:
+        _refused_intact(c, lambda: d._packed.layers.run(w[1:2], p))
+    finally:
+        assert np.array_equal(w, before), "the weight was changed"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused(name, child_results):
     childcases.check(name, child_results, CASES)
