@@ -471,8 +471,8 @@ cdef class KVCache(_KVStore):
             p.slots[:] = _np.arange(start, start + T)
             p.kpos[:] = p.slots
             p.spos[:] = p.slots
-            p.embed_positions = p.kpos
-            p.tokens = tokens.copy()
+            p.embed_positions = _readonly(p.kpos)
+            p.tokens = _readonly(tokens.copy())
             _plan_ranges(p, [[(False, 0, start + t + 1, start + t)] for t in range(T)])
             _plan_tables(p)
             if self._tx is not None:
@@ -545,8 +545,8 @@ cdef class KVCache(_KVStore):
                     self._tx.save_cell(b, slot)
                     if self._policy == _P_SINK_QUERY and b in self._tx.rows:
                         self._tx.save_kv(b, slot, slot + 1)  # the oldest window token's K/V, overwritten now
-            p.embed_positions = p.spos if self._policy == _P_SINK_QUERY else p.kpos
-            p.tokens = tokens.copy()
+            p.embed_positions = _readonly(p.spos if self._policy == _P_SINK_QUERY else p.kpos)
+            p.tokens = _readonly(tokens.copy())
             _plan_ranges(p, per_row)
             _plan_tables(p)
             for b in range(B):
@@ -759,13 +759,13 @@ cdef class _Tx:
         if self.state != 1:
             raise KVSimdValueError("this transaction is not open (%s): __exit__ without its __enter__"
                                    % ("never entered" if self.state == 0 else "already exited"))
-        self.state = 2
         try:
             if self.outer:
-                c._tx = None
                 if exc_type is not None:
                     self.restore()
+                c._tx = None
         finally:
+            self.state = 2
             c._release()
         return False
 
@@ -786,7 +786,13 @@ cdef class _Tx:
 
     def restore(self):
         """Put everything back.  A Ctrl-C (SIGINT) arriving meanwhile is held until the cache is
-        whole again, then delivered as usual (main thread; Python runs signal handlers there)."""
+        whole again, then delivered as usual (main thread; Python runs signal handlers there).
+        Only an open outer transaction can be restored: a closed one's records no longer describe
+        the cache (later steps moved its ring and rotated its keys)."""
+        if self.state != 1 or not self.outer:
+            raise KVSimdValueError("restore() needs an open outer transaction, this one is %s"
+                                   % ("not entered yet" if self.state == 0 else "closed" if self.state == 2
+                                      else "nested in another (the outer one restores)"))
         held, old = [], None
         if _threading.current_thread() is _threading.main_thread() and _signal.getsignal(_signal.SIGINT) is not None:
             try:     # (None: a handler installed outside Python, left alone)

@@ -214,7 +214,7 @@ def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, ali
     p.slots[:] = _np.arange(T)
     p.kpos[:] = p.slots
     p.spos[:] = p.slots
-    p.embed_positions = p.kpos
+    p.embed_positions = _readonly(p.kpos)
     _plan_ranges(p, [[(False, 0, t + 1 if causal else T, t)] for t in range(T)])
     p.key_pos = None          # ALiBi: a key's position is its slot
     _plan_tables(p)

@@ -407,6 +407,32 @@ def layers_run_with_x_a_view_of_a_weight():
         assert np.array_equal(w, before), "the weight was changed"
 
 
+@case(r"restore\(\) needs an open outer transaction, this one is closed")
+def restore_of_a_closed_transaction():
+    # put the ring back to a state that later shift discards had rewritten (keys rotated since)
+    d = _decoder(); c = _cache(d, capacity=8, policy="shift", n_keep=2, n_discard=2); _prefill(d, c, 6)
+    t = c.transaction()
+    with t:
+        d.step([7], cache=c)
+    for tok in range(8, 14):
+        d.step([tok], cache=c)
+    _refused_intact(c, t.restore)
+
+
+@case(r"restore\(\) needs an open outer transaction, this one is not entered yet")
+def restore_of_a_transaction_never_entered():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    _refused_intact(c, c.transaction().restore)
+
+
+@case(r"restore\(\) needs an open outer transaction, this one is nested")
+def restore_of_a_nested_transaction():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    with c.transaction():
+        with c.transaction() as inner:
+            _refused_intact(c, inner.restore)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused(name, child_results):
     childcases.check(name, child_results, CASES)
@@ -429,3 +455,19 @@ def test_model_passes_unchanged():
     logits = d.prefill(toks, cache=c, all_logits=True)
     assert_matches_reference(d, toks, logits)
 
+
+
+def test_plan_tokens_and_positions_are_read_only():
+    """end_step records plan.tokens: a caller changing them made the cache's token list disagree
+    with its K/V (and "reevaluate" re-prefill the wrong ids)."""
+    from kvsimd import _kvsimd
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    q = c.begin_prefill(0, np.array([6], np.int64), rope=d.rope, n_heads=4)
+    lp = _kvsimd._local_plan(3, 4, 2, 8, d.rope, None, True)
+    for a in (p.tokens, p.embed_positions, q.tokens, q.embed_positions, lp.embed_positions):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 9
+    d._packed.layers.run(d._embed(np.array([5]), p.embed_positions), p)
+    c.end_step(p)
+    assert c.tokens == [[1, 2, 3, 4, 5]] and c.positions[0, 4] == 4
