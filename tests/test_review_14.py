@@ -433,6 +433,70 @@ def restore_of_a_nested_transaction():
             _refused_intact(c, inner.restore)
 
 
+# ---------------------------------------------------------------- refused already (kept as regressions)
+@case(STALE)
+def plan_begun_outside_a_transaction_that_rolls_back():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    p = _step(d, c)
+    try:
+        with c.transaction():
+            c.end_step(p)
+            raise RuntimeError("the caller's failure")
+    except RuntimeError:
+        pass
+    assert c.tokens == [[1, 2, 3, 4]]
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+@case(r"tokens must have dtype int64, got float64")
+def begin_step_float_tokens():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    _refused_intact(c, lambda: c.begin_step(np.array([5.0]), rope=d.rope, n_heads=4))
+
+
+@case(r"tokens must be 1-D \[batch\], got shape \(1, 1\)")
+def begin_step_2d_tokens():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    _refused_intact(c, lambda: c.begin_step(np.array([[5]]), rope=d.rope, n_heads=4))
+
+
+@case(r"rope is for head_dim 16, the cache has 8")
+def begin_step_rope_of_another_head_dim():
+    from kvsimd import _kvsimd
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    _refused_intact(c, lambda: c.begin_step(np.array([5]), rope=_kvsimd.RopeSpec(10000.0, "neox", 16, 16), n_heads=4))
+
+
+@case(r"has wrapped its ring buffer")
+def begin_prefill_after_a_wrap():
+    d = _decoder(); c = _cache(d, capacity=8, policy="sink_query", n_keep=2); _prefill(d, c, 8)
+    d.step([9], cache=c)
+    _refused_intact(c, lambda: c.begin_prefill(0, np.array([1], np.int64), rope=d.rope, n_heads=4))
+
+
+@case(r"slots \[4611686018427387904\] outside 0\.\.15")
+def step_plan_extreme_slot():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    big, one = np.array([2 ** 62], np.int64), np.array([4], np.int64)
+    _refused_intact(c, lambda: c.step_plan(32, big, one, one, [[(False, 0, 5, 4)]]))
+
+
+@case(r"keys 0\.\.4611686018427387904 must be non-empty and within 0\.\.16")
+def step_plan_extreme_range():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    one = np.array([4], np.int64)
+    _refused_intact(c, lambda: c.step_plan(32, one, one, one, [[(False, 0, 2 ** 62, 4)]]))
+
+
+@case(r"changed in place after the model packed it")
+def layers_run_after_a_weight_was_resized():
+    d = _decoder(); c = _cache(d); _prefill(d, c)
+    w = d._packed.layers.blocks[1].ffn_out.w.a
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    w.resize((w.shape[0] * 2, w.shape[1]), refcheck=False)
+    _refused_intact(c, lambda: d._packed.layers.run(np.zeros((1, 32), np.float32), p))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_refused(name, child_results):
     childcases.check(name, child_results, CASES)
