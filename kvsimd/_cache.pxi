@@ -38,10 +38,11 @@ cdef class _KVStore:
     cdef object _ws               # attention workspace kept between calls
     cdef int64_t _gen             # bumped by every change of what is committed (see _changed)
     cdef int64_t _nplans          # plans made on this store (each plan's serial)
-    cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did)
+    cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did; -1: nothing yet)
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
         self._depth = 0
+        self._writer = -1
         self._owner = 0
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
         cdef int64_t hd = _need_int(head_dim, "head_dim", 1, KV_MAX_HEAD_DIM)
@@ -82,18 +83,22 @@ cdef class _KVStore:
 
     cdef int _need_current(self, _Plan plan, str ending=None) except -1:
         """Refuse a stale plan; with ``ending`` (end_step / end_prefill) also one whose K/V were
-        not written for every layer (committing it would make slots of old contents visible)."""
+        not written for every layer, or were overwritten by another plan since (committing it would
+        make slots of other contents visible).  K/V the caller stored with write() after the plan
+        was made count as the plan's (the low-level way: begin_prefill, write, end_prefill)."""
         if plan.gen != self._gen:
             raise KVSimdValueError("stale plan: the cache changed since %s made it (a commit, reset, discard, shift or "
                                    "rollback came in between); make a new plan"
                                    % ("begin_step" if plan.kind == 0 and not plan.explicit else
                                       "step_plan" if plan.kind == 0 else "begin_prefill" if plan.kind == 1
                                       else "_local_plan"))
-        if ending is not None and plan.done < self.n_layers:
+        if ending is None or self._writer == 0:
+            return 0
+        if plan.done < self.n_layers and (self._writer == plan.serial or plan.done == 0):
             raise KVSimdValueError("%s: the plan's K/V were written for %d of the cache's %d layers; run it through "
                                    "the layers (Layers.run) before committing it" % (ending, plan.done, self.n_layers))
-        if ending is not None and self._writer != plan.serial:
-            raise KVSimdValueError("%s: another plan (or write()) wrote K/V into this cache's uncommitted slots after "
+        if self._writer != plan.serial:
+            raise KVSimdValueError("%s: another plan wrote K/V into this cache's uncommitted slots after "
                                    "this one, so its slots no longer hold its tokens; make a new plan" % ending)
         return 0
 

@@ -36,6 +36,8 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
     p.gen = (<_KVStore>store)._gen
     (<_KVStore>store)._nplans += 1
+    if (<_KVStore>store)._writer == 0:       # write()s before this plan are not its K/V
+        (<_KVStore>store)._writer = -1
     p.serial = (<_KVStore>store)._nplans
     if H < 1 or H % Hkv or H > _MAX_HEADS:
         raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))

@@ -333,15 +333,34 @@ def end_step_after_another_plan_overwrote_its_slots():
     _refused_intact(c, lambda: c.end_step(p7))
 
 
-@case(OVERWRITTEN)
-def end_prefill_after_write_into_its_slots():
-    d = _decoder(); c = _cache(d); p0 = _prefill(d, c)
-    t = np.arange(1, 3, dtype=np.int64)
-    p = c.begin_prefill(0, t, rope=d.rope, n_heads=4)
-    d._packed.layers.run(d._embed(t, p.embed_positions), p)
-    z = np.zeros((2, 2, 8), np.float32)
-    c.write(1, z, z)
-    _refused_intact(c, lambda: c.end_prefill(p))
+@case(r"end_step: the plan's K/V were written for 0 of the cache's 2 layers")
+def end_step_unrun_after_a_write_before_the_plan():
+    # K/V stored with write() count as a plan's only when written after the plan was made
+    d = _decoder(); c = _cache(d)
+    z = np.ones((2, 4, 8), np.float32)
+    for layer in range(2):
+        c.write(layer, z, z)
+    c.commit(4)
+    p = c.begin_step(np.array([5], np.int64), rope=d.rope, n_heads=4)
+    _refused_intact(c, lambda: c.end_step(p))
+
+
+def test_prefill_plan_filled_with_write_is_accepted():
+    """The low-level way (kvsimd.bench.streaming): a prefill plan's bookkeeping, K/V the caller
+    stores with write(), end_prefill."""
+    d = _decoder(); c = _cache(d, dtype="float32")
+    rng = np.random.default_rng(3)
+    kv = [(rng.standard_normal((2, 5, 8)).astype(np.float32), rng.standard_normal((2, 5, 8)).astype(np.float32))
+          for _ in range(2)]
+    p = c.begin_prefill(0, np.arange(1, 6, dtype=np.int64), rope=d.rope, n_heads=4)
+    for layer, (k, v) in enumerate(kv):
+        c.write(layer, k, v)
+    c.end_prefill(p)
+    assert c.tokens == [[1, 2, 3, 4, 5]]
+    for layer, (k, v) in enumerate(kv):
+        assert np.array_equal(c.keys(layer), k) and np.array_equal(c.values(layer), v)
+    d.step([6], cache=c)
+    assert c.length(0) == 6
 
 
 class _Hooked(np.ndarray):
