@@ -36,9 +36,13 @@ cdef class _KVStore:
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
     cdef object _ws               # attention workspace kept between calls
+    cdef int64_t _gen             # bumped by every change of what is committed (see _changed)
+    cdef int64_t _nplans          # plans made on this store (each plan's serial)
+    cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did; -1: nothing yet)
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
         self._depth = 0
+        self._writer = -1
         self._owner = 0
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
         cdef int64_t hd = _need_int(head_dim, "head_dim", 1, KV_MAX_HEAD_DIM)
@@ -70,6 +74,33 @@ cdef class _KVStore:
 
     def __dealloc__(self):
         kv_cache_destroy(&self.c)
+
+    cdef inline void _changed(self) noexcept:
+        """Every change of the committed tokens or their bookkeeping (commit, forget, reset, a
+        policy's discard, a shift, a rollback) calls this: a plan records the count when it is made
+        and is refused once it differs (a stale plan's slots, ranges and positions are wrong)."""
+        self._gen += 1
+
+    cdef int _need_current(self, _Plan plan, str ending=None) except -1:
+        """Refuse a stale plan; with ``ending`` (end_step / end_prefill) also one whose K/V were
+        not written for every layer, or were overwritten by another plan since (committing it would
+        make slots of other contents visible).  K/V the caller stored with write() after the plan
+        was made count as the plan's (the low-level way: begin_prefill, write, end_prefill)."""
+        if plan.gen != self._gen:
+            raise KVSimdValueError("stale plan: the cache changed since %s made it (a commit, reset, discard, shift or "
+                                   "rollback came in between); make a new plan"
+                                   % ("begin_step" if plan.kind == 0 and not plan.explicit else
+                                      "step_plan" if plan.kind == 0 else "begin_prefill" if plan.kind == 1
+                                      else "_local_plan"))
+        if ending is None or self._writer == 0:
+            return 0
+        if plan.done < self.n_layers and (self._writer == plan.serial or plan.done == 0):
+            raise KVSimdValueError("%s: the plan's K/V were written for %d of the cache's %d layers; run it through "
+                                   "the layers (Layers.run) before committing it" % (ending, plan.done, self.n_layers))
+        if self._writer != plan.serial:
+            raise KVSimdValueError("%s: another plan wrote K/V into this cache's uncommitted slots after "
+                                   "this one, so its slots no longer hold its tokens; make a new plan" % ending)
+        return 0
 
     def __reduce__(self):
         raise KVSimdTypeError("a %s cannot be pickled or copied (it owns C memory); make a new cache and "
@@ -190,6 +221,7 @@ cdef class _KVStore:
                         to_float16(src[h], out=blk[h, t0:t0 + T])
                 else:
                     blk[:, t0:t0 + T] = src
+            self._writer = 0
 
     def commit(self, n, seq=0):
         """Make ``n`` written tokens of sequence ``seq`` part of the cache."""
@@ -200,6 +232,7 @@ cdef class _KVStore:
                 raise KVSimdCapacityError("cannot commit %d tokens: sequence %d holds %d of %d"
                                           % (n, s, self._lengths[s], self.capacity))
             self._lengths[s] += n
+            self._changed()
 
     def _forget(self, seq, n):
         """Drop n tokens from the count of sequence seq (the ring policies free their slots)."""
@@ -209,6 +242,7 @@ cdef class _KVStore:
             if not 0 <= n <= self._lengths[s]:
                 raise KVSimdValueError("cannot forget %d of %d tokens" % (n, self._lengths[s]))
             self._lengths[s] -= n
+            self._changed()
 
     def reset(self, seq=None):
         """Forget the tokens of one sequence (or of all)."""
@@ -217,6 +251,7 @@ cdef class _KVStore:
                 self._lengths[:] = 0
             else:
                 self._lengths[self._seq(seq)] = 0
+            self._changed()
 
     cdef tuple _storage(self):
         """(address, nbytes) of the C block, for overlap checks."""
@@ -409,6 +444,7 @@ cdef class KVCache(_KVStore):
                 self._pos[s] = 0
                 self._rot[s] = 0
                 self._tokens[s] = []
+            self._changed()
 
     def transaction(self):
         """Context manager: everything the cache's bookkeeping and storage go through inside it is
@@ -440,8 +476,8 @@ cdef class KVCache(_KVStore):
             p.slots[:] = _np.arange(start, start + T)
             p.kpos[:] = p.slots
             p.spos[:] = p.slots
-            p.embed_positions = p.kpos
-            p.tokens = tokens.copy()
+            p.embed_positions = _readonly(p.kpos)
+            p.tokens = _readonly(tokens.copy())
             _plan_ranges(p, [[(False, 0, start + t + 1, start + t)] for t in range(T)])
             _plan_tables(p)
             if self._tx is not None:
@@ -455,6 +491,7 @@ cdef class KVCache(_KVStore):
         with self._claim():
             if plan.owner is not self or plan.kind != 1:
                 raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
+            self._need_current(plan, "end_prefill")
             s, T = plan.seq, plan.R
             self.commit(T, seq=s)
             self._seen[s] += T
@@ -513,8 +550,8 @@ cdef class KVCache(_KVStore):
                     self._tx.save_cell(b, slot)
                     if self._policy == _P_SINK_QUERY and b in self._tx.rows:
                         self._tx.save_kv(b, slot, slot + 1)  # the oldest window token's K/V, overwritten now
-            p.embed_positions = p.spos if self._policy == _P_SINK_QUERY else p.kpos
-            p.tokens = tokens.copy()
+            p.embed_positions = _readonly(p.spos if self._policy == _P_SINK_QUERY else p.kpos)
+            p.tokens = _readonly(tokens.copy())
             _plan_ranges(p, per_row)
             _plan_tables(p)
             for b in range(B):
@@ -528,11 +565,13 @@ cdef class KVCache(_KVStore):
         with self._claim():
             if plan.owner is not self or plan.kind != 0 or plan.refill or plan.explicit:
                 raise KVSimdValueError("end_step needs a plan of begin_step on this cache (without refill)")
+            self._need_current(plan, "end_step")
             for b in range(self.batch):
                 self._rot[b, plan.slots[b]] = 0
                 self._seen[b] += 1
                 self._tokens[b].append(int(plan.tokens[b]))
                 self._lengths[b] += 1
+            self._changed()
 
     # ------------------------------------------------------------------ explicit plans
     def step_plan(self, HD, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None,
@@ -634,6 +673,7 @@ cdef class KVCache(_KVStore):
         self._head[b] = keep_start
         self._lengths[b] -= nd
         del self._tokens[b][nk:nk + nd]
+        self._changed()
         return 0
 
     cdef int _discard_sink_query(self, int64_t b) except -1:
@@ -644,6 +684,7 @@ cdef class KVCache(_KVStore):
         self._head[b] = nk + (self._head[b] - nk + 1) % W
         self._lengths[b] -= 1
         del self._tokens[b][nk]
+        self._changed()
         return 0
 
     cdef int _shift(self, int64_t s, int64_t t0, int64_t t1, int64_t delta, RopeSpec rope) except -1:
@@ -667,6 +708,7 @@ cdef class KVCache(_KVStore):
             if not 0 <= c0 <= c1 <= self.capacity:
                 raise KVSimdValueError("slot range t0..t1 = %d..%d outside 0..%d" % (c0, c1, self.capacity))
             self._shift(s, c0, c1, _need_pos(delta, "delta"), RopeSpec(theta, style, rotary_dim, self.head_dim))
+            self._changed()
 
 
 cdef class CrossAttentionCache(_KVStore):
@@ -697,13 +739,18 @@ cdef class _Tx:
     discard, i.e. every ``n_discard`` steps), only the overwritten slot under "sink_query"."""
     cdef KVCache cache
     cdef bint outer
+    cdef int state                  # 0 not entered yet, 1 open, 2 exited: one use per object
     cdef object lengths, head, seen
     cdef list ntok, cells, kv
     cdef readonly dict rows
 
     def __enter__(self):
         c = self.cache
+        if self.state != 0:
+            raise KVSimdValueError("this transaction object is already %s: call cache.transaction() for each "
+                                   "with-block (nested ones join the outer)" % ("open" if self.state == 1 else "used"))
         c._acquire()
+        self.state = 1
         self.outer = c._tx is None
         if self.outer:
             self.lengths, self.head, self.seen = c._lengths.copy(), c._head.copy(), c._seen.copy()
@@ -714,12 +761,16 @@ cdef class _Tx:
 
     def __exit__(self, exc_type, exc, tb):
         c = self.cache
+        if self.state != 1:
+            raise KVSimdValueError("this transaction is not open (%s): __exit__ without its __enter__"
+                                   % ("never entered" if self.state == 0 else "already exited"))
         try:
             if self.outer:
-                c._tx = None
                 if exc_type is not None:
                     self.restore()
+                c._tx = None
         finally:
+            self.state = 2
             c._release()
         return False
 
@@ -740,7 +791,13 @@ cdef class _Tx:
 
     def restore(self):
         """Put everything back.  A Ctrl-C (SIGINT) arriving meanwhile is held until the cache is
-        whole again, then delivered as usual (main thread; Python runs signal handlers there)."""
+        whole again, then delivered as usual (main thread; Python runs signal handlers there).
+        Only an open outer transaction can be restored: a closed one's records no longer describe
+        the cache (later steps moved its ring and rotated its keys)."""
+        if self.state != 1 or not self.outer:
+            raise KVSimdValueError("restore() needs an open outer transaction, this one is %s"
+                                   % ("not entered yet" if self.state == 0 else "closed" if self.state == 2
+                                      else "nested in another (the outer one restores)"))
         held, old = [], None
         if _threading.current_thread() is _threading.main_thread() and _signal.getsignal(_signal.SIGINT) is not None:
             try:     # (None: a handler installed outside Python, left alone)
@@ -766,3 +823,4 @@ cdef class _Tx:
         for b in range(c.batch):
             del c._tokens[b][self.ntok[b]:]
         c._head[:], c._seen[:], c._lengths[:] = self.head, self.seen, self.lengths
+        c._changed()

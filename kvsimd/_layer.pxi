@@ -199,6 +199,8 @@ cdef class Layers:
     cdef readonly int64_t d, H, Hkv, D
     cdef readonly bint pre_norm, parallel, gated, cross
     cdef int act
+    cdef object _wr                 # int64 [n, 2]: every weight's bytes [start, end), for run's overlap check
+    cdef list _wn                   # their names
 
     def __cinit__(self, blocks, *, int64_t d_model, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                   activation, bint gated, bint pre_norm, bint parallel_residual):
@@ -217,6 +219,19 @@ cdef class Layers:
                                    % (d_model, n_heads, n_kv_heads, head_dim))
         for b in self.blocks:
             self._check_block(<Block>b)
+        cdef _Weight w
+        spans, self._wn = [], []
+        for b in self.blocks:
+            for part in ((<Block>b).norm1, (<Block>b).norm2, (<Block>b).norm_cross, (<Block>b).qkv, (<Block>b).o,
+                         (<Block>b).ffn_in, (<Block>b).ffn_out, (<Block>b).cross_q, (<Block>b).cross_o,
+                         (<Block>b).cross_kv):
+                if part is None:
+                    continue
+                for w in ((<_Parameters>part).w, (<_Parameters>part).b):
+                    if w is not None:
+                        spans.append((<size_t>w.data, <size_t>w.data + <size_t>w.a.nbytes))
+                        self._wn.append(w.name)
+        self._wr = _np.array(spans, dtype=_np.uint64).reshape(-1, 2)
 
     cdef int _check_block(self, Block b) except -1:
         """Every part's width against the stack's: the compiled pass reads them by pointer with
@@ -268,10 +283,38 @@ cdef class Layers:
                 raise KVSimdTypeError("cross must be a CrossAttentionCache, got %s" % type(cross).__name__)
             if (<_KVStore>cross).n_kv_heads != self.Hkv or (<_KVStore>cross).head_dim != self.D \
                     or (<_KVStore>cross).n_layers < len(self.blocks):
-                raise KVSimdValueError("cross cache shape does not fit the layers")
+                raise KVSimdValueError("cross must have at least %d layers of %d KV heads of %d, got %r"
+                                       % (len(self.blocks), self.Hkv, self.D, cross))
+        elif cross is not None:
+            raise KVSimdTypeError("cross must be None for layers without cross-attention, got %s"
+                                  % type(cross).__name__)
         for b in self.blocks:
             (<Block>b).verify()      # arrays read by pointer: unchanged since packing (cheap)
-        return self._run(x, <_Plan>plan, store, cross)
+        self._need_x_apart(x)
+        # the caches are held for the whole pass (not only per layer): no other thread can run or
+        # commit a plan between two layers of this one
+        store._acquire()
+        try:
+            if cross is not None:
+                (<_KVStore>cross)._acquire()
+            try:
+                return self._run(x, <_Plan>plan, store, cross)
+            finally:
+                if cross is not None:
+                    (<_KVStore>cross)._release()
+        finally:
+            store._release()
+
+    cdef int _need_x_apart(self, x) except -1:
+        """x is updated in place: refuse one that shares bytes with a weight (the pass would
+        rewrite the model).  A C loop over the spans recorded at packing, which verify() keeps valid."""
+        cdef const uint64_t *sp = <const uint64_t *>_ptr(self._wr)
+        cdef uint64_t x0 = _addr(x), x1 = x0 + <uint64_t>x.nbytes
+        cdef Py_ssize_t i, n = self._wr.shape[0]
+        for i in range(n):
+            if sp[2 * i] < x1 and x0 < sp[2 * i + 1]:
+                _need_no_overlap(x, "x", ((self._wn[i], (sp[2 * i], sp[2 * i + 1] - sp[2 * i])),))
+        return 0
 
     cdef object _run(self, cnp.ndarray x, _Plan plan, _KVStore store, _KVStore cross):
         cdef int64_t R = x.shape[0], d = self.d, HD = self.H * self.D, nq, n, l, i, r

@@ -25,12 +25,20 @@ cdef class _Plan:
     cdef int nt
     cdef int64_t seq                    # prefill: the sequence
     cdef list saved                     # transaction records of begin_* (see _Tx)
+    cdef int64_t gen                    # the owner's change count when the plan was made
+    cdef int64_t done                   # layers 0..done-1 have the rows' K/V written (end_* need all)
+    cdef int64_t serial                 # this plan's number on its store (see _KVStore._writer)
 
 
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
                      alibi_slopes):
     cdef _Plan p = _Plan.__new__(_Plan)
     p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
+    p.gen = (<_KVStore>store)._gen
+    (<_KVStore>store)._nplans += 1
+    if (<_KVStore>store)._writer == 0:       # write()s before this plan are not its K/V
+        (<_KVStore>store)._writer = -1
+    p.serial = (<_KVStore>store)._nplans
     if H < 1 or H % Hkv or H > _MAX_HEADS:
         raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
     p.do_rope = rope is not None
@@ -121,6 +129,9 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef kv_rope_style st = plan.st
     store._acquire()
     try:
+        store._need_current(plan)     # checked under the claim: no thread can change the cache now
+        if store._writer != plan.serial:  # another plan wrote since: this one's earlier layers are gone
+            store._writer, plan.done = plan.serial, 0
         with nogil:
             # 1. every row's q/k rotated and k/v stored (an encoder row reads keys after its own)
             for r in range(R):
@@ -151,6 +162,8 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
                            rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
+        if lb == plan.done:
+            plan.done += 1
     finally:
         store._release()
     return 0
@@ -194,6 +207,8 @@ def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, ali
     """The plan of a pass without a cache (an encoder, or the uncached decoder forward): the T
     rows' K/V go to a scratch float32 store reused by every layer; row t reads keys 0..t
     (causal) or all T."""
+    if not 1 <= T <= KV_MAX_TOKENS:
+        raise KVSimdValueError("T (rows of the pass) must be in 1..%d, got %d" % (KV_MAX_TOKENS, T))
     cdef _KVStore scratch = _KVStore(1, Hkv, D, T, dtype="float32")
     cdef _Plan p = _new_plan(scratch, 2, T, H, Hkv, D, rope, alibi_slopes)
     cdef int64_t t
@@ -201,7 +216,7 @@ def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, ali
     p.slots[:] = _np.arange(T)
     p.kpos[:] = p.slots
     p.spos[:] = p.slots
-    p.embed_positions = p.kpos
+    p.embed_positions = _readonly(p.kpos)
     _plan_ranges(p, [[(False, 0, t + 1 if causal else T, t)] for t in range(T)])
     p.key_pos = None          # ALiBi: a key's position is its slot
     _plan_tables(p)
