@@ -478,7 +478,7 @@ cdef class KVCache(_KVStore):
             p.spos[:] = p.slots
             p.embed_positions = _readonly(p.kpos)
             p.tokens = _readonly(tokens.copy())
-            _plan_ranges(p, [[(False, 0, start + t + 1, start + t)] for t in range(T)])
+            _plan_prefix(p, p.slots + 1, p.slots)
             _plan_tables(p)
             if self._tx is not None:
                 self._tx.save_row(s)

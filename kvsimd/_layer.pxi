@@ -316,6 +316,31 @@ cdef class Layers:
                 _need_no_overlap(x, "x", ((self._wn[i], (sp[2 * i], sp[2 * i + 1] - sp[2 * i])),))
         return 0
 
+    cdef int _project(self, Norm norm, Linear lin, cnp.ndarray x, cnp.ndarray h, out) except -1:
+        """out = lin(norm(x)) before a pre-norm sublayer, lin(x) before a post-norm one (h: scratch)."""
+        cdef int64_t R = x.shape[0]
+        cdef float *hp = <float *>_ptr(h)
+        cdef const float *xp = <const float *>_ptr(x)
+        if self.pre_norm:
+            with nogil:
+                norm.run(hp, xp, R)
+            lin.apply(h, out)
+        else:
+            lin.apply(x, out)
+        return 0
+
+    cdef void _residual(self, float *x, const float *a, const float *b, Norm norm, int64_t R) noexcept nogil:
+        """x += a (+ b), then x = norm(x) after a post-norm sublayer."""
+        cdef int64_t i, n = R * self.d
+        if b != NULL:
+            for i in range(n):
+                x[i] += a[i] + b[i]
+        else:
+            for i in range(n):
+                x[i] += a[i]
+        if not self.pre_norm:
+            norm.run(x, x, R)
+
     cdef object _run(self, cnp.ndarray x, _Plan plan, _KVStore store, _KVStore cross):
         cdef int64_t R = x.shape[0], d = self.d, HD = self.H * self.D, nq, n, l, i, r
         cdef int64_t width = HD + 2 * self.Hkv * self.D
@@ -327,54 +352,32 @@ cdef class Layers:
         qkv = _np.empty((R, width), _np.float32)
         cq = _np.empty((R, HD), _np.float32) if cross is not None else None
         cdef float *xp = <float *>_ptr(x)
-        cdef float *hp = <float *>_ptr(h)
         cdef float *ap = <float *>_ptr(a)
         cdef float *fp = <float *>_ptr(f)
         cdef float *gp
         cdef float *up
         cdef const int64_t *seqs = <const int64_t *>_ptr(plan.seqs)
-        cdef bint pre = self.pre_norm, par = self.parallel, gated = self.gated
+        cdef bint par = self.parallel, gated = self.gated
         cdef int kind = self.act
         for l in range(len(self.blocks)):
             blk = self.blocks[l]
             # self-attention
-            if pre:
-                with nogil:
-                    blk.norm1.run(hp, xp, R)
-                blk.qkv.apply(h, qkv)
-            else:
-                blk.qkv.apply(x, qkv)
+            self._project(blk.norm1, blk.qkv, x, h, qkv)
             _attend_rows(plan, store, l, <float *>_ptr(qkv), width, <float *>_ptr(att))
             blk.o.apply(att, a)
-            if not par:
+            if not par:       # (parallel residual: attention and FFN are both added at the end)
                 with nogil:
-                    for i in range(R * d):
-                        xp[i] += ap[i]
-                    if not pre:
-                        blk.norm1.run(xp, xp, R)
+                    self._residual(xp, ap, NULL, blk.norm1, R)
             # cross-attention
             if cross is not None:
-                if pre:
-                    with nogil:
-                        blk.norm_cross.run(hp, xp, R)
-                    blk.cross_q.apply(h, cq)
-                else:
-                    blk.cross_q.apply(x, cq)
+                self._project(blk.norm_cross, blk.cross_q, x, h, cq)
                 _attend_cross(cross, l, seqs, R, <float *>_ptr(cq), self.H, <float *>_ptr(att))
                 blk.cross_o.apply(att, a)
                 with nogil:
-                    for i in range(R * d):
-                        xp[i] += ap[i]
-                    if not pre:
-                        blk.norm_cross.run(xp, xp, R)
+                    self._residual(xp, ap, NULL, blk.norm_cross, R)
             # feed-forward
             g = _np.empty((R, blk.ffn_in.n_out), _np.float32)
-            if pre:
-                with nogil:
-                    blk.norm2.run(hp, xp, R)
-                blk.ffn_in.apply(h, g)
-            else:
-                blk.ffn_in.apply(x, g)
+            self._project(blk.norm2, blk.ffn_in, x, h, g)
             gp = <float *>_ptr(g)
             n = blk.ffn_out.n_in
             u = _np.empty((R, n), _np.float32)
@@ -388,11 +391,7 @@ cdef class Layers:
             blk.ffn_out.apply(u, f)
             with nogil:
                 if par:
-                    for i in range(R * d):
-                        xp[i] += ap[i] + fp[i]
+                    self._residual(xp, ap, fp, blk.norm2, R)
                 else:
-                    for i in range(R * d):
-                        xp[i] += fp[i]
-                    if not pre:
-                        blk.norm2.run(xp, xp, R)
+                    self._residual(xp, fp, NULL, blk.norm2, R)
         return x

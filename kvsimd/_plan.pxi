@@ -81,6 +81,17 @@ cdef int _plan_ranges(_Plan p, list per_row) except -1:
     return 0
 
 
+cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
+    """Row r reads keys 0..t1[r]-1 as one range at query position qpos[r] (a prefill chunk, a
+    local pass): the table _plan_ranges would build, without a Python object per row."""
+    p.nrmax = 1
+    p.rng = _np.zeros((p.R, 1, 4), dtype=_np.int64)
+    p.rng[:, 0, 2] = t1
+    p.rng[:, 0, 3] = qpos
+    p.nr = _np.ones(p.R, dtype=_np.int64)
+    return 0
+
+
 cdef int _plan_tables(_Plan p) except -1:
     """RoPE tables of every row's positions ([r][key position | sink position]) and the scratch."""
     cdef int64_t r
@@ -217,7 +228,7 @@ def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, ali
     p.kpos[:] = p.slots
     p.spos[:] = p.slots
     p.embed_positions = _readonly(p.kpos)
-    _plan_ranges(p, [[(False, 0, t + 1 if causal else T, t)] for t in range(T)])
+    _plan_prefix(p, p.slots + 1 if causal else T, p.slots)
     p.key_pos = None          # ALiBi: a key's position is its slot
     _plan_tables(p)
     return p
