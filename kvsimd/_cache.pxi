@@ -520,7 +520,7 @@ cdef class KVCache(_KVStore):
             for b in range(B):
                 if lengths[b] == C:
                     if self._policy == _P_REEVALUATE:
-                        refill[b] = self._discard_reevaluate(b)
+                        refill[b] = tuple(self._discard_reevaluate(b))
                     elif self._policy == _P_SHIFT:
                         self._discard_shift(b, rope)
                     elif self._policy == _P_SINK_QUERY:
@@ -529,7 +529,7 @@ cdef class KVCache(_KVStore):
                         raise KVSimdCapacityError("cache full: sequence %d holds %d tokens" % (b, C))
             p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes)
             if refill:
-                p.refill = refill
+                p.refill = _MappingProxyType(refill)
                 return p
             per_row = []
             for b in range(B):

@@ -1,6 +1,6 @@
 # Stubs of kvsimd's compiled core (kvsimd/_kvsimd.pyx and its .pxi files).  Checked against the
 # built module by tests/test_stubs.py (python -m mypy.stubtest).
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, TextIO, Tuple, Union
+from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 from typing_extensions import Self, disjoint_base
 
@@ -56,7 +56,7 @@ class _Plan:
     rd: int
     owner: Any
     embed_positions: Any
-    refill: Dict[int, List[int]]
+    refill: Mapping[int, Tuple[int, ...]]
     tokens: Any
     kind: int
     explicit: bool

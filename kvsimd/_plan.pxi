@@ -8,12 +8,17 @@
 # _attend_rows, with no Python object touched per row or head.
 
 
+from types import MappingProxyType as _MappingProxyType
+
+_NO_REFILL = _MappingProxyType({})
+
+
 cdef class _Plan:
     """One forward pass's attention rows (see the header of this file).  Read-only to Python."""
     cdef readonly int64_t R, H, HD, nrmax, rd
     cdef readonly object owner          # the store the rows' K/V go to
     cdef readonly object embed_positions
-    cdef readonly dict refill           # reevaluate: sequence -> token ids to prefill first
+    cdef readonly object refill         # reevaluate: sequence -> token ids to prefill first (read-only)
     cdef readonly object tokens
     cdef readonly int kind              # 0 decode step, 1 prefill chunk, 2 local (encoder / uncached)
     cdef object seqs, slots, kpos, spos, two, rng, nr, cs, alibi, key_pos, ws, qs
@@ -55,7 +60,7 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     p.spos = _np.zeros(R, _np.int64)
     p.two = _np.zeros(R, _np.int64)
     p.nr = _np.zeros(R, _np.int64)
-    p.refill = {}
+    p.refill = _NO_REFILL
     p.saved = []
     return p
 

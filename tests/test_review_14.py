@@ -554,3 +554,19 @@ def test_plan_tokens_and_positions_are_read_only():
     d._packed.layers.run(d._embed(np.array([5]), p.embed_positions), p)
     c.end_step(p)
     assert c.tokens == [[1, 2, 3, 4, 5]] and c.positions[0, 4] == 4
+
+
+def test_reevaluate_refill_is_read_only():
+    """plan.refill says which tokens the caller must prefill again: the caller cannot edit it
+    (a changed list would re-prefill other tokens than the cache dropped)."""
+    from test_streaming import random_decoder
+    d = random_decoder(n_layers=1)
+    cache = d.new_cache(capacity=6, policy="reevaluate", n_keep=1, n_discard=2)
+    d.prefill([1, 2, 3, 4, 5, 6], cache=cache)
+    with cache.transaction():
+        plan = cache.begin_step(np.array([7], np.int64), rope=d.rope, n_heads=d.cfg.n_heads)
+        assert dict(plan.refill) == {0: (1, 4, 5, 6)}
+        with pytest.raises(TypeError):
+            plan.refill[0] = (1,)
+        with pytest.raises(AttributeError):
+            plan.refill[0].append(9)
