@@ -107,7 +107,7 @@ cdef int _plan_tables(_Plan p) except -1:
             if p.two[r]:
                 kv_rope_table(<float *>_ptr(p.cs) + (2 * r + 1) * p.rd, <double>p.spos[r], p.theta, p.rd // 2, p.rd)
     p.qs = _np.empty((<object>p.R, <object>p.HD) if p.two.any() else (1, 1), dtype=_np.float32)
-    p.ws = _workspace(p.H, p.owner.n_kv_heads, p.owner.head_dim, p.nt)
+    p.ws = (<_KVStore>p.owner)._scratch(p.H, p.nt)     # the store's workspace, reused step after step
     return 0
 
 

@@ -65,13 +65,12 @@ class _Stack:
         if cfg.position == "sinusoidal" and self.pos_embed is None:
             self.pos_embed = sinusoidal_table(min(cfg.max_positions, 1 << 16), cfg.d_model)
         self.embed_norm = embed_norm
-        self.slopes = alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None
         if self._VALID_AT_INIT:    # (EncoderDecoder: once its encoder half is set)
             self._ensure_valid()
 
     # ------------------------------------------------------------------ validation
     # Assigning any weight or config attribute (here, or on a ModelConfig / weights object) bumps
-    # layers.weights_generation(); the next prefill/step/generate then validates the model again.
+    # nn.config.weights_generation(); the next prefill/step/generate validates and packs the model again.
     _UNTRACKED = frozenset(("tokenizer", "source", "_valid", "_packed"))
 
     def __setattr__(self, name, value):
@@ -80,8 +79,8 @@ class _Stack:
             object.__setattr__(self, "_valid", None)
 
     def _ensure_valid(self):
-        """Validate every array the forward passes read (the compiled step reads them by pointer with
-        lengths from the config) unless nothing was assigned since the last validation."""
+        """Validate every array the forward passes read and pack them into the compiled layers,
+        unless nothing was assigned since the last validation."""
         v = self.__dict__.get("_valid")
         layers = self.layers
         if v is not None and v[0] == weights_generation() and v[1] is layers and len(v[2]) == len(layers) \
@@ -162,7 +161,6 @@ class _Stack:
         if cfg.position in ("learned", "sinusoidal") and last + cfg.position_offset >= self.pos_embed.shape[0]:
             raise KVSimdValueError("position %d is beyond the %d positions this model has"
                                    % (last, self.pos_embed.shape[0] - cfg.position_offset))
-
 
     def _pack(self):
         return _Packed(self.cfg, self.layers, self.final_norm, self.embed_norm, self.lm_head, self.lm_bias,
