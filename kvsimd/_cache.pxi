@@ -454,11 +454,12 @@ cdef class KVCache(_KVStore):
         return tx
 
     # ------------------------------------------------------------------ prefill
-    def begin_prefill(self, seq, tokens, *, RopeSpec rope=None, alibi_slopes=None, n_heads=None):
+    def begin_prefill(self, seq, tokens, *, rope=None, alibi_slopes=None, n_heads=None):
         """Plan a causal pass of ``tokens`` (int64 ids) of sequence ``seq`` after its cached prefix:
         their K/V go to the next slots, row t reads slots 0..start+t.  ``n_heads`` (default
         n_kv_heads) query heads; ``rope`` / ``alibi_slopes`` the model's positions."""
         cdef int64_t s, start, T, t
+        rope = _need_rope(rope)
         with self._claim():
             s = self._seq(seq)
             _need_array(tokens, "tokens", (_I64,), 1, "[T]")
@@ -486,24 +487,26 @@ cdef class KVCache(_KVStore):
             p.key_pos = self._pos
         return p
 
-    def end_prefill(self, _Plan plan not None):
+    def end_prefill(self, plan):
         """Commit the tokens of a prefill plan."""
+        cdef _Plan p = _need_plan(plan)
         with self._claim():
-            if plan.owner is not self or plan.kind != 1:
+            if p.owner is not self or p.kind != 1:
                 raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
-            self._need_current(plan, "end_prefill")
-            s, T = plan.seq, plan.R
+            self._need_current(p, "end_prefill")
+            s, T = p.seq, p.R
             self.commit(T, seq=s)
             self._seen[s] += T
-            self._tokens[s].extend(plan.tokens.tolist())
+            self._tokens[s].extend(p.tokens.tolist())
 
     # ------------------------------------------------------------------ decode step
-    def begin_step(self, tokens, *, RopeSpec rope=None, alibi_slopes=None, n_heads=None):
+    def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None):
         """Plan one decode step (one token per sequence): make room where a window is full (the
         policy), pick each token's slot and positions and its key ranges.  Under "reevaluate" the
         returned plan may only carry ``refill`` (sequence -> token ids): those sequences were
         emptied, the caller prefills the ids, then calls begin_step again."""
         cdef int64_t B = self.batch, C = self.capacity, nk = self.n_keep, W = C - nk, b, L, slot, Lp, kpos, comp
+        rope = _need_rope(rope)
         with self._claim():
             _need_array(tokens, "tokens", (_I64,), 1, "[batch]", shape=(B,))
             H = self.n_kv_heads if n_heads is None else _need_int(n_heads, "n_heads")
@@ -559,17 +562,18 @@ cdef class KVCache(_KVStore):
             p.key_pos = self._pos
         return p
 
-    def end_step(self, _Plan plan not None):
+    def end_step(self, plan):
         """Commit the step's tokens."""
         cdef int64_t b
+        cdef _Plan p = _need_plan(plan)
         with self._claim():
-            if plan.owner is not self or plan.kind != 0 or plan.refill or plan.explicit:
+            if p.owner is not self or p.kind != 0 or p.refill or p.explicit:
                 raise KVSimdValueError("end_step needs a plan of begin_step on this cache (without refill)")
-            self._need_current(plan, "end_step")
+            self._need_current(p, "end_step")
             for b in range(self.batch):
-                self._rot[b, plan.slots[b]] = 0
+                self._rot[b, p.slots[b]] = 0
                 self._seen[b] += 1
-                self._tokens[b].append(int(plan.tokens[b]))
+                self._tokens[b].append(int(p.tokens[b]))
                 self._lengths[b] += 1
             self._changed()
 

@@ -266,9 +266,7 @@ cdef class Layers:
         have cross-attention).  Pre-norm: x += attn(norm1 x) [+= cross(norm_c x)] += ffn(norm2 x)
         (parallel residual: attn and ffn both from x); post-norm: x = norm1(x + attn x)
         [= norm_c(x + cross x)] = norm2(x + ffn x)."""
-        if not isinstance(plan, _Plan):
-            raise KVSimdTypeError("plan must be a plan of a cache (KVCache.begin_step, begin_prefill, step_plan), "
-                                  "got %s" % type(plan).__name__)
+        _need_plan(plan)
         _need_array(x, "x", (_F32,), 2, "[rows, d_model]", writeable=True, shape=((<_Plan>plan).R, self.d))
         if plan.H != self.H:
             raise KVSimdValueError("the plan is for %d query heads, the layers have %d" % (plan.H, self.H))

@@ -35,6 +35,21 @@ cdef class _Plan:
     cdef int64_t serial                 # this plan's number on its store (see _KVStore._writer)
 
 
+cdef _Plan _need_plan(plan):
+    """``plan`` must be a plan a cache made (begin_step, begin_prefill, step_plan)."""
+    if not isinstance(plan, _Plan):
+        raise KVSimdTypeError("plan must be a plan of a cache (KVCache.begin_step, begin_prefill, step_plan), got %s"
+                              % type(plan).__name__)
+    return <_Plan>plan
+
+
+cdef RopeSpec _need_rope(rope):
+    """``rope`` must be None (no RoPE) or a RopeSpec."""
+    if rope is not None and not isinstance(rope, RopeSpec):
+        raise KVSimdTypeError("rope must be a kvsimd.cache.RopeSpec or None, got %s" % type(rope).__name__)
+    return rope
+
+
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
                      alibi_slopes):
     cdef _Plan p = _Plan.__new__(_Plan)

@@ -570,3 +570,24 @@ def test_reevaluate_refill_is_read_only():
             plan.refill[0] = (1,)
         with pytest.raises(AttributeError):
             plan.refill[0].append(9)
+
+
+def test_plan_and_rope_arguments_of_the_wrong_type_are_kvsimd_errors():
+    """end_step / end_prefill and begin_step / begin_prefill took typed Cython arguments: None, a
+    string or a number was a bare TypeError from Cython, not a KVSimdError naming the argument."""
+    from kvsimd import KVSimdTypeError
+    from test_streaming import random_decoder
+    d = random_decoder(n_layers=1)
+    cache = d.new_cache(capacity=8)
+    d.prefill([1, 2], cache=cache)
+    for bad in (None, "plan", 3):
+        with pytest.raises(KVSimdTypeError, match="plan must be a plan of a cache"):
+            cache.end_step(bad)
+        with pytest.raises(KVSimdTypeError, match="plan must be a plan of a cache"):
+            cache.end_prefill(bad)
+    for bad in ("neox", 5, (1e4, "neox", 8)):
+        with pytest.raises(KVSimdTypeError, match="rope must be a kvsimd.cache.RopeSpec or None"):
+            cache.begin_step(np.array([3], np.int64), rope=bad)
+        with pytest.raises(KVSimdTypeError, match="rope must be a kvsimd.cache.RopeSpec or None"):
+            cache.begin_prefill(0, np.array([3], np.int64), rope=bad)
+    assert cache.lengths.tolist() == [2] and cache.tokens == [[1, 2]]
