@@ -58,7 +58,7 @@ libraries = [
         # the row's flags, and the same flags as the text show_runtime prints
         "cflags": BASE_CFLAGS + ["-fPIC"] + ISA_FLAGS[isa] + SAN_CFLAGS
         + ['-DKV_ROW_CFLAGS="%s"' % " ".join(ISA_FLAGS[isa])],
-        "obj_deps": {"": [os.path.join("src_c", "kvsimd.h"), os.path.join("src_c", "isa_rows.def")] +
+        "obj_deps": {"": [os.path.join("src_c", f) for f in ("kvsimd.h", "isa_rows.def", "wtypes.def")] +
                      [os.path.join("src_c", "kernels", f) for f in os.listdir("src_c/kernels")]},
     })
     for isa in rows

@@ -57,6 +57,20 @@ cdef extern from "kvsimd.h" nogil:
         int32_t dtype
         int32_t style
 
+    ctypedef struct kv_gemv_params:
+        const void *w
+        const float *x
+        float *y
+        int64_t row_bytes, k, n, B, x_stride, y_stride
+        int32_t wtype
+    int KV_WT_COUNT
+    int KV_GEMV_MAX_B
+    ctypedef void (*kv_gemv_fn)(const kv_gemv_params *p, int64_t n0, int64_t n1) noexcept nogil
+    ctypedef void (*kv_dequant_fn)(float *dst, const void *src, int64_t n) noexcept nogil
+    const char *kv_wtype_info(int t, int *ggml_id, int64_t *block, int64_t *block_bytes) noexcept
+    void kv_matmul(const kv_gemv_params *p, int threads) noexcept
+    void kv_dequantize(int t, float *dst, const void *src, int64_t n) noexcept
+
     ctypedef struct kv_field:
         const char *name
         size_t offset, size
@@ -65,6 +79,7 @@ cdef extern from "kvsimd.h" nogil:
         KV_STRUCT_ATTN_PARAMS
         KV_STRUCT_ATTN_RANGE
         KV_STRUCT_ROT_PARAMS
+        KV_STRUCT_GEMV_PARAMS
         KV_STRUCT_COUNT
     const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size) noexcept
     const char *kv_struct_name(int which) noexcept
@@ -82,6 +97,8 @@ cdef extern from "kvsimd.h" nogil:
         kv_f32_to_f16_fn f32_to_f16
         kv_f16_to_f32_fn f16_to_f32
         kv_peak_fn fma_peak
+        kv_gemv_fn gemv[9]
+        kv_dequant_fn dequant[9]
 
     uint32_t kv_cpu_features() noexcept
     kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept

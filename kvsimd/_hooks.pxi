@@ -53,6 +53,8 @@ def _kernel_addresses():
         rows[kv_isa_name(i).decode()] = {
             "attn": <size_t>row.attn, "rotate": <size_t>row.rotate,
             "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
+            "gemv": {_WT_NAMES[t]: <size_t>row.gemv[t] for t in range(KV_WT_COUNT)},
+            "dequant": {_WT_NAMES[t]: <size_t>row.dequant[t] for t in range(KV_WT_COUNT)},
             "required": kv_isa_required(i),
         }
     return {

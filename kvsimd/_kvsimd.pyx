@@ -3,7 +3,7 @@
 
 One extension module holds all C code, so there is exactly one dispatch table per process."""
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrtf, expf, erff, tanhf
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -16,6 +16,7 @@ __version__ = KV_VERSION.decode()
 
 include "_runtime.pxi"      # dispatch, isa_info, show_runtime, thread count
 include "_validate.pxi"     # the boundary checks, RopeSpec, the attention params, status codes
+include "_weights.pxi"      # QMatrix: weights as a file stores them (quantized, 16-bit), their product
 include "_ops.pxi"          # kvsimd.ops: kernels over NumPy arrays
 include "_probes.pxi"       # benchmark probes
 include "_hooks.pxi"        # testing hooks (ISA switch, the emulator harness)

@@ -45,6 +45,14 @@ typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1 } kv_dtype;
 
 typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 
+/* KV_WT_F32, KV_WT_Q4_K, ...: the weight types of wtypes.def, in its order. */
+typedef enum kv_wtype {
+#define KV_WTYPE(id, name, ggml, block, bytes) KV_WT_##id,
+#include "wtypes.def"
+#undef KV_WTYPE
+    KV_WT_COUNT
+} kv_wtype;
+
 /* CPU features, as a bitmask (cpu.c). */
 #define KV_FEAT_AVX2 (1u << 0)        /* AVX + AVX2 + FMA + F16C, OS saves YMM state */
 #define KV_FEAT_AVX512FP16 (1u << 1)  /* AVX512 F/BW/VL + AVX512_FP16, OS saves ZMM/opmask */
@@ -133,13 +141,36 @@ typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_param
     F(int32_t, style, 'i')
 typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
 
+/* Matrix product with weights as stored: y[b, j] = sum_i x[b, i] * W[i, j] for rows b < B of x and
+ * output columns j in [n0, n1) (the kernel's arguments: ops.c splits columns across threads).
+ * W [k, n] is stored column by column ("ggml order": column j is one row of the file's tensor),
+ * each column `row_bytes` bytes of k / block blocks of type `wtype` (wtypes.def), column j at
+ * w + j * row_bytes.  x [B, k] float32 (row stride x_stride floats), y [B, n] (row stride
+ * y_stride floats; a fused projection writes its parts into column ranges of one output).
+ * Kernels take 1 <= B <= KV_GEMV_MAX_B and k a multiple of the block; ops.c feeds longer inputs
+ * in slices of KV_GEMV_MAX_B rows. */
+#define KV_GEMV_MAX_B 8
+#define KV_GEMV_PARAMS_FIELDS(F) \
+    F(const void *, w, 'Q') \
+    F(const float *, x, 'Q') \
+    F(float *, y, 'Q') \
+    F(int64_t, row_bytes, 'q') \
+    F(int64_t, k, 'q') \
+    F(int64_t, n, 'q') \
+    F(int64_t, B, 'q') \
+    F(int64_t, x_stride, 'q') \
+    F(int64_t, y_stride, 'q') \
+    F(int32_t, wtype, 'i')
+typedef struct kv_gemv_params { KV_GEMV_PARAMS_FIELDS(KV_FIELD_) } kv_gemv_params;
+
 /* Layout of a parameter struct, one entry per field, in declaration order (layout.c). */
 typedef struct kv_field {
     const char *name;
     size_t offset, size;
     char code;              /* Python struct letter: 'Q' pointer, 'q' int64, 'i' int32, 'f' float */
 } kv_field;
-enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS = 2, KV_STRUCT_COUNT = 3 };
+enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS = 2, KV_STRUCT_GEMV_PARAMS = 3,
+       KV_STRUCT_COUNT = 4 };
 /* Fields of struct `which` (NULL if unknown); *n_fields and *struct_size are set. */
 const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size);
 const char *kv_struct_name(int which);
@@ -149,6 +180,10 @@ typedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void
 typedef void (*kv_rot_fn)(const kv_rot_params *p);
 typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);
+/* columns n0..n1-1 of the product p (see kv_gemv_params) */
+typedef void (*kv_gemv_fn)(const kv_gemv_params *p, int64_t n0, int64_t n1);
+/* dst[0..n) = the n values (a multiple of the type's block) stored at src, as float32 */
+typedef void (*kv_dequant_fn)(float *dst, const void *src, int64_t n);
 
 /* fp32 multiply-add throughput probe: runs `iters` rounds of independent FMA chains, stores a
    result in *sink (so nothing is optimized away) and returns the floating-point ops done. */
@@ -163,6 +198,8 @@ typedef struct kv_kernels {
     kv_f32_to_f16_fn f32_to_f16;
     kv_f16_to_f32_fn f16_to_f32;
     kv_peak_fn fma_peak;
+    kv_gemv_fn gemv[KV_WT_COUNT];        /* indexed by kv_wtype */
+    kv_dequant_fn dequant[KV_WT_COUNT];
 } kv_kernels;
 
 /* cpu.c: CPUID + XGETBV.  Freestanding (no libc), so it also runs in the emulator. */
@@ -206,6 +243,13 @@ kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t
 void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs, kv_rope_style style,
                     int64_t rotary_dim, int64_t t0, int64_t t1);
 void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n);
+/* Weight type t: its name, ggml type id, values and bytes per block (0 and NULL if unknown). */
+const char *kv_wtype_info(int t, int *ggml_id, int64_t *block, int64_t *block_bytes);
+/* The product p for any B >= 1 (slices of KV_GEMV_MAX_B rows), columns split across `threads`
+   OpenMP threads in contiguous ranges: every column is computed by the same code whatever the
+   thread count, so results are identical for any thread count.  No workspace, no allocation. */
+void kv_matmul(const kv_gemv_params *p, int threads);
+void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */
 void kv_rope_table(float *cs, double angle_units, double theta, int64_t R, int64_t rotary_dim);

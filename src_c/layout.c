@@ -8,10 +8,12 @@
 #define KV_ATTN_F(type, name, code) KV_FIELD_ENTRY(kv_attn_params, type, name, code)
 #define KV_RANGE_F(type, name, code) KV_FIELD_ENTRY(kv_attn_range, type, name, code)
 #define KV_ROT_F(type, name, code) KV_FIELD_ENTRY(kv_rot_params, type, name, code)
+#define KV_GEMV_F(type, name, code) KV_FIELD_ENTRY(kv_gemv_params, type, name, code)
 
 static const kv_field attn_fields[] = {KV_ATTN_PARAMS_FIELDS(KV_ATTN_F)};
 static const kv_field range_fields[] = {KV_ATTN_RANGE_FIELDS(KV_RANGE_F)};
 static const kv_field rot_fields[] = {KV_ROT_PARAMS_FIELDS(KV_ROT_F)};
+static const kv_field gemv_fields[] = {KV_GEMV_PARAMS_FIELDS(KV_GEMV_F)};
 
 static const struct {
     const char *name;
@@ -24,6 +26,8 @@ static const struct {
                               sizeof(kv_attn_range)},
     [KV_STRUCT_ROT_PARAMS] = {"kv_rot_params", rot_fields, sizeof rot_fields / sizeof rot_fields[0],
                               sizeof(kv_rot_params)},
+    [KV_STRUCT_GEMV_PARAMS] = {"kv_gemv_params", gemv_fields, sizeof gemv_fields / sizeof gemv_fields[0],
+                               sizeof(kv_gemv_params)},
 };
 
 const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size)

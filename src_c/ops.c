@@ -79,6 +79,60 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 }
 
 void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) { kv_active()->f32_to_f16(dst, src, n); }
+
+static const struct { const char *name; int ggml; int64_t block, bytes; } kv_wtypes[KV_WT_COUNT] = {
+#define KV_WTYPE(id, name, ggml, block, bytes) [KV_WT_##id] = {#name, ggml, block, bytes},
+#include "wtypes.def"
+#undef KV_WTYPE
+};
+
+const char *kv_wtype_info(int t, int *ggml_id, int64_t *block, int64_t *block_bytes)
+{
+    const int ok = t >= 0 && t < KV_WT_COUNT;
+    *ggml_id = ok ? kv_wtypes[t].ggml : -1;
+    *block = ok ? kv_wtypes[t].block : 0;
+    *block_bytes = ok ? kv_wtypes[t].bytes : 0;
+    return ok ? kv_wtypes[t].name : NULL;
+}
+
+void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n) { kv_active()->dequant[t](dst, src, n); }
+
+/* Columns are taken KV_GEMV_TILE at a time, and each tile is multiplied into every slice of
+   KV_GEMV_MAX_B rows of x before the next: a long input (a prefill chunk) reads each weight
+   from memory once, the tile staying in cache across the slices. */
+#define KV_GEMV_TILE 16
+
+static void matmul_cols(const kv_kernels *row, const kv_gemv_params *p, int64_t n0, int64_t n1)
+{
+    kv_gemv_params s = *p;
+    for (int64_t j0 = n0; j0 < n1; j0 += KV_GEMV_TILE) {
+        const int64_t j1 = j0 + KV_GEMV_TILE < n1 ? j0 + KV_GEMV_TILE : n1;
+        for (int64_t b0 = 0; b0 < p->B; b0 += KV_GEMV_MAX_B) {
+            s.B = p->B - b0 < KV_GEMV_MAX_B ? p->B - b0 : KV_GEMV_MAX_B;
+            s.x = p->x + b0 * p->x_stride;
+            s.y = p->y + b0 * p->y_stride;
+            row->gemv[p->wtype](&s, j0, j1);
+        }
+    }
+}
+
+void kv_matmul(const kv_gemv_params *p, int threads)
+{
+    const kv_kernels *row = kv_active();
+    threads = clamp_threads(threads);
+    /* at least 64 columns per thread: below that a thread costs more than it saves */
+    const int64_t most = p->n / 64 > 0 ? p->n / 64 : 1;
+    const int nt = (int)(most < threads ? most : threads);
+    if (nt <= 1) {
+        matmul_cols(row, p, 0, p->n);
+        return;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+#endif
+    for (int t = 0; t < nt; t++)
+        matmul_cols(row, p, p->n * t / nt, p->n * (t + 1) / nt);
+}
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 
 /* inv[r] = theta^(-2r / rotary_dim) */

@@ -15,8 +15,24 @@
 #include "rope.inc.h"
 #include "convert.inc.h"
 #include "peak.inc.h"
+/* the weight types of wtypes.def: one decoder each, one product and dequantization for all */
+#include "wt_float.inc.h"
+#include "wt_q8_0.inc.h"
+#include "wt_q4_0.inc.h"
+#include "wt_q4_1.inc.h"
+#include "wt_kquant.inc.h"
 
 const kv_kernels KV_FN(kernels) = {
     KV_ROW_CFLAGS,
     KV_FN(attn), KV_FN(rotate), KV_FN(f32_to_f16), KV_FN(f16_to_f32), KV_FN(fma_peak),
+    {
+#define KV_WTYPE(id, name, ggml, block, bytes) [KV_WT_##id] = KV_CAT(KV_CAT(kv_gemv, name), KV_ISA),
+#include "wtypes.def"
+#undef KV_WTYPE
+    },
+    {
+#define KV_WTYPE(id, name, ggml, block, bytes) [KV_WT_##id] = KV_CAT(KV_CAT(kv_dequant, name), KV_ISA),
+#include "wtypes.def"
+#undef KV_WTYPE
+    },
 };

@@ -132,4 +132,19 @@ static inline void vf_reduce_block(const vf *a, float *out)
 /* gptj pairing: (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) */
 static inline vf vf_swap_pairs(vf x) { return _mm256_permute_ps(x, 0xB1); }
 
+/* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+typedef __m256i vi;
+static inline vi vi_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vi_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vi_and(vi a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_shr(vi a, int s) { return _mm256_srli_epi32(a, s); }
+static inline vi vi_shl(vi a, int s) { return _mm256_slli_epi32(a, s); }
+static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float kv_half(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+
 #endif

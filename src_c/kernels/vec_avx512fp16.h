@@ -190,4 +190,23 @@ static inline void vc16_deinterleave(vc16 z, vh16 *lo, vh16 *hi)
 static inline vh16 vh16_load_part(const uint16_t *p, int64_t n) { return _mm256_maskz_loadu_epi16(kv_m16(n), p); }
 static inline void vh16_store_part(uint16_t *p, vh16 v, int64_t n) { _mm256_mask_storeu_epi16(p, kv_m16(n), v); }
 
+/* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+typedef __m512i vi;
+static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_and(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_shr(vi a, int s) { return _mm512_srli_epi32(a, (unsigned)s); }
+static inline vi vi_shl(vi a, int s) { return _mm512_slli_epi32(a, (unsigned)s); }
+static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float kv_half(const uint8_t *p)
+{
+    union { uint16_t u; _Float16 h; } v = {(uint16_t)(p[0] | p[1] << 8)};
+    return (float)v.h;   /* VCVTSH2SS */
+}
+
 #endif

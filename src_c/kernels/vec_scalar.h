@@ -60,4 +60,22 @@ static inline void vf_reduce_block(const vf *a, float *out) { out[0] = a[0]; }
    scalar row rotates pairs directly (KV_ROT_PAIRWISE). */
 #define KV_ROT_PAIRWISE 1
 
+/* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+typedef int32_t vi;
+static inline vi vi_u8(const uint8_t *p) { return p[0]; }                 /* KV_W bytes, zero-extended */
+static inline vi vi_i8(const uint8_t *p) { return (int8_t)p[0]; }         /* KV_W bytes, sign-extended */
+static inline vi vi_and(vi a, int32_t m) { return a & m; }
+static inline vi vi_or(vi a, vi b) { return a | b; }
+static inline vi vi_shr(vi a, int s) { return (vi)((uint32_t)a >> s); }
+static inline vi vi_shl(vi a, int s) { return (vi)((uint32_t)a << s); }
+static inline vf vf_from_vi(vi a) { return (float)a; }
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    kv_f32bits b;
+    b.u = (uint32_t)p[0] << 16;
+    return b.f;
+}
+/* the half at p (any alignment) as a float */
+static inline float kv_half(const uint8_t *p) { return kv_h2f_soft((uint16_t)(p[0] | p[1] << 8)); }
+
 #endif
