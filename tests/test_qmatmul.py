@@ -75,6 +75,19 @@ def check_product(row, qm, w_deq, x, parts=1):
     return float((err / bound).max())
 
 
+def test_every_compiled_row_has_a_matmul_bound(rng):
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    w = rng.standard_normal((5, 40)).astype(np.float32)
+    for isa in kvsimd.isa_info()["compiled"]:
+        b = matmul_bound(x, w, isa)
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+        assert b.shape == (3, 5) and np.all(b > 0) and np.all(b < 1e-5 * scale), isa
+    with pytest.raises(KVSimdValueError, match="avx9"):
+        matmul_bound(x, w, "avx9")
+    with pytest.raises(KVSimdValueError, match=r"x \(3, 40\) and w_deq \(40, 5\)"):
+        matmul_bound(x, w.T, "scalar")
+
+
 # ------------------------------------------------------------------------------ quantizers
 def k_quant_inputs(rng):
     g = rng.standard_normal((4, 512))
@@ -108,7 +121,12 @@ def grid_values(rng, wtype, rows, cols):
     (and minimum): ``quantize`` must find these parameters again and reproduce them exactly."""
     n, qmax, scmax = Q._K_SHAPE[wtype]
     nb, subs = rows * cols // 256, 256 // n
-    d = (2.0 ** rng.integers(-12, -4, (nb, 1)) * rng.uniform(1, 2, (nb, 1))).astype(np.float16).astype(np.float32)
+
+    def half_scale():      # fp16 values, as float32
+        v = 2.0 ** rng.integers(-12, -4, (nb, 1)) * rng.uniform(1, 2, (nb, 1))
+        return v.astype(np.float16).astype(np.float32)
+
+    d = half_scale()
     sc = rng.integers(1, scmax + 1, (nb, subs))
     sc[np.arange(nb), rng.integers(0, subs, nb)] = scmax
     step = (d * sc.astype(np.float32))[:, :, None]
@@ -117,7 +135,7 @@ def grid_values(rng, wtype, rows, cols):
         q[:, :, 0] = qmax * rng.choice([-1, 1], (nb, subs))
         x = step * q.astype(np.float32)
     else:
-        dmin = (2.0 ** rng.integers(-12, -4, (nb, 1)) * rng.uniform(1, 2, (nb, 1))).astype(np.float16).astype(np.float32)
+        dmin = half_scale()
         mn = rng.integers(0, scmax + 1, (nb, subs))
         mn[np.arange(nb), rng.integers(0, subs, nb)] = scmax
         q = rng.integers(0, qmax + 1, (nb, subs, n))
@@ -152,7 +170,8 @@ def assert_same_bits(d, ref, wtype):
     same_zero = (d == 0) & (ref == 0)
     if wtype not in ("q4_0", "q6_k"):
         same_zero &= np.signbit(d) == np.signbit(ref)
-    np.testing.assert_array_equal(np.where(same_zero, 0, d.view(np.uint32)), np.where(same_zero, 0, ref.view(np.uint32)))
+    np.testing.assert_array_equal(np.where(same_zero, 0, d.view(np.uint32)),
+                                  np.where(same_zero, 0, ref.view(np.uint32)))
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
@@ -452,7 +471,8 @@ def test_out_overlapping_the_weights_is_refused(rng):
         qm.matmul(x, out=w.reshape(-1)[:8].reshape(2, 4))
     out = np.zeros((2, 4), np.float32)
     assert qm.matmul(x, out=out) is out
-    assert np.all(np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)) <= matmul_bound(x, w, kvsimd.active_isa()))
+    err = np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64))
+    assert np.all(err <= matmul_bound(x, w, kvsimd.active_isa()))
 
 
 def test_take_argument_errors(rng):
