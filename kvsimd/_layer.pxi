@@ -1,6 +1,7 @@
 # The transformer layer of kvsimd, written once: prefill (the T rows of one sequence), decode (one
 # row per sequence), the encoder (bidirectional) and the uncached pass all run Layers.run; only
-# the attention plan differs (_plan.pxi).  Matrix products go through Linear (float32 BLAS today);
+# the attention plan differs (_plan.pxi).  Matrix products go through Linear (weights as stored:
+# kvsimd's kernels, _weights.pxi; float32 arrays: BLAS);
 # norms, biases, activations, gating and residual adds run here in C, without Python objects per
 # row.  Weights are packed once per model (nn/weights.py: pack_layers) into typed Block objects.
 

@@ -316,27 +316,38 @@ def stored_matrix(rows, wtype, name):
     return QMatrix(raw.reshape(rows.shape[0], -1), wtype, rows.shape, name=name)
 
 
+def _rows(w, table):
+    """A matrix as float32 rows ``[out, in]`` (or an embedding table as it is)."""
+    if isinstance(w, QMatrix):
+        return w.dequantize()
+    return w if table else w.T
+
+
 def store_weights(model, weights):
-    """Convert every matrix of ``model`` (a Decoder or EncoderDecoder with float32 ``[in, out]``
-    matrices) to the stored type ``weights`` names (:data:`WEIGHT_FORMATS`), in place.  A matrix
-    whose inputs are not whole blocks of the type (Q8_0: 32) is stored as float16 instead; a
-    warning names them.  A tied output projection shares the embedding's stored rows."""
+    """Convert every matrix of ``model`` (a Decoder or EncoderDecoder) to the type ``weights``
+    names (:data:`WEIGHT_FORMATS`), in place: "float32" gives float32 arrays ``[in, out]``
+    (stored matrices dequantized), the others QMatrix weights quantized from the float values.  A
+    matrix whose inputs are not whole blocks of the type (Q8_0: 32) is stored as float16 instead;
+    a warning names them.  A tied output projection shares the embedding's storage."""
     need_format(weights)
     wtype = WEIGHT_FORMATS[weights]
-    if wtype is None:
-        return model
-    block = _kvsimd.weight_types()[wtype]["block"]
+    block = 1 if wtype is None else _kvsimd.weight_types()[wtype]["block"]
     fallback = []
 
-    def conv(rows, name):
+    def conv(w, name, table=False):
+        if wtype is None and not isinstance(w, QMatrix):
+            return w
+        rows = _rows(w, table)
+        if wtype is None:
+            return np.ascontiguousarray(rows if table else rows.T)
         t = wtype
         if rows.shape[1] % block:
             t = "f16"
             fallback.append("%s (%d inputs)" % (name, rows.shape[1]))
         return stored_matrix(rows, t, name)
 
-    def parts(obj, names, prefix):   # a copy of a weights dataclass with its matrices stored
-        return dataclasses.replace(obj, **{n: conv(getattr(obj, n).T, prefix + n)
+    def parts(obj, names, prefix):   # a copy of a weights dataclass with its matrices converted
+        return dataclasses.replace(obj, **{n: conv(getattr(obj, n), prefix + n)
                                            for n in names if getattr(obj, n) is not None})
 
     def layers(ls, prefix):
@@ -347,16 +358,25 @@ def store_weights(model, weights):
                 lw.cross = parts(lw.cross, ("wq", "wk", "wv", "wo"), p + "cross.")
             lw.ffn = parts(lw.ffn, ("w1", "w2", "w3"), p + "ffn.")
 
+    def same(a, b):   # b (a projection [in, out]) is a's table transposed, or the same storage
+        if isinstance(a, QMatrix) or isinstance(b, QMatrix):
+            return a is b
+        return a.shape == b.T.shape and np.array_equal(a, b.T)
+
     layers(model.layers, "layers")
     if getattr(model, "enc_layers", None) is not None:
         layers(model.enc_layers, "enc_layers")
     embed, head = model.embed, model.lm_head
-    tied = embed.shape == head.T.shape and np.array_equal(embed, head.T)
-    model.embed = conv(embed, "embed")
-    model.lm_head = model.embed if tied else conv(head.T, "lm_head")
+    model.embed = conv(embed, "embed", table=True)
+    if same(embed, head):
+        model.lm_head = model.embed if isinstance(model.embed, QMatrix) else np.ascontiguousarray(model.embed.T)
+    else:
+        model.lm_head = conv(head, "lm_head")
     enc = model.__dict__.get("enc_embed")
     if enc is not None:
-        model.enc_embed = model.embed if np.array_equal(enc, embed) else conv(enc, "enc_embed")
+        model.enc_embed = model.embed if (enc is embed or (not isinstance(enc, QMatrix) and not isinstance(embed, QMatrix)
+                                                            and np.array_equal(enc, embed))) \
+            else conv(enc, "enc_embed", table=True)
     if fallback:
         import warnings
         warnings.warn("weights=%r: %s not whole blocks of %d values: stored as float16"
