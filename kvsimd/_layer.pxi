@@ -92,6 +92,12 @@ cdef class _Parameters:
         return x
 
 
+# Rows of x up to which stored weights go through the kernel (each weight decoded once, multiplied
+# into every row); beyond, dequantized tiles through BLAS (prefill: measured on SmolLM2's shapes,
+# the kernel wins at 16 rows, BLAS from 64; Linear._apply_tiles).
+_KERNEL_ROWS = 32
+
+
 cdef class Linear(_Parameters):
     """``y = x @ W (+ b)`` for rows x: the one interface every weight matrix of a layer goes through.
     ``w`` is either a float32 array ``[in, out]`` (multiplied through BLAS), or weights as a file
@@ -157,6 +163,8 @@ cdef class Linear(_Parameters):
         cdef QMatrix q
         if self.w is not None:
             _np.matmul(x, self.w.a, out=out)
+        elif R > _KERNEL_ROWS:
+            self._apply_tiles(x, out)
         else:
             for part in self.parts:
                 q = <QMatrix>part
@@ -164,6 +172,28 @@ cdef class Linear(_Parameters):
                     q.apply(xp, R, ni, yp + off, no, threads)
                 off += q.rows
         _add_rows(yp, _wp(self.b), R, no)
+        return 0
+
+    cdef int _apply_tiles(self, x, out) except -1:
+        """Many rows (a prefill chunk): the product is compute-bound, so each part is dequantized
+        a tile of rows at a time into float32 scratch (~4 MB: it stays in cache) and multiplied
+        through BLAS (measured 2x faster than the kernel from 64 rows on)."""
+        cdef QMatrix q
+        cdef int64_t off = 0, j, t, T
+        cdef float *sp
+        cdef const uint8_t *src
+        for part in self.parts:
+            q = <QMatrix>part
+            T = max(16, min(256, (1 << 22) // (4 * q.cols)))
+            scratch = _np.empty((T, q.cols), _np.float32)
+            sp = <float *>_ptr(scratch)
+            for j in range(0, q.rows, T):
+                t = min(T, q.rows - j)
+                src = q._data + j * q.row_bytes
+                with nogil:
+                    kv_dequantize(q.t, sp, src, t * q.cols)
+                _np.matmul(x, scratch[:t].T, out=out[:, off + j:off + j + t])
+            off += q.rows
         return 0
 
     def __call__(self, x):
