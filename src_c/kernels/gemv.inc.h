@@ -44,6 +44,13 @@
 #else
 #define KV_GEMV_GROUP_UNROLL 32
 #endif
+/* x bytes a range of k may take (the rest of the L1 data cache holds the weights streaming by) */
+#define KV_GEMV_XBYTES 16384
+#define KV_GEMV_TILE 16   /* columns through one range of k before the next range */
+#define KV_GEMV_SAVE 8    /* vectors a column keeps between ranges: NB x NA <= 8 */
+#ifndef KV_GEMV_PF_BYTES
+#define KV_GEMV_PF_BYTES 2048
+#endif
 #define KV_GEMV_NCMAX 4
 #define KV_GEMV_NAMAX 2
 #define KV_PRAGMA_(x) _Pragma(#x)
@@ -59,31 +66,46 @@
 #endif
 #endif
 
-/* columns j0 .. j0+NC-1 of the product for the NB rows of x */
+/* Values [i0, i1) of columns j0 .. j0+NC-1 for the NB rows of x.  The accumulators start at
+   zero (first) or from sv, and end in sv or (last) summed into y; sv holds [NC][NB][NA]
+   vectors.  A column's accumulators see the same operations in the same order however k is
+   cut into ranges (ranges start at multiples of NA vectors and of the block). */
 static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_params *p, int64_t j0, const int NB,
-                                                                const int NC)
+                                                                const int NC, int64_t i0, int64_t i1, vf *sv,
+                                                                int first, int last)
 {
-    const int64_t k = p->k, xs = p->x_stride, ys = p->y_stride;
+    const int64_t xs = p->x_stride, ys = p->y_stride;
 #if WT_BLOCK == 1
     const int NA = KV_GEMV_NA(NB);
 #else
     const int NA = KV_GEMV_NA(NB) < KV_WT_GROUPS ? KV_GEMV_NA(NB) : KV_WT_GROUPS;
 #endif
     const uint8_t *col[KV_GEMV_NCMAX];
+    const float *xr[KV_GEMV_MAX_B];   /* each row of x from i0, stepped along: constant offsets within a step */
     vf acc[KV_GEMV_MAX_B][KV_GEMV_NCMAX][KV_GEMV_NAMAX];
     KV_UNROLL(4)
     for (int c = 0; c < NC; c++)
         col[c] = (const uint8_t *)p->w + (j0 + c) * p->row_bytes;
     KV_UNROLL(8)
-    for (int b = 0; b < NB; b++)
+    for (int b = 0; b < NB; b++) {
+        xr[b] = p->x + b * xs + i0;
         KV_UNROLL(4)
         for (int c = 0; c < NC; c++)
             KV_UNROLL(2)
             for (int a = 0; a < NA; a++)
-                acc[b][c][a] = vf_zero();
+                acc[b][c][a] = first ? vf_zero() : sv[(c * NB + b) * NA + a];
+    }
+    /* the same values of the columns KV_GEMV_PF_BYTES or more ahead: the hardware prefetcher
+       follows one stream well, NC interleaved ones less so */
+    const int64_t ahead = NC * p->row_bytes, pf = (KV_GEMV_PF_BYTES + ahead - 1) / ahead * ahead;
 #if WT_BLOCK == 1
-    int64_t i = 0;
-    for (; i + NA * KV_W <= k; i += NA * KV_W) {
+    int64_t i = i0;
+    for (; i + NA * KV_W <= i1; i += NA * KV_W) {
+        KV_UNROLL(4)
+        for (int c = 0; c < NC; c++)
+            KV_UNROLL(4)
+            for (int o = 0; o < NA * KV_W * WT_BYTES; o += 64)
+                __builtin_prefetch(col[c] + i * WT_BYTES + pf + o);
         KV_UNROLL(2)
         for (int a = 0; a < NA; a++) {
             vf w[KV_GEMV_NCMAX];
@@ -92,36 +114,42 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
                 w[c] = WT_LOAD(col[c], i + a * KV_W);
             KV_UNROLL(8)
             for (int b = 0; b < NB; b++) {
-                const vf xv = vf_load(p->x + b * xs + i + a * KV_W);
+                const vf xv = vf_load(xr[b] + a * KV_W);
                 KV_UNROLL(4)
                 for (int c = 0; c < NC; c++)
                     acc[b][c][a] = vf_fmadd(w[c], xv, acc[b][c][a]);
             }
         }
+        KV_UNROLL(8)
+        for (int b = 0; b < NB; b++)
+            xr[b] += NA * KV_W;
     }
-    for (; i < k; i += KV_W) {    /* fewer than NA vectors left, the last one maybe partial */
-        const int64_t m = k - i < KV_W ? k - i : KV_W;
+    for (; i < i1; i += KV_W) {    /* fewer than NA vectors left (only at the end of k), the last one maybe partial */
+        const int64_t m = i1 - i < KV_W ? i1 - i : KV_W;
         vf w[KV_GEMV_NCMAX];
         KV_UNROLL(4)
         for (int c = 0; c < NC; c++)
             w[c] = m == KV_W ? WT_LOAD(col[c], i) : WT_LOAD_PART(col[c], i, m);
         KV_UNROLL(8)
         for (int b = 0; b < NB; b++) {
-            const vf xv = vf_load_part(p->x + b * xs + i, m);
+            const vf xv = vf_load_part(xr[b], m);
             KV_UNROLL(4)
             for (int c = 0; c < NC; c++)
                 acc[b][c][0] = vf_fmadd(w[c], xv, acc[b][c][0]);
+            xr[b] += KV_W;
         }
     }
 #else
-    const int64_t nblocks = k / WT_BLOCK;
-    for (int64_t ib = 0; ib < nblocks; ib++) {
-        const float *xb = p->x + ib * WT_BLOCK;
+    for (int64_t ib = i0 / WT_BLOCK; ib < i1 / WT_BLOCK; ib++) {
         const uint8_t *blk[KV_GEMV_NCMAX];
         WT_STATE st[KV_GEMV_NCMAX];
         KV_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             blk[c] = col[c] + ib * WT_BYTES;
+            KV_UNROLL(4)
+            for (int o = 0; o < WT_BYTES; o += 64)
+                __builtin_prefetch(blk[c] + pf + o);
+            __builtin_prefetch(blk[c] + pf + WT_BYTES - 1);
             WT_PREP(blk[c], &st[c]);
         }
         KV_UNROLL(KV_GEMV_GROUP_UNROLL)
@@ -134,19 +162,28 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
                     w[c] = WT_GROUP(blk[c], &st[c], g + a);
                 KV_UNROLL(8)
                 for (int b = 0; b < NB; b++) {
-                    const vf xv = vf_load(xb + b * xs + WT_POS(g + a));
+                    const vf xv = vf_load(xr[b] + WT_POS(g + a));
                     KV_UNROLL(4)
                     for (int c = 0; c < NC; c++)
                         acc[b][c][a] = vf_fmadd(w[c], xv, acc[b][c][a]);
                 }
             }
         }
+        KV_UNROLL(8)
+        for (int b = 0; b < NB; b++)
+            xr[b] += WT_BLOCK;
     }
 #endif
     KV_UNROLL(8)
     for (int b = 0; b < NB; b++)
         KV_UNROLL(4)
         for (int c = 0; c < NC; c++) {
+            if (!last) {
+                KV_UNROLL(2)
+                for (int a = 0; a < NA; a++)
+                    sv[(c * NB + b) * NA + a] = acc[b][c][a];
+                continue;
+            }
             vf s = acc[b][c][0];
             KV_UNROLL(2)
             for (int a = 1; a < NA; a++)
@@ -155,15 +192,40 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
         }
 }
 
+/* Columns n0..n1-1.  When the NB rows of x are longer than KV_GEMV_XBYTES, k is cut into ranges
+   of about that much x (so that x stays in the L1 cache while a tile of KV_GEMV_TILE columns
+   goes through it), the tile's accumulators kept on the stack between ranges. */
 static inline __attribute__((always_inline)) void KV_WFN(cols)(const kv_gemv_params *p, int64_t n0, int64_t n1,
                                                                 const int NB)
 {
     const int NC = KV_GEMV_NC(NB);
-    int64_t j = n0;
-    for (; j + NC <= n1; j += NC)
-        KV_WFN(pass)(p, j, NB, NC);
-    for (; j < n1; j++)
-        KV_WFN(pass)(p, j, NB, 1);
+#if WT_BLOCK == 1
+    const int64_t unit = KV_GEMV_NA(NB) * KV_W;
+#else
+    const int64_t unit = WT_BLOCK;
+#endif
+    const int64_t k = p->k, want = KV_GEMV_XBYTES / (int64_t)sizeof(float) / NB;
+    const int64_t kc = want > unit ? want / unit * unit : unit;
+    if (k <= kc) {
+        int64_t j = n0;
+        for (; j + NC <= n1; j += NC)
+            KV_WFN(pass)(p, j, NB, NC, 0, k, 0, 1, 1);
+        for (; j < n1; j++)
+            KV_WFN(pass)(p, j, NB, 1, 0, k, 0, 1, 1);
+        return;
+    }
+    vf sv[KV_GEMV_TILE * KV_GEMV_SAVE];
+    for (int64_t t0 = n0; t0 < n1; t0 += KV_GEMV_TILE) {
+        const int64_t t1 = t0 + KV_GEMV_TILE < n1 ? t0 + KV_GEMV_TILE : n1;
+        for (int64_t i0 = 0; i0 < k; i0 += kc) {
+            const int64_t i1 = i0 + kc < k ? i0 + kc : k;
+            int64_t j = t0;
+            for (; j + NC <= t1; j += NC)
+                KV_WFN(pass)(p, j, NB, NC, i0, i1, sv + (j - t0) * KV_GEMV_SAVE, i0 == 0, i1 == k);
+            for (; j < t1; j++)
+                KV_WFN(pass)(p, j, NB, 1, i0, i1, sv + (j - t0) * KV_GEMV_SAVE, i0 == 0, i1 == k);
+        }
+    }
 }
 
 static void KV_WFN(gemv)(const kv_gemv_params *p, int64_t n0, int64_t n1)
