@@ -95,6 +95,10 @@ def _show_gguf(r):
               % (r["model"], who, r["load_s"], r["rss_before_MiB"], r["rss_after_MiB"], r["rss_delta_MiB"],
                  r["file_MiB"]), flush=True)
         return
+    if r.get("op") == "fill":
+        print("fill       %-22s context of %d tokens threads=%d %s %8.1f tok/s (%.1f s)"
+              % (r["model"], r["tokens"], r["threads"], who, r["tok_per_s"], r["seconds"]), flush=True)
+        return
     if r.get("op") == "memory":
         print("memory     %-22s %-10s RSS after the run %.1f MiB (peak %.1f)"
               % (r["model"], r["impl"], r["rss_MiB"], r["rss_peak_MiB"]), flush=True)
@@ -123,9 +127,12 @@ def run_decode(args, roof):
             depths = args.depth
         elif args.quick:
             depths = [0, 64]
+        prefill = args.prefill_tokens
+        if prefill is None:
+            prefill = 64 if args.quick else 512 if args.model == "smollm2" else 0
         return decode.bench_gguf(models, depths, threads, steps=args.steps or (4 if args.quick else 8),
                                  rounds=args.repeat or (3 if args.quick else 8), progress=_show_gguf,
-                                 text_path=args.text, prefill_tokens=64 if args.quick else 512,
+                                 text_path=args.text, prefill_tokens=prefill,
                                  prefill_repeat=2 if args.quick else 5, load_repeat=1 if args.quick else 3,
                                  fill=args.fill, flash_attn=args.llama_flash_attn)
     rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
@@ -239,6 +246,9 @@ def main(argv=None):
                          "4096 otherwise)")
     ap.add_argument("--steps", type=int, help="decode of a GGUF model: greedy steps per round (default 8; "
                     "--repeat rounds, default 8)")
+    ap.add_argument("--prefill-tokens", type=int, metavar="N",
+                    help="decode of a GGUF model: the prompt of the prefill measurement (default 512 for smollm2, "
+                         "0 = none for other models: their context fills are reported as prefill figures)")
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
                     help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
                          "of the same length (llama.cpp and transformers always prefill)")
@@ -262,14 +272,15 @@ def main(argv=None):
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
     if any(t < 1 for t in args.threads or []):
         ap.error("--threads must be >= 1")
+    if args.model != "shapes" and (args.what != "decode" or args.contention):
+        ap.error("--model goes with the decode subcommand (not --contention)")
     if args.model not in ("shapes", "smollm2", "llama3-8b"):
-        if args.what != "decode":
-            ap.error("--model goes with the decode subcommand")
         if not os.path.isfile(args.model):
             ap.error("--model %s: no such file (give shapes, smollm2, llama3-8b or the path of a GGUF file)"
                      % args.model)
-    if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1):
-        ap.error("--depth must be >= 0 and --steps >= 1")
+    if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1) or \
+            (args.prefill_tokens or 0) < 0:
+        ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
     wants_text = args.what == "quality" or (args.what == "decode" and args.model != "shapes"

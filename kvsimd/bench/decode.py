@@ -367,7 +367,9 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
     length instead), then from the same next token runs
     ``warmup`` + ``rounds`` x ``steps`` greedy steps; rounds go round robin over the processes (the
     order rotated each round), and before each thread count every implementation is put back to the
-    filled context, so all of them time the same positions.  Peers' rows carry ``speedup``: the
+    filled context, so all of them time the same positions.  The fill itself (with the largest
+    thread count) is reported as a prefill of the context ("fill" rows).  ``prefill_tokens=0``
+    skips the separate prefill of one prompt.  Peers' rows carry ``speedup``: the
     median over rounds of their step time over kvsimd's, with a 95% bootstrap interval."""
     rows = []
 
@@ -415,18 +417,19 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                     emit(dict(base, op="peer", impl=impl, status="failed: %s" % e))
                     impls.remove(impl)
             infos = {impl: {k: v for k, v in w.load.items() if k in ("isa", "cache", "version", "flash_attn",
-                                                                     "fill", "weights")}
+                                                                     "fill", "dtype")}
                      for impl, w in workers.items()}
             # prefill of one prompt, each repeat on an empty state
             prompt = ids[:prefill_tokens]
-            for nt in threads:
+            for nt in threads if prefill_tokens else ():
                 for w in workers.values():
                     w.call("threads", n=nt)
                 times = {impl: [] for impl in workers}
-                for i in range(prefill_repeat + 1):           # the first round warms up
+                warm = 1 if prefill_repeat >= 3 else 0        # a round that warms up, untimed
+                for i in range(warm + prefill_repeat):
                     for impl in _rotated(list(workers), i):
                         t = workers[impl].call("prefill", tokens=prompt)["seconds"]
-                        if i:
+                        if i >= warm:
                             times[impl].append(t)
                 out = []
                 for impl, t in times.items():
@@ -438,9 +441,12 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
             # decode at each depth
             for depth in depths:
                 context = ids[:max(depth, 1)]         # depth 0: a one-token prompt (a step needs one)
-                for w in workers.values():
+                for impl, w in workers.items():
                     w.call("threads", n=max(threads))
-                    w.call("fill", tokens=context)
+                    secs = w.call("fill", tokens=context)["seconds"]
+                    if len(context) > 1:      # the context's prefill, in chunks of 512: a prefill figure too
+                        emit(dict(base, op="fill", impl=impl, tokens=len(context), threads=max(threads), seconds=secs,
+                                  tok_per_s=len(context) / secs, **infos[impl]))
                 for nt in threads:
                     for w in workers.values():
                         w.call("threads", n=nt)

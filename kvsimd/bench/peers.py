@@ -173,7 +173,7 @@ class TransformersRunner:
 
     def info(self):
         return {"version": self.T.__version__, "torch": self.torch.__version__, "cache": "fp32 (DynamicCache)",
-                "weights": "float32 (dequantized)"}
+                "dtype": "float32 (dequantized)"}
 
     def threads(self, n):
         self.torch.set_num_threads(n)

@@ -167,7 +167,8 @@ def _peer_columns(rows):
 
 
 def _speed_table(rows, key, first):
-    """One line per (model, key..., threads): kvsimd's tok/s, each peer's and kvsimd / peer."""
+    """One line per (model, key..., threads): kvsimd's tok/s, each peer's and kvsimd / peer (the
+    paired ratio with its interval; rows without one -- single runs -- the ratio of the rates)."""
     peers = _peer_columns(rows)
     cases = []
     for r in rows:
@@ -180,7 +181,10 @@ def _speed_table(rows, key, first):
         ours = v.get("kvsimd")
         line = list(k) + [_f(ours["tok_per_s"]) if ours else "-"]
         for p in peers:
-            line += [_f(v[p]["tok_per_s"]) if p in v else "-", _ratio(v.get(p))]
+            ratio = _ratio(v.get(p))
+            if ratio == "-" and ours and p in v:
+                ratio = "%sx" % _f(ours["tok_per_s"] / v[p]["tok_per_s"], 2)
+            line += [_f(v[p]["tok_per_s"]) if p in v else "-", ratio]
         body.append(line)
     head = ["model"] + first + ["threads", "kvsimd tok/s"]
     for p in peers:
@@ -193,6 +197,7 @@ def gguf_md(rows):
     steps = [r for r in rows if "op" not in r]
     pre = [r for r in rows if r.get("op") == "prefill"]
     loads = [r for r in rows if r.get("op") == "load"]
+    fills = [r for r in rows if r.get("op") == "fill"]
     status = [r for r in rows if r.get("op") == "peer"]
     out = []
     lc = next((r for r in rows if r["impl"] == "llama.cpp" and "version" in r), None)
@@ -215,6 +220,9 @@ def gguf_md(rows):
     if pre:
         out.append("Prefill of one prompt (each repeat on an empty cache):")
         out.append(_speed_table(pre, ["tokens"], ["prompt tokens"]))
+    if fills:
+        out.append("Prefill of the decode contexts (chunks of 512 tokens; one run each, so no interval):")
+        out.append(_speed_table(fills, ["tokens"], ["context tokens"]))
     if loads:
         body = [[r["model"], r["impl"], _f(r["file_MiB"]), "%s s" % _f(r["load_s"], 2), _f(r["rss_after_MiB"]),
                  "%+.1f" % r["rss_delta_MiB"] if "rss_delta_MiB" in r else "-"] for r in loads]

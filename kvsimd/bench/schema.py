@@ -19,6 +19,7 @@ Sections and the keys every row has (figures are positive and finite):
                 and speedup_ci95.  Runs on GGUF files (decode --model smollm2|llama3-8b|PATH) add weights
                 (the file's main tensor type), file, tok_per_s_ci95, steps, rounds, and rows with an op:
                 "prefill" (model, impl, tokens, threads, tok_per_s, tok_per_s_ci95; peers speedup),
+                "fill" (model, impl, tokens, threads, seconds, tok_per_s: the prefill of a decode context),
                 "load" (model, impl, load_s, rss_before_MiB, rss_after_MiB, file_MiB: a fresh process,
                 warm page cache), "memory" (model, impl, rss_MiB: each process after the run) and
                 "peer" (model, impl, status: "not installed", "skipped: ..." or "failed: ...")
@@ -45,6 +46,7 @@ ROW_KEYS = {
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
+               "fill": ["model", "impl", "tokens", "threads", "seconds", "tok_per_s"],
                "load": ["model", "impl", "load_s", "rss_before_MiB", "rss_after_MiB", "file_MiB"],
                "memory": ["model", "impl", "rss_MiB"],
                "peer": ["model", "impl", "status"]},
