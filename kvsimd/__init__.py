@@ -12,6 +12,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
+    from kvsimd._kvsimd import QMatrix, weight_types
 except ImportError as _e:   # a bad KVSIMD_FORCE_ISA: under `python -m kvsimd`, one line and exit 2
     from kvsimd.__main__ import exit_if_cli
     exit_if_cli(_e)
@@ -27,6 +28,7 @@ from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KV
 
 __all__ = [
     "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "set_num_threads", "get_num_threads", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
+    "QMatrix", "weight_types",
     "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
     "KVSimdPositionError", "KVSimdBusyError", "KVSimdMemoryError",
 ]

@@ -1,6 +1,7 @@
 # The transformer layer of kvsimd, written once: prefill (the T rows of one sequence), decode (one
 # row per sequence), the encoder (bidirectional) and the uncached pass all run Layers.run; only
-# the attention plan differs (_plan.pxi).  Matrix products go through Linear (float32 BLAS today);
+# the attention plan differs (_plan.pxi).  Matrix products go through Linear (weights as stored:
+# kvsimd's kernels, _weights.pxi; float32 arrays: BLAS);
 # norms, biases, activations, gating and residual adds run here in C, without Python objects per
 # row.  Weights are packed once per model (nn/weights.py: pack_layers) into typed Block objects.
 
@@ -91,26 +92,108 @@ cdef class _Parameters:
         return x
 
 
+# Rows of x up to which stored weights go through the kernel (each weight decoded once, multiplied
+# into every row); beyond, dequantized tiles through BLAS (prefill: measured on SmolLM2's shapes,
+# the kernel wins at 16 rows, BLAS from 64; Linear._apply_tiles).
+_KERNEL_ROWS = 32
+
+
 cdef class Linear(_Parameters):
-    """``y = x @ w (+ b)`` for rows x: the one interface every weight matrix of a layer goes through
-    (float32 weights through BLAS today; quantized and 16-bit weights plug in here)."""
+    """``y = x @ W (+ b)`` for rows x: the one interface every weight matrix of a layer goes through.
+    ``w`` is either a float32 array ``[in, out]`` (multiplied through BLAS), or weights as a file
+    stores them: a :class:`QMatrix` ``[out, in]`` (GGUF / torch order, any weight type), or a
+    tuple of QMatrix parts stacked along ``out`` (a fused q|k|v or gate|up projection whose parts
+    keep their own types: each writes its column range of the one output)."""
     cdef readonly int64_t n_in, n_out
+    cdef readonly str name
+    cdef readonly tuple parts          # the QMatrix parts (empty for a float32 array)
 
     def __cinit__(self, w, b=None, *, str name="w", str bias_name=None):
-        if not isinstance(w, _np.ndarray) or w.ndim != 2:
-            _need_array(w, name, (_F32,), 2, "[in, out]")
-        ni, no = w.shape
-        self.w = _Weight(w, name, (ni, no))
+        self.name = name
+        if isinstance(w, QMatrix):
+            w = (w,)
+        if isinstance(w, (tuple, list)):
+            if not w or not all(isinstance(q, QMatrix) for q in w):
+                raise KVSimdTypeError("%s must be a float32 array, a QMatrix or a tuple of QMatrix parts, got %r"
+                                      % (name, w))
+            ni = (<QMatrix>w[0]).cols
+            for q in w:
+                if (<QMatrix>q).cols != ni:
+                    raise KVSimdValueError("%s: the parts of a fused projection must have the same number of "
+                                           "columns (inputs), got %s" % (name, ", ".join(repr(x) for x in w)))
+            self.parts = tuple(w)
+            no = sum((<QMatrix>q).rows for q in w)
+            self.w = None
+        else:
+            if not isinstance(w, _np.ndarray) or w.ndim != 2:
+                _need_array(w, name, (_F32,), 2, "[in, out]")
+            ni, no = w.shape
+            self.w = _Weight(w, name, (ni, no))
+            self.parts = ()
         if bias_name is None:       # "layers[0].attn.wqkv" -> "layers[0].attn.bqkv"
             head, _, last = name.rpartition(".")
             bias_name = (head + "." if head else "") + ("b" + last[1:] if last[:1] == "w" else last + "_bias")
         self.b = None if b is None else _Weight(b, bias_name, (no,))
         self.n_in, self.n_out = ni, no
 
+    cdef int verify(self) except -1:
+        if self.w is not None:
+            self.w.verify()
+        if self.b is not None:
+            self.b.verify()
+        return 0
+
+    cdef list spans(self):
+        """(name, start address, end address) of every buffer the product reads."""
+        out = []
+        if self.w is not None:
+            out.append((self.w.name, <size_t>self.w.data, <size_t>self.w.data + <size_t>self.w.a.nbytes))
+        for q in self.parts:
+            out.append(((<QMatrix>q).name, (<QMatrix>q).address, (<QMatrix>q).address + (<QMatrix>q).nbytes))
+        if self.b is not None:
+            out.append((self.b.name, <size_t>self.b.data, <size_t>self.b.data + <size_t>self.b.a.nbytes))
+        return out
+
     cdef int apply(self, x, out) except -1:
-        """out[R, n_out] = x[R, n_in] @ w + b."""
-        _np.matmul(x, self.w.a, out=out)
-        _add_rows(<float *>_ptr(out), _wp(self.b), out.shape[0], self.n_out)
+        """out[R, n_out] = x[R, n_in] @ W + b (x, out: C-contiguous float32, checked by the caller)."""
+        cdef int64_t R = out.shape[0], off = 0, ni = self.n_in, no = self.n_out
+        cdef const float *xp = <const float *>_ptr(x)
+        cdef float *yp = <float *>_ptr(out)
+        cdef int threads = kv_get_num_threads()
+        cdef QMatrix q
+        if self.w is not None:
+            _np.matmul(x, self.w.a, out=out)
+        elif R > _KERNEL_ROWS:
+            self._apply_tiles(x, out)
+        else:
+            for part in self.parts:
+                q = <QMatrix>part
+                with nogil:
+                    q.apply(xp, R, ni, yp + off, no, threads)
+                off += q.rows
+        _add_rows(yp, _wp(self.b), R, no)
+        return 0
+
+    cdef int _apply_tiles(self, x, out) except -1:
+        """Many rows (a prefill chunk): the product is compute-bound, so each part is dequantized
+        a tile of rows at a time into float32 scratch (~4 MB: it stays in cache) and multiplied
+        through BLAS (measured 2x faster than the kernel from 64 rows on)."""
+        cdef QMatrix q
+        cdef int64_t off = 0, j, t, T
+        cdef float *sp
+        cdef const uint8_t *src
+        for part in self.parts:
+            q = <QMatrix>part
+            T = max(16, min(256, (1 << 22) // (4 * q.cols)))
+            scratch = _np.empty((T, q.cols), _np.float32)
+            sp = <float *>_ptr(scratch)
+            for j in range(0, q.rows, T):
+                t = min(T, q.rows - j)
+                src = q._data + j * q.row_bytes
+                with nogil:
+                    kv_dequantize(q.t, sp, src, t * q.cols)
+                _np.matmul(x, scratch[:t].T, out=out[:, off + j:off + j + t])
+            off += q.rows
         return 0
 
     def __call__(self, x):
@@ -125,7 +208,7 @@ cdef int _need_dims(Linear lin, int64_t n_in, int64_t n_out) except -1:
         raise KVSimdTypeError("a Block needs every projection of its layer, got None")
     if lin.n_in != n_in or lin.n_out != n_out:
         raise KVSimdValueError("%s must be [%d, %d] for these layers, got [%d, %d]"
-                               % (lin.w.name, n_in, n_out, lin.n_in, lin.n_out))
+                               % (lin.name, n_in, n_out, lin.n_in, lin.n_out))
     return 0
 
 
@@ -222,15 +305,19 @@ cdef class Layers:
         cdef _Weight w
         spans, self._wn = [], []
         for b in self.blocks:
-            for part in ((<Block>b).norm1, (<Block>b).norm2, (<Block>b).norm_cross, (<Block>b).qkv, (<Block>b).o,
-                         (<Block>b).ffn_in, (<Block>b).ffn_out, (<Block>b).cross_q, (<Block>b).cross_o,
-                         (<Block>b).cross_kv):
+            for part in ((<Block>b).norm1, (<Block>b).norm2, (<Block>b).norm_cross):
                 if part is None:
                     continue
                 for w in ((<_Parameters>part).w, (<_Parameters>part).b):
                     if w is not None:
                         spans.append((<size_t>w.data, <size_t>w.data + <size_t>w.a.nbytes))
                         self._wn.append(w.name)
+            for part in ((<Block>b).qkv, (<Block>b).o, (<Block>b).ffn_in, (<Block>b).ffn_out, (<Block>b).cross_q,
+                         (<Block>b).cross_o, (<Block>b).cross_kv):
+                if part is not None:
+                    for nm, a0, a1 in (<Linear>part).spans():
+                        spans.append((a0, a1))
+                        self._wn.append(nm)
         self._wr = _np.array(spans, dtype=_np.uint64).reshape(-1, 2)
 
     cdef int _check_block(self, Block b) except -1:
@@ -248,7 +335,7 @@ cdef class Layers:
             _need_dims(b.ffn_in, d, b.ffn_out.n_in * (2 if self.gated else 1) if b.ffn_out is not None else 1)
         if self.gated and b.ffn_in.n_out % 2:
             raise KVSimdValueError("%s must be [%d, 2F] ([gate | up] of a gated FFN), got [%d, %d]"
-                                   % (b.ffn_in.w.name, d, b.ffn_in.n_in, b.ffn_in.n_out))
+                                   % (b.ffn_in.name, d, b.ffn_in.n_in, b.ffn_in.n_out))
         F = b.ffn_in.n_out // 2 if self.gated else b.ffn_in.n_out
         _need_dims(b.ffn_out, F, d)
         if self.cross != (b.cross_q is not None) or (self.cross and (b.cross_o is None or b.cross_kv is None)):

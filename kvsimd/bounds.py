@@ -17,7 +17,7 @@ from kvsimd import reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_scale", "attend_bound", "alibi_score_error"]
+           "attend_scale", "attend_bound", "alibi_score_error", "GEMV_LANES", "matmul_depth", "matmul_bound"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
@@ -138,3 +138,62 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
         pe = p * alibi_score_error(kw["alibi_slopes"], dist)
         bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
     return bound
+
+
+# QMatrix.matmul (kernels/gemv.inc.h), y[b, j] = sum_i x[b, i] W[j, i], against float64 math on
+# the dequantized weights (``QMatrix.dequantize()``, bit for bit ``gguf.quants.dequantize``):
+#
+# 1. Widening.  Every decoder (kernels/wt_*.inc.h) yields exactly the float32 value gguf's
+#    dequantization computes, so the weights add no error of their own.  F32 is read as is;
+#    F16 and BF16 widen exactly.  Quantized types: an fp16 scale has 11 significant bits, so
+#    d * q (Q8_0: 8-bit q; Q4_0: the -8 d offset is a power-of-two multiple), d * sc (Q4_K/Q5_K:
+#    6-bit sc; Q6_K: |sc| <= 128) and then (d * sc) * q (4..6-bit q; Q6_K's q - 32 has |.| <= 32)
+#    all fit fp32's 24 bits: exact, fused or not.  What remains is one fp32 rounding of the
+#    addition of the minimum / offset (Q4_1: + m; Q4_0: - 8 d; k-quants: - dmin * mn, itself an
+#    exact product), the same single rounding gguf's NumPy float32 arithmetic makes.
+#    (test_qmatmul.py checks QMatrix.dequantize bitwise against gguf for every type and row.)
+# 2. Summation.  Per output, the kernel keeps NA vector accumulators of KV_W lanes (KV_W: 1
+#    scalar, 8 avx2, 16 avx512fp16; NA = 4, 2 or 1 for slices of 1, 2 or >= 3 rows of x, at most
+#    the block's vector count), each lane a chain of FMAs (x * w exact inside the FMA, one
+#    rounding per step; the scalar row rounds the product first: one more).  A lane's chain is
+#    at most floor(k / (NA KV_W)) + NA long (the float types' last < NA vectors, the last maybe
+#    partial, all go into accumulator 0; quantized chains are exactly k / (NA KV_W)); then NA - 1
+#    additions of the accumulators and log2(KV_W) of the horizontal sum.  So every product
+#    passes through at most floor(k / (NA KV_W)) + 2 NA + log2(KV_W) roundings, which for
+#    NA in {1, 2, 4} is at most  h = ceil(k / KV_W) + log2(KV_W) + 8  (matmul_depth), and
+#        |y - exact| <= gamma_h sum_i |x_bi| |w_ji|,   gamma_h = h u32 / (1 - h u32)
+#    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1 / eq. 3.4).
+#    Underflow: an FMA or product below 2^-126 adds an absolute error of at most 2^-150; at most
+#    k such operations per output, each amplified by at most (1 + u32)^h < 2: k 2^-149, stated
+#    as k 2^-148.  The columns' split across threads changes nothing (each output is one column's
+#    code), nor do B > 8 rows (slices of 8 rows, each an independent product).
+# 3. The reference: float64 products of float32 values are exact, and any float64 summation
+#    order errs by at most gamma_k(2^-53) sum |x||w| < k 2^-52 sum |x||w|: added so that a
+#    test's float64 result (NumPy/BLAS, any order) may stand in for the exact sum.
+# Not covered: overflow (|y| or a partial sum beyond fp32's range) and NaN/Inf inputs.
+GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512fp16": 16}   # KV_W of each row's vec_*.h
+
+
+def matmul_depth(k: int, isa: str) -> int:
+    """h: the most fp32 roundings any product x_bi w_ji passes through in ``QMatrix.matmul``
+    with ``k`` columns on ISA row ``isa`` (see the derivation above)."""
+    if isa not in GEMV_LANES:
+        raise KVSimdValueError("no matmul bound for isa=%r (rows: %s)" % (isa, ", ".join(GEMV_LANES)))
+    w = GEMV_LANES[isa]
+    return -(-int(k) // w) + int(w).bit_length() - 1 + 8
+
+
+def matmul_bound(x, w_deq, isa: str):
+    """Per-output bound ``[B, rows]`` on ``|QMatrix.matmul(x) - x @ w_deq.T|`` (the right side in
+    float64) on ISA row ``isa``: ``(gamma_h + k 2^-52) * (|x| @ |w_deq|.T) + k 2^-148`` with
+    ``h = matmul_depth(k, isa)``.  ``x``: float32 [B, k]; ``w_deq``: the dequantized weights
+    [rows, k] (``QMatrix.dequantize()``, or ``gguf.quants.dequantize`` of the same bytes)."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w_deq, np.float64)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise KVSimdValueError("matmul_bound needs x [B, k] and w_deq [rows, k], got x %s and w_deq %s"
+                               % (x.shape, w.shape))
+    k = x.shape[1]
+    h = matmul_depth(k, isa)
+    gamma = h * U32 / (1.0 - h * U32)
+    return (gamma + k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148

@@ -146,6 +146,29 @@ def _f64(a):
     return None if a is None else np.asarray(a, dtype=np.float64)
 
 
+def _stored(w):
+    """A weight kept as a file stores it (kvsimd's QMatrix: ``raw()`` bytes of GGUF type
+    ``ggml_type``, rows of ``cols`` values) as float64 ``[rows, cols]``, dequantized by the
+    ``gguf`` package's own routines (not kvsimd's kernels)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return np.asarray(dequantize(np.asarray(w.raw()), GGMLQuantizationType(w.ggml_type)),
+                      dtype=np.float64).reshape(w.shape)
+
+
+def _matrix(w):
+    """A projection ``[in, out]`` in float64: a float array as given, a stored weight ``[out, in]``
+    (or a tuple of parts stacked along out) transposed."""
+    if isinstance(w, (tuple, list)):
+        return np.concatenate([_stored(p) for p in w], axis=0).T
+    return _stored(w).T if hasattr(w, "ggml_type") else _f64(w)
+
+
+def _table(t):
+    """An embedding table ``[rows, d]`` in float64 (stored weights dequantized by gguf)."""
+    return _stored(t) if hasattr(t, "ggml_type") else _f64(t)
+
+
 def alibi_slopes(n_heads):
     """float64 ALiBi slopes of ``n_heads`` heads: for the largest power of two p <= n_heads,
     ``2 ** (-8 (i + 1) / p)``; the remaining heads take every other slope of 2p heads
@@ -200,7 +223,7 @@ def norm(cfg, nw, x):
 
 
 def _linear(x, w, b=None):
-    y = x @ _f64(w)
+    y = x @ _matrix(w)
     return y if b is None else y + _f64(b)
 
 
@@ -313,7 +336,7 @@ def _norm_weights(cfg, flag, nw, what, cfg_name):
 
 def _embed(cfg, table, pos_table, embed_norm, t, positions, what):
     """float64 input rows of tokens ``t`` at ``positions`` (token embedding, position table, norm)."""
-    x = _f64(table)[t] * float(cfg.embed_scale)
+    x = _table(table)[t] * float(cfg.embed_scale)
     if cfg.position in ("learned", "sinusoidal"):
         rows = positions + int(cfg.position_offset)
         if pos_table is None:

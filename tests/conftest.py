@@ -2,7 +2,8 @@
 
 Kernel tests take the ``row`` fixture: one *runner* per ISA row compiled into this build, all
 with the same small API (``attend``, ``apply_rope``, ``shift_keys``, ``to_float16``,
-``to_float32``; the signatures of kvsimd.ops).  A row this CPU runs is run natively (through
+``to_float32``: the signatures of kvsimd.ops; ``matmul(qm, x, parts)`` and ``dequantize(qm)``
+of a QMatrix).  A row this CPU runs is run natively (through
 ``kvsimd.testing.use_isa``); a row it cannot run is run in the emulated Sapphire Rapids of
 tests/emulator.py, on the very machine code of the extension module.  When the emulator cannot
 be set up that row is a skip with the reason, or a failure with ``KVSIMD_REQUIRE_EMULATOR=1`` (CI).
@@ -126,6 +127,26 @@ class NativeRow:
     def to_float32(self, h):
         return self._convert(ops.to_float32, h, np.float32, 0x5A5A5A5A)
 
+    def matmul(self, qm, x, parts=1):
+        """``qm.matmul(x)`` (a QMatrix) with the columns split over ``parts`` kernel threads, into
+        a view one float into a guarded buffer."""
+        B, n = x.shape[0], qm.rows
+        buf = np.full(B * n + 33, 0x5A5A5A5A, np.uint32)
+        out = buf[1:B * n + 1].view(np.float32).reshape(B, n)
+        before = ext._get_kernel_threads()
+        ext._set_kernel_threads(parts)
+        try:
+            with use_isa(self.isa):
+                assert qm.matmul(x, out=out) is out
+        finally:
+            ext._set_kernel_threads(before)
+        assert buf[0] == 0x5A5A5A5A and np.all(buf[B * n + 1:] == 0x5A5A5A5A), "wrote outside the output"
+        return out.copy()
+
+    def dequantize(self, qm):
+        with use_isa(self.isa):
+            return qm.dequantize()
+
 
 class EmulatedRow:
     """A row run in the emulator: its kernels from the dispatch table, called with structs
@@ -212,6 +233,53 @@ class EmulatedRow:
 
     def to_float32(self, h):
         return self._convert("f16_to_f32", h, np.float32)
+
+    def _put_weights(self, qm):
+        """A QMatrix's bytes in the arena off 64-byte alignment: one element for the float types
+        (their kernels need element alignment, as the Python boundary checks), 3 bytes (odd) for
+        the block types."""
+        off = {"f32": 4, "f16": 2, "bf16": 2}.get(qm.wtype, 3)
+        return self.guest.put(np.ascontiguousarray(qm.raw()), offset=off)
+
+    def matmul(self, qm, x, parts=1):
+        """The row's gemv[wtype] kernel as kv_matmul calls it: slices of KV_GEMV_MAX_B = 8 rows of
+        x, the columns in ``parts`` separate calls (ranges n t / parts ..).  x and y sit in padded
+        rows (x_stride k + 3, its padding NaN: a read past k shows; y_stride n + 5, the padding
+        checked untouched), off 64-byte alignment, y followed by guard bytes."""
+        g = self.guest
+        g.reset_arena()
+        B, k = x.shape
+        n = qm.rows
+        xs, ys = k + 3, n + 5
+        xp = np.full((B, xs), np.nan, np.float32)
+        xp[:, :k] = x
+        fill = 0xA5A5A5A5
+        w = self._put_weights(qm)
+        xa = g.put(xp, offset=4)
+        ya = g.put(np.full(B * ys, fill, np.uint32), offset=4, guard=self.GUARD)
+        fn = self.guest.guest_address(self.info["rows"][self.isa]["gemv"][qm.wtype])
+        t = list(ext.weight_types()).index(qm.wtype)
+        for b0 in range(0, B, 8):
+            prm = g.put(self._pack("kv_gemv_params", {
+                "w": w, "x": xa + 4 * b0 * xs, "y": ya + 4 * b0 * ys, "row_bytes": qm.row_bytes, "k": k, "n": n,
+                "B": min(8, B - b0), "x_stride": xs, "y_stride": ys, "wtype": t}))
+            for p in range(parts):
+                n0, n1 = n * p // parts, n * (p + 1) // parts
+                if n1 > n0:
+                    g.call(fn, prm, n0, n1)
+        y = np.frombuffer(self._read_guarded(ya, 4 * B * ys), np.uint32).reshape(B, ys)
+        assert np.all(y[:, n:] == fill), "wrote into the padding of y"
+        return y[:, :n].view(np.float32).copy()
+
+    def dequantize(self, qm):
+        """The row's dequant[wtype] kernel over the whole matrix, into a guarded output."""
+        g = self.guest
+        g.reset_arena()
+        count = qm.rows * qm.cols
+        w = self._put_weights(qm)
+        dst = g.put(np.zeros(count, np.float32), offset=4, guard=self.GUARD)
+        g.call(self.guest.guest_address(self.info["rows"][self.isa]["dequant"][qm.wtype]), dst, w, count)
+        return np.frombuffer(self._read_guarded(dst, 4 * count), np.float32).reshape(qm.rows, qm.cols).copy()
 
 
 @pytest.fixture(params=COMPILED_ISAS)

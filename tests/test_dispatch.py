@@ -161,14 +161,14 @@ def test_forced_has_one_source():
 
 
 def test_struct_layouts_come_from_c():
-    """The emulator packs kv_attn_params / kv_attn_range / kv_rot_params from the layout C reports
+    """The emulator packs kv_attn_params / kv_attn_range / kv_rot_params / kv_gemv_params from the layout C reports
     (offsetof/sizeof over the field lists in kvsimd.h): every field's bytes inside the struct,
     no two overlapping, gaps only alignment padding, each letter as wide as the C field."""
     import struct
 
     from kvsimd import _kvsimd
     layouts = _kvsimd._struct_layouts()
-    assert set(layouts) == {"kv_attn_params", "kv_attn_range", "kv_rot_params"}
+    assert set(layouts) == {"kv_attn_params", "kv_attn_range", "kv_rot_params", "kv_gemv_params"}
     for name, lay in layouts.items():
         spans = sorted((off, size, code, field) for field, (off, size, code) in lay["fields"].items())
         end = 0

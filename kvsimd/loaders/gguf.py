@@ -5,9 +5,17 @@ checked against the file's size before it is used (a damaged file is a :class:`G
 a huge allocation or a read past the end).  Then, in one place (:func:`check_gguf`) and before any
 tensor is dequantized, the metadata is checked (types, ranges) and turned into a
 :class:`ModelConfig`, the tokenizer metadata is checked, and every tensor's type and shape is
-compared with a table of expected shapes computed from the config.  Tensors stored as F32, F16,
-BF16, Q8_0, Q4_0 or Q4_1 are then dequantized to float32 with ``gguf``'s own routines, and a
-tensor holding NaN or inf is an error.
+compared with a table of expected shapes computed from the config.
+
+Weights stay as the file stores them: the file is memory-mapped and every matrix of a type kvsimd
+multiplies in place (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: ``WEIGHT_TYPES``) becomes
+a :class:`kvsimd.QMatrix` over its bytes in the map -- nothing is copied or dequantized, so a load
+costs the directory parse and one scan of the scales (a tensor whose values or block scales hold
+NaN or inf is an error).  A matrix of another type ``gguf`` can dequantize (Q5_0, Q2_K, ...) is
+dequantized to float32 once, with a warning naming it.  Vectors (norms, biases) are small: copied
+as float32.  ``mmap=False`` copies the stored bytes into the process instead (same types, same
+memory; the file may then change or vanish under a running model, which a memory map does not
+allow: truncating a mapped file makes the process fault when it next reads the lost pages).
 
 llama.cpp's converter permutes the Q/K projection rows so that RoPE rotates adjacent pairs (GPT-J
 style), so a GGUF model is run with ``rope_style="gptj"`` on its weights as stored -- equivalent to
@@ -28,7 +36,13 @@ from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ModelConfig
 from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# the types kvsimd multiplies as stored (src_c/wtypes.def); SUPPORTED_TYPES adds those dequantized at load
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = WEIGHT_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K")
+# byte offsets of the half-precision scale fields in each block of a quantized type (GGUF's block
+# layouts): the load checks them finite without dequantizing the tensor
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 MAX_DIMS = 4                      # ggml's GGML_MAX_DIMS
@@ -108,7 +122,34 @@ class _Cursor:
         if n > (self.size - self.pos) // 8:    # every element needs at least its 8-byte length
             raise GGUFError("%s: truncated or damaged: %s claims %d elements, more than the file can hold"
                             % (self.path, what, n))
+        if iname == "STRING":
+            return MetaValue("ARRAY[STRING]", self.strings(n, what))
         return MetaValue("ARRAY[%s]" % iname, [self.value(itid, what, True).value for _ in range(n)])
+
+    def strings(self, n, what):
+        """``n`` strings in a row (a vocabulary: ~10^5 of them), in one tight loop; every length is
+        checked against the end of the file as in :meth:`string`."""
+        buf, pos, end, out = self.buf, self.pos, self.size, []
+        length = struct.Struct("<Q").unpack_from
+        append = out.append
+        try:
+            for _ in range(n):
+                if end - pos < 8:
+                    break
+                m = length(buf, pos)[0]
+                pos += 8
+                if m > end - pos:
+                    pos -= 8
+                    break
+                append(str(buf[pos:pos + m], "utf-8"))
+                pos += m
+        except UnicodeDecodeError:
+            pass
+        if len(out) < n:          # stopped early: report the bad element as string() does
+            self.pos = pos
+            self.string("%s[%d]" % (what, len(out)))
+        self.pos = pos
+        return out
 
 
 class GGUFFile:
@@ -133,6 +174,7 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError("cannot read %s: %s" % (path, e.strerror or e)) from None
         self.size = size
+        self.dequantized = []     # (tensor, type) of the matrices stored() dequantized
         self._parse(memoryview(self._map))
 
     def _parse(self, buf):
@@ -205,6 +247,55 @@ class GGUFFile:
     def get(self, key, default=None):
         v = self.meta.get(key)
         return default if v is None else v.value
+
+    def _raw(self, t, copy):
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return raw.copy() if copy else raw
+
+    def _non_finite(self, t, raw):
+        """(count, first flat index) of NaN/inf among a tensor's values (float types) or block
+        scales (quantized types), without dequantizing it."""
+        name = t.qtype.name
+        if name == "F32":
+            bad = ~np.isfinite(raw.view(np.float32))
+        elif name in ("F16", "BF16"):
+            mask = 0x7C00 if name == "F16" else 0x7F80   # exponent all ones: inf or NaN
+            bad = (raw.view(np.uint16) & mask) == mask
+        else:
+            from gguf.constants import GGML_QUANT_SIZES
+            block, size = GGML_QUANT_SIZES[t.qtype]
+            blocks = raw.reshape(-1, size)
+            bad = np.zeros(blocks.shape[0], bool)
+            for off in _SCALE_FIELDS.get(name, ()):
+                h = blocks[:, off].astype(np.uint16) | (blocks[:, off + 1].astype(np.uint16) << 8)
+                bad |= (h & 0x7C00) == 0x7C00
+            n = int(np.count_nonzero(bad))
+            return n * block, (int(np.argmax(bad)) * block if n else 0)
+        n = int(np.count_nonzero(bad))
+        return n, (int(np.argmax(bad)) if n else 0)
+
+    def _need_finite(self, t, raw):
+        bad, first = self._non_finite(t, raw)
+        if bad:
+            index = tuple(int(i) for i in np.unravel_index(first, t.shape))
+            raise GGUFError("%s: tensor %s holds %d NaN/inf values (first at index %s)"
+                            % (self.path, t.name, bad, index))
+
+    def stored(self, name, copy=False):
+        """Matrix ``name`` as stored: a :class:`kvsimd.QMatrix` over its bytes in the map (or over
+        a private copy of them with ``copy``), or, for a type kvsimd has no kernel for, over its
+        float32 dequantization (``self.dequantized`` lists those).  NaN/inf is an error."""
+        from kvsimd._kvsimd import QMatrix
+        t = self.tensors[name]
+        if len(t.shape) != 2:
+            raise GGUFError("%s: tensor %s has shape %s, expected a matrix" % (self.path, name, list(t.shape)))
+        if t.qtype.name not in WEIGHT_TYPES:
+            w = self.read(name)
+            self.dequantized.append((name, t.qtype.name))
+            return QMatrix(w.view(np.uint8).reshape(t.shape[0], -1), "f32", t.shape, name=name)
+        raw = self._raw(t, copy)
+        self._need_finite(t, raw)
+        return QMatrix(raw, t.qtype.name.lower(), t.shape, name=name)
 
     def read(self, name):
         """Tensor ``name`` dequantized to a C-contiguous float32 array of its shape; NaN/inf is an error."""
@@ -407,35 +498,41 @@ def check_gguf(gf):
     return cfg, spec
 
 
-def load_tensors(gf):
-    """name -> float32 array in ggml's row-major order ([out, in] for projections)."""
-    return {name: gf.read(name) for name in gf.tensors}
+def load_tensors(gf, copy=False):
+    """name -> tensor: matrices as stored (:meth:`GGUFFile.stored`, ggml order ``[out, in]``),
+    vectors (norms, biases) as float32 arrays."""
+    return {name: gf.stored(name, copy) if len(t.shape) == 2 else gf.read(name) for name, t in gf.tensors.items()}
 
 
-def decoder_kwargs_from_gguf(path):
+def decoder_kwargs_from_gguf(path, mmap=True):
     """Decoder constructor arguments and the parsed file (which :meth:`Tokenizer.from_gguf` reads).
-    Nothing is dequantized before the whole file checked out, tokenizer included."""
+    Nothing is read before the whole file checked out, tokenizer included.  Matrices stay as the
+    file stores them (views of the memory map; private copies with ``mmap=False``)."""
     from kvsimd.loaders.tokenizer import Tokenizer
     gf = open_gguf(path)
     cfg, _ = check_gguf(gf)
     Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read
     try:
-        w = load_tensors(gf)
+        w = load_tensors(gf, copy=not mmap)
     finally:
-        gf.close()
+        gf.close()    # unmaps only when nothing views the map any more (mmap=False, or no matrix)
+    if gf.dequantized:
+        import warnings
+        warnings.warn("%s: no kvsimd kernel for %s: dequantized to float32 at load (more memory, slower)"
+                      % (path, ", ".join("%s (%s)" % nt for nt in gf.dequantized)), stacklevel=3)
     layers = []
     for i in range(cfg.n_layers):
         p = "blk.%d." % i
-        a = AttentionWeights(w[p + "attn_q.weight"].T, w[p + "attn_k.weight"].T, w[p + "attn_v.weight"].T,
-                             w[p + "attn_output.weight"].T, w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
+        a = AttentionWeights(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"],
+                             w[p + "attn_output.weight"], w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
                              w.get(p + "attn_v.bias"))
-        f = FFNWeights(w[p + "ffn_gate.weight"].T, w[p + "ffn_down.weight"].T, w[p + "ffn_up.weight"].T)
+        f = FFNWeights(w[p + "ffn_gate.weight"], w[p + "ffn_down.weight"], w[p + "ffn_up.weight"])
         layers.append(LayerWeights(a, f, NormWeights(w[p + "attn_norm.weight"]), NormWeights(w[p + "ffn_norm.weight"])))
     embed = w["token_embd.weight"]
-    head = w["output.weight"].T if "output.weight" in w else embed.T   # tied embeddings
+    head = w.get("output.weight", embed)    # tied embeddings: the same stored rows
     return dict(cfg=cfg, embed=embed, layers=layers, final_norm=NormWeights(w["output_norm.weight"]),
-                lm_head=np.ascontiguousarray(head)), gf
+                lm_head=head), gf
 
 
 __all__ = ["GGUFError", "GGUFFile", "open_gguf", "check_gguf", "config_from_gguf", "tokenizer_spec",
-           "expected_tensors", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError"]
+           "expected_tensors", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError", "WEIGHT_TYPES"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ModelConfig
-from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights
+from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights, need_format, store_weights
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
          "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -79,14 +79,15 @@ def _split_fused_heads(w, b, H, Dh):
     return parts, bparts
 
 
-def decoder_from_transformers(cls, model):
+def decoder_from_transformers(cls, model, weights="float32"):
     _need_model(model, "Decoder.from_transformers")
+    need_format(weights)
     family = getattr(model.config, "model_type", type(model).__name__)
     builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
     if family not in builders:
         raise KVSimdValueError("Decoder.from_transformers: model family %r is not supported (supported: %s)"
                                % (family, ", ".join(sorted(builders))))
-    return cls(**builders[family](model))
+    return store_weights(cls(**builders[family](model)), weights)
 
 
 def _llama(model):
@@ -199,8 +200,9 @@ def _bloom(model):
                 lm_head=sd("lm_head.weight", True))
 
 
-def encoder_decoder_from_transformers(cls, model):
+def encoder_decoder_from_transformers(cls, model, weights="float32"):
     _need_model(model, "EncoderDecoder.from_transformers")
+    need_format(weights)
     c = model.config
     family = getattr(c, "model_type", type(model).__name__)
     if family not in ("bart", "marian"):
@@ -257,4 +259,4 @@ def encoder_decoder_from_transformers(cls, model):
             pos_embed=sd("model.decoder.embed_positions.weight") if bart else None,
             embed_norm=ln("model.decoder.layernorm_embedding") if bart else None)
     m.enc_embed = enc_embed
-    return m
+    return store_weights(m, weights)

@@ -40,19 +40,27 @@ class Decoder(_Stack):
         return self._full(tokens)
 
     @classmethod
-    def from_transformers(cls, model):
-        """Import a loaded Hugging Face causal LM (Llama/Mistral/Qwen2, GPT-NeoX, GPT-2, BLOOM)."""
+    def from_transformers(cls, model, weights="float32"):
+        """Import a loaded Hugging Face causal LM (Llama/Mistral/Qwen2, GPT-NeoX, GPT-2, BLOOM).
+        ``weights``: how the matrices are kept: "float32" (arrays, BLAS), or stored as "float16",
+        "bfloat16" or "q8_0" (quantized at import; multiplied by kvsimd's kernels)."""
         from kvsimd.loaders.hf import decoder_from_transformers
-        return decoder_from_transformers(cls, model)
+        return decoder_from_transformers(cls, model, weights)
 
     @classmethod
-    def from_gguf(cls, path):
-        """Load a Llama-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized
-        to float32).  The tokenizer from the file's metadata is ``.tokenizer``."""
-        from kvsimd.errors import KVSimdError
+    def from_gguf(cls, path, *, mmap=True):
+        """Load a Llama-architecture GGUF file, its weights kept as the file stores them (F32, F16,
+        BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: multiplied in place by kvsimd's kernels; Q5_0,
+        Q5_1, Q2_K, Q3_K dequantized to float32 with a warning).  ``mmap=True``: the weights are
+        views of the memory-mapped file (load costs no copy; the file must stay as it is while the
+        model lives); ``mmap=False``: a private copy of the stored bytes.  The tokenizer from the
+        file's metadata is ``.tokenizer``."""
+        from kvsimd.errors import KVSimdError, KVSimdTypeError
         from kvsimd.loaders.gguf import GGUFError, decoder_kwargs_from_gguf
         from kvsimd.loaders.tokenizer import Tokenizer
-        kwargs, reader = decoder_kwargs_from_gguf(path)
+        if not isinstance(mmap, bool):
+            raise KVSimdTypeError("mmap must be True or False, got %r" % (mmap,))
+        kwargs, reader = decoder_kwargs_from_gguf(path, mmap=mmap)
         try:
             model = cls(**kwargs)
         except GGUFError:

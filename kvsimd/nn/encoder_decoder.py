@@ -14,7 +14,7 @@ from kvsimd.nn.config import F32, ModelConfig, check_config
 from kvsimd.nn.generate import _generate, _prompts, _short, _tokens_1d
 from kvsimd.nn.model import _Stack, _rope_spec
 from kvsimd.observe import notify
-from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, _norm, alibi_slopes, check_layer, need_norm,
+from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, _norm, alibi_slopes, check_layer, embed_rows, need_norm,
                                need_weight, pack_layers)
 
 __all__ = ["EncoderDecoder"]
@@ -55,7 +55,7 @@ class EncoderDecoder(_Stack):
             raise KVSimdValueError("enc_cfg.position must be 'learned' or 'sinusoidal' (the encoders kvsimd imports), "
                                    "got %r" % ec.position)
         emb = self.__dict__.get("enc_embed")
-        need_weight(self.embed if emb is None else emb, "enc_embed", (ec.vocab_size, ec.d_model))
+        need_weight(self.embed if emb is None else emb, "enc_embed", (ec.vocab_size, ec.d_model), table=True)
         if ec.position in ("learned", "sinusoidal"):
             need_weight(self.enc_pos, "enc_pos", (None, ec.d_model))
             if self.enc_pos.shape[0] <= ec.position_offset:
@@ -97,7 +97,7 @@ class EncoderDecoder(_Stack):
         S = t.size
         self._check_source(S)
         emb = getattr(self, "enc_embed", None)
-        x = (self.embed if emb is None else emb)[t] * np.float32(ec.embed_scale)
+        x = embed_rows(self.embed if emb is None else emb, t) * np.float32(ec.embed_scale)
         if self.enc_pos is not None and ec.position in ("learned", "sinusoidal"):
             x = x + self.enc_pos[np.arange(S) + ec.position_offset]
         x = np.ascontiguousarray(x, dtype=F32)
@@ -170,7 +170,8 @@ class EncoderDecoder(_Stack):
                          seed, stop, cache_dtype, capacity)
 
     @classmethod
-    def from_transformers(cls, model):
-        """Import a loaded Hugging Face encoder-decoder (BART, Marian)."""
+    def from_transformers(cls, model, weights="float32"):
+        """Import a loaded Hugging Face encoder-decoder (BART, Marian); ``weights`` as for
+        :meth:`Decoder.from_transformers`."""
         from kvsimd.loaders.hf import encoder_decoder_from_transformers
-        return encoder_decoder_from_transformers(cls, model)
+        return encoder_decoder_from_transformers(cls, model, weights)

@@ -20,8 +20,8 @@ from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ModelConfig, check_config, weights_generation
 from kvsimd.nn.generate import _short, _tokens_1d
 from kvsimd.observe import notify
-from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, alibi_slopes, check_layer, need_norm, need_weight,
-                               pack_layers, sinusoidal_table, _norm)
+from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, alibi_slopes, check_layer, embed_rows, need_norm,
+                               need_weight, pack_layers, sinusoidal_table, _norm)
 
 _need_int = _kvsimd._need_int
 
@@ -96,7 +96,7 @@ class _Stack:
             raise KVSimdTypeError("cfg must be a ModelConfig, got %s" % _short(cfg))
         check_config(cfg, "cfg")
         d, V = cfg.d_model, cfg.vocab_size
-        need_weight(self.embed, "embed", (V, d))
+        need_weight(self.embed, "embed", (V, d), table=True)
         need_weight(self.lm_head, "lm_head", (d, V))
         need_weight(self.lm_bias, "lm_bias", (V,), optional=True)
         need_norm(self.final_norm, "final_norm", d, optional=True)
@@ -169,7 +169,7 @@ class _Stack:
     # ------------------------------------------------------------------ pieces
     def _embed(self, tokens, positions):
         cfg = self.cfg
-        x = self.embed[tokens] * np.float32(cfg.embed_scale)
+        x = embed_rows(self.embed, tokens) * np.float32(cfg.embed_scale)
         if cfg.position in ("learned", "sinusoidal"):
             self._check_position(int(positions.max()))
             x = x + self.pos_embed[positions + cfg.position_offset]

@@ -1,7 +1,13 @@
-"""A model's weights: the dataclasses a loader fills (float32, ``[in, out]`` matrices), their checks
-against a ModelConfig, and their packing into the compiled layers (``pack_layers``)."""
+"""A model's weights: the dataclasses a loader fills, their checks against a ModelConfig, and their
+packing into the compiled layers (``pack_layers``).
+
+A matrix is either a float32 array ``[in, out]`` or a weight kept as its file stores it, a
+:class:`kvsimd.QMatrix` ``[out, in]`` (GGUF / torch order; quantized or 16-bit): loaders keep
+GGUF tensors so, and the compiled layers multiply them in place.  Fused projections (q|k|v,
+gate|up) of QMatrix parts are tuples of the parts, never copies."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,8 +42,23 @@ def sinusoidal_table(n_positions, dim):
 
 
 # ------------------------------------------------------------------------------ weights
+QMatrix = _kvsimd.QMatrix
+
+
+def _out_dim(w):
+    return w.rows if isinstance(w, QMatrix) else w.shape[-1]
+
+
+def embed_rows(table, ids):
+    """Rows ``ids`` of an embedding table (a float32 array, or a QMatrix dequantized row by row)."""
+    return table.take(ids) if isinstance(table, QMatrix) else table[ids]
+
+
 def _f32(a, name):
-    """``a`` as a C-contiguous float32 array (weights are converted once, at construction)."""
+    """``a`` as a C-contiguous float32 array (weights are converted once, at construction); a
+    QMatrix stays as it is stored."""
+    if isinstance(a, QMatrix):
+        return a
     if a is None:
         raise KVSimdTypeError("%s must be an array of real numbers, got None" % name)
     try:
@@ -48,7 +69,15 @@ def _f32(a, name):
 
 
 def _fuse_columns(parts, what):
-    """Concatenate 2-D ``[in, out_i]`` matrices (or 1-D biases) along their last axis."""
+    """Concatenate 2-D ``[in, out_i]`` matrices (or 1-D biases) along their last axis; QMatrix
+    parts are kept apart, as a tuple (each multiplies into its own columns)."""
+    if any(isinstance(p, QMatrix) for p in parts):
+        if not all(isinstance(p, QMatrix) for p in parts):
+            raise KVSimdTypeError("%s: a fused projection takes float32 arrays or QMatrix weights, not a mix "
+                                  "(got %s)" % (what, ", ".join(type(p).__name__ for p in parts)))
+        if len({p.cols for p in parts}) != 1:
+            raise KVSimdValueError("%s: the parts must have the same inputs, got %s" % (what, list(parts)))
+        return tuple(parts)
     shapes = [getattr(p, "shape", None) for p in parts]
     if any(sh is None or len(sh) != len(shapes[0]) or sh[:-1] != shapes[0][:-1] for sh in shapes):
         raise KVSimdValueError("%s: the parts must agree in all but their last dimension, got shapes %s"
@@ -96,7 +125,7 @@ class AttentionWeights(_Tracked):
 
     def _fuse(self):
         # one matrix product for q, k and v
-        z = lambda b, w: b if b is not None else np.zeros(w.shape[-1], F32)  # noqa: E731
+        z = lambda b, w: b if b is not None else np.zeros(_out_dim(w), F32)  # noqa: E731
         self.wqkv = _fuse_columns([self.wq, self.wk, self.wv], "wq, wk, wv")
         if self.bq is None and self.bk is None and self.bv is None:
             self.bqkv = None
@@ -152,9 +181,25 @@ class LayerWeights(_Tracked):
 
 
 # ------------------------------------------------------------------------------ validation
-def need_weight(a, name, shape, optional=False):
+def _need_stored(a, name, shape, table):
+    """A QMatrix (or a fused tuple of them) standing for a matrix of ``shape``: ``[in, out]`` of a
+    projection is stored ``[out, in]``; an embedding table (``table``) ``[rows, d]`` as it is."""
+    parts = a if isinstance(a, tuple) else (a,)
+    if len(shape) != 2 or not parts or not all(isinstance(p, QMatrix) for p in parts) or (table and len(parts) > 1):
+        raise KVSimdTypeError("%s must be a float32 array of shape %s, got %r" % (name, shape, a))
+    got = (parts[0].rows, parts[0].cols) if table else (parts[0].cols, sum(p.rows for p in parts))
+    if any(want is not None and g != want for g, want in zip(got, shape)):
+        raise KVSimdValueError("%s must have shape %s%s, got %r" % (
+            name, str(shape).replace("None", "n >= 1"), "" if table else " ([in, out]; stored [out, in])", a))
+    return a
+
+
+def need_weight(a, name, shape, optional=False, table=False):
     """``a`` must be a float32, C-contiguous, aligned array of exactly ``shape`` (the compiled
-    decode step reads weights by pointer with lengths taken from the ModelConfig)."""
+    decode step reads weights by pointer with lengths taken from the ModelConfig), or a matrix
+    kept as stored (QMatrix ``[out, in]``, or an embedding ``table`` ``[rows, d]``)."""
+    if isinstance(a, (QMatrix, tuple)):
+        return _need_stored(a, name, shape, table)
     if a is None:
         if optional:
             return None
@@ -247,3 +292,93 @@ def pack_layers(cfg, layers, name="layers", d_source=None):
     return _kvsimd.Layers(blocks, d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                           head_dim=cfg.head_dim, activation=cfg.activation, gated=cfg.ffn_gated,
                           pre_norm=cfg.pre_norm, parallel_residual=cfg.parallel_residual)
+
+
+# ------------------------------------------------------------------------------ storing float weights
+# weights= of from_transformers: the stored type of every matrix (None: float32 arrays, BLAS)
+WEIGHT_FORMATS = {"float32": None, "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0"}
+
+
+def need_format(weights):
+    if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
+        raise KVSimdValueError("weights must be one of %s, got %r" % (", ".join(map(repr, WEIGHT_FORMATS)), weights))
+    return weights
+
+
+def stored_matrix(rows, wtype, name):
+    """float32 ``rows`` ``[r, c]`` (a torch-order ``[out, in]`` matrix, or an embedding table)
+    stored as a QMatrix of ``wtype``, quantized by the ``gguf`` package (the encoder llama.cpp's
+    files are written with)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    rows = np.ascontiguousarray(rows, dtype=F32)
+    raw = np.ascontiguousarray(quantize(rows, GGMLQuantizationType[wtype.upper()])).view(np.uint8)
+    return QMatrix(raw.reshape(rows.shape[0], -1), wtype, rows.shape, name=name)
+
+
+def _rows(w, table):
+    """A matrix as float32 rows ``[out, in]`` (or an embedding table as it is)."""
+    if isinstance(w, QMatrix):
+        return w.dequantize()
+    return w if table else w.T
+
+
+def store_weights(model, weights):
+    """Convert every matrix of ``model`` (a Decoder or EncoderDecoder) to the type ``weights``
+    names (:data:`WEIGHT_FORMATS`), in place: "float32" gives float32 arrays ``[in, out]``
+    (stored matrices dequantized), the others QMatrix weights quantized from the float values.  A
+    matrix whose inputs are not whole blocks of the type (Q8_0: 32) is stored as float16 instead;
+    a warning names them.  A tied output projection shares the embedding's storage."""
+    need_format(weights)
+    wtype = WEIGHT_FORMATS[weights]
+    block = 1 if wtype is None else _kvsimd.weight_types()[wtype]["block"]
+    fallback = []
+
+    def conv(w, name, table=False):
+        if wtype is None and not isinstance(w, QMatrix):
+            return w
+        rows = _rows(w, table)
+        if wtype is None:
+            return np.ascontiguousarray(rows if table else rows.T)
+        t = wtype
+        if rows.shape[1] % block:
+            t = "f16"
+            fallback.append("%s (%d inputs)" % (name, rows.shape[1]))
+        return stored_matrix(rows, t, name)
+
+    def parts(obj, names, prefix):   # a copy of a weights dataclass with its matrices converted
+        return dataclasses.replace(obj, **{n: conv(getattr(obj, n), prefix + n)
+                                           for n in names if getattr(obj, n) is not None})
+
+    def layers(ls, prefix):
+        for i, lw in enumerate(ls):
+            p = "%s[%d]." % (prefix, i)
+            lw.attn = parts(lw.attn, ("wq", "wk", "wv", "wo"), p + "attn.")
+            if lw.cross is not None:
+                lw.cross = parts(lw.cross, ("wq", "wk", "wv", "wo"), p + "cross.")
+            lw.ffn = parts(lw.ffn, ("w1", "w2", "w3"), p + "ffn.")
+
+    def same(a, b):   # b (a projection [in, out]) is a's table transposed, or the same storage
+        if isinstance(a, QMatrix) or isinstance(b, QMatrix):
+            return a is b
+        return a.shape == b.T.shape and np.array_equal(a, b.T)
+
+    layers(model.layers, "layers")
+    if getattr(model, "enc_layers", None) is not None:
+        layers(model.enc_layers, "enc_layers")
+    embed, head = model.embed, model.lm_head
+    model.embed = conv(embed, "embed", table=True)
+    if same(embed, head):
+        model.lm_head = model.embed if isinstance(model.embed, QMatrix) else np.ascontiguousarray(model.embed.T)
+    else:
+        model.lm_head = conv(head, "lm_head")
+    enc = model.__dict__.get("enc_embed")
+    if enc is not None:
+        model.enc_embed = model.embed if (enc is embed or (not isinstance(enc, QMatrix) and not isinstance(embed, QMatrix)
+                                                            and np.array_equal(enc, embed))) \
+            else conv(enc, "enc_embed", table=True)
+    if fallback:
+        import warnings
+        warnings.warn("weights=%r: %s not whole blocks of %d values: stored as float16"
+                      % (weights, ", ".join(fallback), block), stacklevel=3)
+    return model
