@@ -375,12 +375,13 @@ def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
         assert lo <= r["tok_per_s"] <= hi
         if r["impl"] != "kvsimd":
             _check_ratio(r)
+            assert 0 <= r["same_tokens"] <= r["greedy_tokens"] == 2 + 12      # warm-up steps and timed ones
     pre = [r for r in rows if r.get("op") == "prefill"]
     assert {(r["impl"], r["threads"], r["tokens"]) for r in pre} == {(i, t, 64) for i in impls for t in (1, 2)}
     for r in pre:
         if r["impl"] != "kvsimd":
             _check_ratio(r)
-    assert {r["impl"] for r in rows if r.get("op") == "fill" and r["tokens"] == 64} == impls
+    assert {(r["impl"], r["start"], r["tokens"]) for r in rows if r.get("op") == "fill"} == {(i, 1, 63) for i in impls}
     loads = {r["impl"]: r for r in rows if r.get("op") == "load"}
     assert set(loads) == impls
     size = os.path.getsize(tiny_gguf) / 2**20
@@ -558,3 +559,27 @@ def test_schema_checks_gguf_rows(breakage):
     neg["results"]["decode"][1]["context"] = -1
     with pytest.raises(ValueError, match="context = -1 is not non-negative"):
         schema.validate(neg)
+
+
+def test_workers_decode_the_same_tokens_as_the_decoder(tiny_gguf):
+    """A worker's context and its restore before each thread count give the Decoder's own greedy
+    continuation of the same prompt (kvsimd), and every implementation repeats itself after start."""
+    import kvsimd
+    from kvsimd.bench.decode import Worker, prompt_ids
+    ids = prompt_ids(tiny_gguf, 80)
+    direct = kvsimd.Decoder.from_gguf(tiny_gguf)
+    for impl in ["kvsimd", "transformers"] + (["llama.cpp"] if HAVE_LLAMA_CPP else []):
+        w = Worker(impl, tiny_gguf, 128)
+        try:
+            for depth in (20, 50):              # 50 extends 20: only the new tokens are prefilled
+                assert w.call("fill", tokens=ids[:depth])["tokens"] == (20 if depth == 20 else 30)
+                w.call("start", first=ids[depth])
+                got = w.call("steps", n=6)["tokens"]
+                w.call("threads", n=2)
+                w.call("start", first=ids[depth])
+                assert w.call("steps", n=6)["tokens"] == got, impl
+                w.call("threads", n=1)
+                if impl == "kvsimd":
+                    assert got == list(direct.generate(ids[:depth + 1], max_new_tokens=6))
+        finally:
+            w.close()

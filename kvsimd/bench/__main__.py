@@ -96,8 +96,8 @@ def _show_gguf(r):
                  r["file_MiB"]), flush=True)
         return
     if r.get("op") == "fill":
-        print("fill       %-22s context of %d tokens threads=%d %s %8.1f tok/s (%.1f s)"
-              % (r["model"], r["tokens"], r["threads"], who, r["tok_per_s"], r["seconds"]), flush=True)
+        print("fill       %-22s %5d tokens after %-5d threads=%d %s %8.1f tok/s (%.1f s)"
+              % (r["model"], r["tokens"], r["start"], r["threads"], who, r["tok_per_s"], r["seconds"]), flush=True)
         return
     if r.get("op") == "memory":
         print("memory     %-22s %-10s RSS after the run %.1f MiB (peak %.1f)"
@@ -299,6 +299,7 @@ def main(argv=None):
     sections = OVERVIEW if args.overview else ("contention",) if args.contention else (args.what,)
 
     t_start = time.perf_counter()
+    load_start = os.getloadavg()      # a shared machine: what else ran is part of the record
     machine = common.header()
     roof = common.roofline(size=(256 << 20) if args.quick else (1 << 30), repeat=3 if args.quick else 5)
     print("roofline (1 thread, beyond LLC): read %.2f GB/s, copy %.2f GB/s (read+write bytes)"
@@ -310,7 +311,8 @@ def main(argv=None):
     doc = {"schema": SCHEMA_VERSION,
            "header": {"machine": machine, "versions": common.versions(), "isa": kvsimd.isa_info(),
                       "roofline": roof, "argv": list(sys.argv[1:] if argv is None else argv), "quick": args.quick,
-                      "seconds": time.perf_counter() - t_start},
+                      "seconds": time.perf_counter() - t_start,
+                      "loadavg": {"start": list(load_start), "end": list(os.getloadavg())}},
            "results": results}
     doc.update(args.extra)
     if args.json:      # first: whatever happens to the charts, the run is kept

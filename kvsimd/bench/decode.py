@@ -367,10 +367,12 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
     length instead), then from the same next token runs
     ``warmup`` + ``rounds`` x ``steps`` greedy steps; rounds go round robin over the processes (the
     order rotated each round), and before each thread count every implementation is put back to the
-    filled context, so all of them time the same positions.  The fill itself (with the largest
-    thread count) is reported as a prefill of the context ("fill" rows).  ``prefill_tokens=0``
+    filled context, so all of them time the same positions.  Depths go in increasing order, each
+    context prefilling only the tokens it adds to the one before; these prefills (with the largest
+    thread count) are reported too ("fill" rows: ``tokens`` after ``start`` cached ones).  ``prefill_tokens=0``
     skips the separate prefill of one prompt.  Peers' rows carry ``speedup``: the
-    median over rounds of their step time over kvsimd's, with a 95% bootstrap interval."""
+    median over rounds of their step time over kvsimd's, with a 95% bootstrap interval, and
+    ``same_tokens``: for how many of the ``greedy_tokens`` steps they chose kvsimd's tokens."""
     rows = []
 
     def emit(row):
@@ -439,33 +441,40 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                 for r in _peer_ratios(out, times):
                     emit(r)
             # decode at each depth
-            for depth in depths:
+            for depth in sorted(depths):               # each context extends the one before
                 context = ids[:max(depth, 1)]         # depth 0: a one-token prompt (a step needs one)
                 for impl, w in workers.items():
                     w.call("threads", n=max(threads))
-                    secs = w.call("fill", tokens=context)["seconds"]
-                    if len(context) > 1:      # the context's prefill, in chunks of 512: a prefill figure too
-                        emit(dict(base, op="fill", impl=impl, tokens=len(context), threads=max(threads), seconds=secs,
-                                  tok_per_s=len(context) / secs, **infos[impl]))
+                    f = w.call("fill", tokens=context)
+                    if f["tokens"] > 1:      # the context's prefill, in chunks of 512: a prefill figure too
+                        emit(dict(base, op="fill", impl=impl, tokens=f["tokens"], start=len(context) - f["tokens"],
+                                  threads=max(threads), seconds=f["seconds"], tok_per_s=f["tokens"] / f["seconds"],
+                                  **infos[impl]))
                 for nt in threads:
-                    for w in workers.values():
+                    chosen = {impl: [] for impl in workers}
+                    for impl, w in workers.items():
                         w.call("threads", n=nt)
                         w.call("start", first=ids[len(context)])
                         if warmup:
-                            w.call("steps", n=warmup)
+                            chosen[impl] += w.call("steps", n=warmup)["tokens"]
                     every = {impl: [] for impl in workers}
                     per_round = {impl: [] for impl in workers}
                     for i in range(rounds):
                         for impl in _rotated(list(workers), i):
-                            t = workers[impl].call("steps", n=steps)["times"]
-                            every[impl] += t
-                            per_round[impl].append(statistics.median(t))
+                            r = workers[impl].call("steps", n=steps)
+                            every[impl] += r["times"]
+                            chosen[impl] += r["tokens"]
+                            per_round[impl].append(statistics.median(r["times"]))
                     out = []
                     for impl, t in every.items():
                         rate, ci = _ci_rate(t)
                         out.append(dict(base, impl=impl, context=depth, context_tokens=len(context), threads=nt,
                                         tok_per_s=rate, tok_per_s_ci95=ci, steps=len(t), rounds=rounds,
                                         **infos[impl]))
+                        if impl != "kvsimd" and "kvsimd" in chosen:   # how long both chose the same tokens
+                            same = next((j for j, (a, b) in enumerate(zip(chosen[impl], chosen["kvsimd"])) if a != b),
+                                        len(chosen[impl]))
+                            out[-1].update(same_tokens=same, greedy_tokens=len(chosen[impl]))
                     for r in _peer_ratios(out, per_round):
                         emit(r)
             for impl, w in workers.items():

@@ -8,7 +8,8 @@ answers JSON commands, one per line on stdin, one reply line each on its stdout:
 * first, unasked: the load -- seconds, RSS before and after (``/proc/self/status``), version;
 * ``{"cmd": "threads", "n": T}``;
 * ``{"cmd": "prefill", "tokens": [...]}`` -- one timed prompt pass on an empty state;
-* ``{"cmd": "fill", "tokens": [...]}`` -- the context the decode steps run after (kept);
+* ``{"cmd": "fill", "tokens": [...]}`` -- the context the decode steps run after (kept; a
+  context extending the previous one prefills only the new tokens);
 * ``{"cmd": "start", "first": tok}`` -- back to the filled context, ``tok`` fed next;
 * ``{"cmd": "steps", "n": k}`` -- k greedy steps, each timed (the forward call; the argmax after
   it is not timed), and the tokens chosen;
@@ -50,7 +51,7 @@ class KVSimdRunner:
         self.kvsimd = kvsimd
         self.m = kvsimd.Decoder.from_gguf(path)
         self.n_ctx, self.fill_mode = n_ctx, fill
-        self.cache, self.saved, self.depth, self.next = None, None, 0, None
+        self.cache, self.fill_cache, self.saved, self.context, self.depth, self.next = None, None, None, [], 0, None
 
     def info(self):
         return {"version": self.kvsimd.__version__, "isa": self.kvsimd.active_isa(), "cache": "float16",
@@ -67,23 +68,32 @@ class KVSimdRunner:
         return {"seconds": dt, "next": int(np.argmax(logits))}
 
     def fill(self, tokens, chunk=512):
-        """The context: the prompt prefilled (in chunks), or with fill="random" random K/V of the
-        same length (decode speed does not depend on the values).  Its K/V are kept (float16) to
-        put back before every ``start``."""
+        """The context: the prompt prefilled in chunks into a cache kept for it (a context that
+        extends the previous one prefills only the new tokens), or with fill="random" random K/V
+        of the same length (decode speed does not depend on the values).  Its K/V are kept
+        (float16) and put into the decode cache at every ``start``."""
         cfg = self.m.cfg
-        self.cache = None
-        cache = self.m.new_cache(capacity=self.n_ctx)
-        t0 = time.perf_counter()
+        tokens = list(tokens)
         if self.fill_mode == "random":
-            rng = np.random.default_rng(0)
+            rng = np.random.default_rng(len(tokens))
+            t0 = time.perf_counter()
             self.saved = [tuple((rng.standard_normal((cfg.n_kv_heads, len(tokens), cfg.head_dim), dtype=np.float32)
                                  * 0.5).astype(np.float16) for _ in range(2)) for _ in range(cfg.n_layers)]
+            dt, new = time.perf_counter() - t0, tokens
         else:
-            for i in range(0, len(tokens), chunk):
-                self.m.prefill(tokens[i:i + chunk], cache=cache)
-            self.saved = [(np.array(cache.keys(layer)), np.array(cache.values(layer))) for layer in range(cfg.n_layers)]
-        self.cache, self.depth = cache, len(tokens)
-        return {"seconds": time.perf_counter() - t0}
+            if self.fill_cache is None or not self.context or tokens[:len(self.context)] != self.context:
+                self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx), []
+            new = tokens[len(self.context):]
+            t0 = time.perf_counter()
+            for i in range(0, len(new), chunk):
+                self.m.prefill(new[i:i + chunk], cache=self.fill_cache)
+            dt = time.perf_counter() - t0
+            c = self.fill_cache
+            self.saved = [(np.array(c.keys(layer)), np.array(c.values(layer))) for layer in range(cfg.n_layers)]
+        self.context, self.depth = tokens, len(tokens)
+        if self.cache is None:
+            self.cache = self.m.new_cache(capacity=self.n_ctx)
+        return {"seconds": dt, "tokens": len(new)}
 
     def start(self, first):
         c = self.cache
@@ -116,7 +126,7 @@ class LlamaCppRunner:
                                    n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F16, type_v=llama_cpp.GGML_TYPE_F16,
                                    flash_attn=self.flash_attn, use_mmap=True, verbose=False)
         self.nv = self.llm.n_vocab()
-        self.depth, self.next = 0, None
+        self.context, self.depth, self.next = [], 0, None
 
     def info(self):
         return {"version": self.lc.__version__, "cache": "f16", "flash_attn": self.flash_attn,
@@ -136,12 +146,15 @@ class LlamaCppRunner:
         return {"seconds": dt, "next": int(np.argmax(self._logits()))}
 
     def fill(self, tokens):
-        self.llm.n_tokens = 0
+        tokens = list(tokens)
+        keep = len(self.context) if self.context and tokens[:len(self.context)] == self.context else 0
+        self.llm.n_tokens = keep          # eval() drops the cells from n_tokens on, then appends
+        new = tokens[keep:]
         t0 = time.perf_counter()
-        if tokens:
-            self.llm.eval(tokens)         # in batches of n_batch
-        self.depth = len(tokens)
-        return {"seconds": time.perf_counter() - t0}
+        if new:
+            self.llm.eval(new)            # in batches of n_batch
+        self.context, self.depth = tokens, len(tokens)
+        return {"seconds": time.perf_counter() - t0, "tokens": len(new)}
 
     def start(self, first):
         self.llm.n_tokens = self.depth    # the next eval() removes the cells after the context
@@ -169,7 +182,7 @@ class TransformersRunner:
         self.hf = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                          gguf_file=os.path.basename(path),
                                                          dtype=torch.float32).eval()
-        self.pkv, self.depth, self.next = None, 0, None
+        self.pkv, self.context, self.depth, self.next = None, [], 0, None
 
     def info(self):
         return {"version": self.T.__version__, "torch": self.torch.__version__, "cache": "fp32 (DynamicCache)",
@@ -190,17 +203,25 @@ class TransformersRunner:
         return {"seconds": dt, "next": int(out.logits[0, -1].argmax())}
 
     def fill(self, tokens, chunk=512):
-        self.pkv = self.T.DynamicCache()
+        tokens = list(tokens)
+        if self.pkv is not None and self.context and tokens[:len(self.context)] == self.context:
+            self._crop(len(self.context))
+            new = tokens[len(self.context):]
+        else:
+            self.pkv, new = self.T.DynamicCache(), tokens
         t0 = time.perf_counter()
-        for i in range(0, len(tokens), chunk):
-            self._run(tokens[i:i + chunk], self.pkv)
-        self.depth = len(tokens)
-        return {"seconds": time.perf_counter() - t0}
+        for i in range(0, len(new), chunk):
+            self._run(new[i:i + chunk], self.pkv)
+        self.context, self.depth = tokens, len(tokens)
+        return {"seconds": time.perf_counter() - t0, "tokens": len(new)}
 
-    def start(self, first):
-        extra = self.pkv.get_seq_length() - self.depth
+    def _crop(self, n):
+        extra = self.pkv.get_seq_length() - n
         if extra > 0:
             self.pkv.crop(-extra)          # a negative count removes that many tokens (4.x and 5.x alike)
+
+    def start(self, first):
+        self._crop(self.depth)
         self.next = int(first)
         return {"length": self.pkv.get_seq_length()}
 

@@ -34,10 +34,13 @@ def machine_line(doc):
     m, v = h["machine"], h["versions"]
     vers = ", ".join("%s %s" % ("llama-cpp-python" if k == "llama_cpp" else k, v[k])
                      for k in ("python", "numpy", "torch", "transformers", "llama_cpp") if k in v)
-    return ("Measured on **%s** (%d cores, LLC %d MiB), %s; kvsimd %s, active path `%s`; whole run %.0f s "
+    load = h.get("loadavg")
+    busy = (", load average %.1f at the start and %.1f at the end" % (load["start"][0], load["end"][0])
+            if load else "")
+    return ("Measured on **%s** (%d cores, LLC %d MiB), %s; kvsimd %s, active path `%s`; whole run %.0f s%s "
             "(`python -m kvsimd.bench %s`)."
             % (m["cpu"], m["cores"], m["llc_bytes"] >> 20, vers, v.get("kvsimd", "?"), h["isa"]["active"],
-               h.get("seconds", 0), " ".join(h["argv"])))
+               h.get("seconds", 0), busy, " ".join(h["argv"])))
 
 
 def roofline_md(rows):
@@ -217,12 +220,19 @@ def gguf_md(rows):
         out.append("Decode (a context of `context` prompt tokens, 0 meaning a one-token prompt; tok/s = 1 / the "
                    "median step):")
         out.append(_speed_table(steps, ["context"], ["context"]))
+        agree = [r for r in steps if "same_tokens" in r]
+        if agree:
+            out.append("Greedy tokens the peers chose the same as kvsimd's (first divergence, of the steps of each "
+                       "line): " + "; ".join("%s %s context %d, %d thread%s: %d/%d" % (
+                           r["impl"], r["model"], r["context"], r["threads"], "s" if r["threads"] > 1 else "",
+                           r["same_tokens"], r["greedy_tokens"]) for r in agree) + ".")
     if pre:
         out.append("Prefill of one prompt (each repeat on an empty cache):")
         out.append(_speed_table(pre, ["tokens"], ["prompt tokens"]))
     if fills:
-        out.append("Prefill of the decode contexts (chunks of 512 tokens; one run each, so no interval):")
-        out.append(_speed_table(fills, ["tokens"], ["context tokens"]))
+        out.append("Prefill of the decode contexts, each extending the one before (chunks of 512 tokens; one run "
+                   "each, so no interval):")
+        out.append(_speed_table(fills, ["start", "tokens"], ["cached tokens", "new tokens"]))
     if loads:
         body = [[r["model"], r["impl"], _f(r["file_MiB"]), "%s s" % _f(r["load_s"], 2), _f(r["rss_after_MiB"]),
                  "%+.1f" % r["rss_delta_MiB"] if "rss_delta_MiB" in r else "-"] for r in loads]

@@ -3,7 +3,8 @@
     {"schema": 1,
      "header": {"machine": {cpu, cores, llc_bytes, ...}, "versions": {python, numpy, kvsimd, torch?, ...},
                 "isa": {compiled, supported, active, forced}, "roofline": {read_GBps, copy_GBps, bytes},
-                "argv": [...], "quick": bool, "seconds": float},
+                "argv": [...], "quick": bool, "seconds": float,
+                "loadavg": {"start": [1, 5, 15 min], "end": [...]}},
      "results": {<section>: [row, ...], ...}}
 
 Sections and the keys every row has (figures are positive and finite):
@@ -19,7 +20,8 @@ Sections and the keys every row has (figures are positive and finite):
                 and speedup_ci95.  Runs on GGUF files (decode --model smollm2|llama3-8b|PATH) add weights
                 (the file's main tensor type), file, tok_per_s_ci95, steps, rounds, and rows with an op:
                 "prefill" (model, impl, tokens, threads, tok_per_s, tok_per_s_ci95; peers speedup),
-                "fill" (model, impl, tokens, threads, seconds, tok_per_s: the prefill of a decode context),
+                "fill" (model, impl, tokens, start, threads, seconds, tok_per_s: the prefill of the tokens a
+                decode context adds to the one before, ``start`` tokens),
                 "load" (model, impl, load_s, rss_before_MiB, rss_after_MiB, file_MiB: a fresh process,
                 warm page cache), "memory" (model, impl, rss_MiB: each process after the run) and
                 "peer" (model, impl, status: "not installed", "skipped: ..." or "failed: ...")
@@ -46,7 +48,7 @@ ROW_KEYS = {
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
-               "fill": ["model", "impl", "tokens", "threads", "seconds", "tok_per_s"],
+               "fill": ["model", "impl", "tokens", "start", "threads", "seconds", "tok_per_s"],
                "load": ["model", "impl", "load_s", "rss_before_MiB", "rss_after_MiB", "file_MiB"],
                "memory": ["model", "impl", "rss_MiB"],
                "peer": ["model", "impl", "status"]},
@@ -64,7 +66,7 @@ ROW_KEYS = {
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
             "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds", "token_positions", "tokens",
             "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored", "vs_1_thread", "rounds"}
-NONNEGATIVE = {"context"}
+NONNEGATIVE = {"context", "start"}
 FINITE = POSITIVE | NONNEGATIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 
 
