@@ -410,7 +410,8 @@ def test_decode_gguf_says_not_installed(tmp_path, tiny_gguf):
     status = {r["impl"]: r for r in rows if r.get("op") == "peer"}
     assert {k: v["status"] for k, v in status.items()} == {"llama.cpp": "not installed",
                                                             "transformers": "not installed"}
-    assert 'pip install -e ".[peers]"' in status["llama.cpp"]["hint"] and "GGML_NATIVE=ON" in status["llama.cpp"]["hint"]
+    hint = status["llama.cpp"]["hint"]
+    assert 'pip install -e ".[peers]"' in hint and "GGML_NATIVE=ON" in hint
     assert "llama.cpp    not installed" in p.stdout
     assert {r["impl"] for r in rows if r.get("op") != "peer"} == {"kvsimd"}
     assert {(r["context"], r["threads"]) for r in rows if "op" not in r} == {(8, 1)}

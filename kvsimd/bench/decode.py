@@ -9,8 +9,12 @@
   depths, kvsimd beside llama.cpp (llama-cpp-python, same file) and transformers (same file,
   dequantized to float32), each implementation in its own process (:mod:`kvsimd.bench.peers`).
 """
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -228,11 +232,7 @@ class Worker:
     """One implementation in its own process (:mod:`kvsimd.bench.peers`), driven line by line."""
 
     def __init__(self, impl, path, n_ctx, fill="prefill", flash_attn=False):
-        import json
-        import subprocess
-        import sys
-        import tempfile
-        self.impl, self._json = impl, json
+        self.impl = impl
         self.log = tempfile.TemporaryFile(mode="w+")
         root = os.path.dirname(os.path.dirname(os.path.abspath(kvsimd.__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(
@@ -254,13 +254,13 @@ class Worker:
             tail = self.log.read().strip().splitlines()[-3:]
             raise WorkerError("%s worker exited with status %s%s" % (self.impl, rc, ": " + " | ".join(tail) if tail
                                                                      else ""))
-        reply = self._json.loads(line)
+        reply = json.loads(line)
         if "error" in reply:
             raise WorkerError("%s: %s" % (self.impl, reply["error"]))
         return reply
 
     def call(self, cmd, **kw):
-        self.p.stdin.write(self._json.dumps(dict(cmd=cmd, **kw)) + "\n")
+        self.p.stdin.write(json.dumps(dict(cmd=cmd, **kw)) + "\n")
         self.p.stdin.flush()
         return self._read()
 

@@ -64,8 +64,9 @@ ROW_KEYS = {
     "quality": {None: ["config", "scored", "ppl_all", "ppl_oracle_positions"]},
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
-            "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds", "token_positions", "tokens",
-            "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored", "vs_1_thread", "rounds"}
+            "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
+            "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
+            "vs_1_thread", "rounds"}
 NONNEGATIVE = {"context", "start"}
 FINITE = POSITIVE | NONNEGATIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 
