@@ -388,7 +388,8 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
         status = available_peers(path, n_params, peers)
         for impl, why in status.items():
             if why:
-                emit(dict(base, op="peer", impl=impl, status=why, hint=PEER_HINTS.get(impl, "")))
+                emit(dict(base, op="peer", impl=impl, status=why,
+                          **({"hint": PEER_HINTS[impl]} if why == "not installed" else {})))
         impls = ["kvsimd"] + [i for i in peers if status[i] is None]
         # load: fresh processes, warm page cache; llama.cpp with a small context (its KV cache is
         # allocated at load and counted in its RSS)

@@ -169,7 +169,7 @@ def _peer_columns(rows):
     return [p for p in ("llama.cpp", "transformers") if any(r["impl"] == p for r in rows)]
 
 
-def _speed_table(rows, key, first):
+def _speed_table(rows, key, first, same=False):
     """One line per (model, key..., threads): kvsimd's tok/s, each peer's and kvsimd / peer (the
     paired ratio with its interval; rows without one -- single runs -- the ratio of the rates)."""
     peers = _peer_columns(rows)
@@ -188,10 +188,13 @@ def _speed_table(rows, key, first):
             if ratio == "-" and ours and p in v:
                 ratio = "%sx" % _f(ours["tok_per_s"] / v[p]["tok_per_s"], 2)
             line += [_f(v[p]["tok_per_s"]) if p in v else "-", ratio]
+            if same:
+                line.append("%d/%d" % (v[p]["same_tokens"], v[p]["greedy_tokens"]) if "same_tokens" in v.get(p, {})
+                            else "-")
         body.append(line)
     head = ["model"] + first + ["threads", "kvsimd tok/s"]
     for p in peers:
-        head += ["%s tok/s" % p, "kvsimd / %s" % p]
+        head += ["%s tok/s" % p, "kvsimd / %s" % p] + (["same tokens"] if same else [])
     return _table(head, body)
 
 
@@ -218,14 +221,9 @@ def gguf_md(rows):
                                         " (%s)" % r["hint"] if r.get("hint") else ""))
     if steps:
         out.append("Decode (a context of `context` prompt tokens, 0 meaning a one-token prompt; tok/s = 1 / the "
-                   "median step):")
-        out.append(_speed_table(steps, ["context"], ["context"]))
-        agree = [r for r in steps if "same_tokens" in r]
-        if agree:
-            out.append("Greedy tokens the peers chose the same as kvsimd's (first divergence, of the steps of each "
-                       "line): " + "; ".join("%s %s context %d, %d thread%s: %d/%d" % (
-                           r["impl"], r["model"], r["context"], r["threads"], "s" if r["threads"] > 1 else "",
-                           r["same_tokens"], r["greedy_tokens"]) for r in agree) + ".")
+                   "median step; `same tokens`: the greedy steps, warm-up included, before the peer's first token "
+                   "different from kvsimd's, of all of them):")
+        out.append(_speed_table(steps, ["context"], ["context"], same=any("same_tokens" in r for r in steps)))
     if pre:
         out.append("Prefill of one prompt (each repeat on an empty cache):")
         out.append(_speed_table(pre, ["tokens"], ["prompt tokens"]))
@@ -235,11 +233,13 @@ def gguf_md(rows):
         out.append(_speed_table(fills, ["start", "tokens"], ["cached tokens", "new tokens"]))
     if loads:
         body = [[r["model"], r["impl"], _f(r["file_MiB"]), "%s s" % _f(r["load_s"], 2), _f(r["rss_after_MiB"]),
-                 "%+.1f" % r["rss_delta_MiB"] if "rss_delta_MiB" in r else "-"] for r in loads]
-        out.append("Load (a fresh process each time, warm page cache; median of %s):"
+                 "%+.1f" % r["rss_delta_MiB"] if "rss_delta_MiB" in r else "-",
+                 "%s / %s" % (_f(r.get("rss_anon_MiB")), _f(r.get("rss_file_MiB")))] for r in loads]
+        out.append("Load (a fresh process each time, warm page cache, the library already imported; median of %s; "
+                   "llama.cpp with a context of 512 tokens):"
                    % "/".join(sorted({str(len(r.get("load_s_runs", [1]))) for r in loads})))
         out.append(_table(["model", "implementation", "file MiB", "load", "RSS after load MiB",
-                           "RSS added by the load MiB"], body))
+                           "RSS added by the load MiB", "RSS anonymous / file-backed MiB"], body))
     return "\n\n".join(out)
 
 
