@@ -448,6 +448,7 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                     w.call("threads", n=max(threads))
                     f = w.call("fill", tokens=context)
                     if f["tokens"] > 1:      # the context's prefill, in chunks of 512: a prefill figure too
+                        # (0 tokens: kvsimd with fill="random" prefilled nothing)
                         emit(dict(base, op="fill", impl=impl, tokens=f["tokens"], start=len(context) - f["tokens"],
                                   threads=max(threads), seconds=f["seconds"], tok_per_s=f["tokens"] / f["seconds"],
                                   **infos[impl]))

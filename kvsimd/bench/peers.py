@@ -79,7 +79,7 @@ class KVSimdRunner:
             t0 = time.perf_counter()
             self.saved = [tuple((rng.standard_normal((cfg.n_kv_heads, len(tokens), cfg.head_dim), dtype=np.float32)
                                  * 0.5).astype(np.float16) for _ in range(2)) for _ in range(cfg.n_layers)]
-            dt, new = time.perf_counter() - t0, tokens
+            dt, new = time.perf_counter() - t0, []          # nothing prefilled: not a prefill figure
         else:
             if self.fill_cache is None or not self.context or tokens[:len(self.context)] != self.context:
                 self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx), []
