@@ -322,3 +322,265 @@ def test_ab_compare_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------- GGUF files beside llama.cpp
+TINY = dict(vocab=320, d=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, rope_theta=10000.0, context=512,
+            tied=False)
+
+try:
+    import llama_cpp  # noqa: F401
+    HAVE_LLAMA_CPP = True
+except ImportError:
+    HAVE_LLAMA_CPP = False
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from kvsimd.bench import models
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny-random.gguf")
+    models.write_random_llama(path, TINY, "Q4_0", seed=1)
+    return path
+
+
+def _hide(tmp_path, *modules):
+    """A PYTHONPATH entry on which importing each of ``modules`` fails as if it were not installed."""
+    for m in modules:
+        d = tmp_path / "shim" / m
+        d.mkdir(parents=True)
+        (d / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named '%s'\")\n" % m)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), ROOT]))
+
+
+def _check_ratio(r):
+    lo, hi = r["speedup_ci95"]
+    assert 0 < lo <= r["speedup"] <= hi, r
+
+
+def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
+    """decode --model PATH: load, prefill and decode rows of kvsimd and both peers (llama.cpp
+    when llama-cpp-python is importable, else its "not installed" row), paired ratios inside
+    their intervals, the schema and the README section."""
+    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--threads", "2")
+    schema.validate(doc)
+    rows = doc["results"]["decode"]
+    impls = {"kvsimd", "transformers"} | ({"llama.cpp"} if HAVE_LLAMA_CPP else set())
+    steps = [r for r in rows if "op" not in r]
+    assert {(r["impl"], r["context"], r["threads"]) for r in steps} == {
+        (i, c, t) for i in impls for c in (0, 64) for t in (1, 2)}
+    assert all(r["model"] == "tiny-random" and r["weights"] == "Q4_0" and r["steps"] == 12 for r in steps)
+    assert {r["context_tokens"] for r in steps} == {1, 64}         # depth 0: a one-token prompt
+    for r in steps:
+        lo, hi = r["tok_per_s_ci95"]
+        assert lo <= r["tok_per_s"] <= hi
+        if r["impl"] != "kvsimd":
+            _check_ratio(r)
+            assert 0 <= r["same_tokens"] <= r["greedy_tokens"] == 2 + 12      # warm-up steps and timed ones
+    pre = [r for r in rows if r.get("op") == "prefill"]
+    assert {(r["impl"], r["threads"], r["tokens"]) for r in pre} == {(i, t, 64) for i in impls for t in (1, 2)}
+    for r in pre:
+        if r["impl"] != "kvsimd":
+            _check_ratio(r)
+    assert {(r["impl"], r["start"], r["tokens"]) for r in rows if r.get("op") == "fill"} == {(i, 1, 63) for i in impls}
+    loads = {r["impl"]: r for r in rows if r.get("op") == "load"}
+    assert set(loads) == impls
+    size = os.path.getsize(tiny_gguf) / 2**20
+    for r in loads.values():
+        assert r["file_MiB"] == pytest.approx(size) and r["rss_after_MiB"] > r["rss_before_MiB"] > 0
+    assert loads["kvsimd"]["isa"] == doc["header"]["isa"]["active"]
+    status = [r for r in rows if r.get("op") == "peer"]
+    md = report.render(doc)
+    assert "### Decode of GGUF files as stored, beside llama.cpp" in md and "kvsimd / transformers" in md
+    if HAVE_LLAMA_CPP:
+        assert not status
+        assert loads["llama.cpp"]["version"] == doc["header"]["versions"]["llama_cpp"]
+        assert "kvsimd / llama.cpp" in md and "llama-cpp-python %s" % loads["llama.cpp"]["version"] in md
+    else:
+        assert [(r["impl"], r["status"]) for r in status] == [("llama.cpp", "not installed")]
+        assert "llama.cpp on tiny-random: not installed" in md
+
+
+def test_decode_gguf_says_not_installed(tmp_path, tiny_gguf):
+    """Without llama-cpp-python (and transformers), the bench says so, with the install hint, in
+    its output, its JSON and the report, and still times kvsimd."""
+    env = _hide(tmp_path, "llama_cpp", "transformers")
+    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--depth", "8", env=env)
+    schema.validate(doc)
+    rows = doc["results"]["decode"]
+    status = {r["impl"]: r for r in rows if r.get("op") == "peer"}
+    assert {k: v["status"] for k, v in status.items()} == {"llama.cpp": "not installed",
+                                                            "transformers": "not installed"}
+    hint = status["llama.cpp"]["hint"]
+    assert 'pip install -e ".[peers]"' in hint and "GGML_NATIVE=ON" in hint
+    assert "llama.cpp    not installed" in p.stdout
+    assert {r["impl"] for r in rows if r.get("op") != "peer"} == {"kvsimd"}
+    assert {(r["context"], r["threads"]) for r in rows if "op" not in r} == {(8, 1)}
+    assert "llama_cpp" not in doc["header"]["versions"]
+    assert "llama.cpp on tiny-random: not installed" in report.render(doc)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["decode", "--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: no such file"),
+    (["attention", "--model", "smollm2"], "--model goes with the decode subcommand"),
+    (["decode", "--model", "smollm2", "--depth", "-1"], "--depth and --prefill-tokens must be >= 0"),
+])
+def test_decode_gguf_bad_flags(args, message):
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------- the model files
+def test_random_llama_file_is_what_the_loaders_read(tiny_gguf):
+    """The random Q4_0 file: tensors in converter order and shapes, weights of the intended size
+    (gguf's own dequantization is the reference), F32 norms, a tokenizer kvsimd's loader takes."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    import kvsimd
+    from kvsimd.bench import models
+    r = gguf.GGUFReader(tiny_gguf)
+    assert [(t.name, tuple(int(n) for n in reversed(t.shape))) for t in r.tensors] == models.llama_tensors(TINY)
+    for t in r.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        if t.name.endswith("norm.weight"):
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32 and abs(float(w.mean()) - 1) < 0.05
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        assert 0.7 < float(w.std()) * np.sqrt(w.shape[-1]) < 1.3, t.name
+        scales = np.frombuffer(t.data.tobytes(), np.uint8).reshape(-1, 18)[:, :2].copy().view(np.float16)
+        assert (scales > 0).all()
+    m = kvsimd.Decoder.from_gguf(tiny_gguf)
+    text = "hello there, the world"
+    ids = m.tokenizer.encode(text)
+    assert m.tokenizer.decode(ids) == text and max(ids) < TINY["vocab"]
+    logits = m.prefill(ids, cache=m.new_cache(capacity=64))
+    assert logits.shape == (TINY["vocab"],) and np.isfinite(logits).all()
+
+
+def test_random_blocks_q8_0_and_float():
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kvsimd import KVSimdValueError
+    from kvsimd.bench import models
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    b = models.random_blocks(64, 256, Q.Q8_0, rng)
+    assert b.shape == (64, 8 * 34) and b.dtype == np.uint8
+    assert (b.reshape(-1, 34)[:, 2:].view(np.int8) != -128).all()
+    w = dequantize(b, Q.Q8_0)
+    assert w.shape == (64, 256) and 0.8 < float(w.std()) * 16 < 1.2
+    assert models.random_blocks(3, 32, Q.F16, rng).dtype == np.float16
+    with pytest.raises(KVSimdValueError, match="Q4_K"):
+        models.random_blocks(1, 256, Q.Q4_K, rng)
+
+
+def test_llama3_8b_shapes_make_a_4_5_gb_q4_0_file():
+    from kvsimd.bench import models
+    n = sum(models._tensor_bytes(s, models._qtype("F32" if len(s) == 1 else "Q4_0"))
+            for _, s in models.llama_tensors(models.LLAMA3_8B))
+    assert 4.4e9 < n < 4.6e9
+    names = [t for t, _ in models.llama_tensors(models.LLAMA3_8B)]
+    assert len(names) == 2 + 9 * 32 + 1 and "output.weight" in names       # untied, as Llama 3 8B
+    tokens, types, merges, bos, eos = models.tokenizer_metadata(128256)
+    assert len(tokens) == len(set(tokens)) == len(types) == 128256
+    assert (tokens[bos], tokens[eos], types[bos]) == ("<|begin_of_text|>", "<|end_of_text|>", 3)
+
+
+def test_requantize_keeps_metadata_and_values(tmp_path, tiny_gguf):
+    """Q4_0 -> Q8_0 and F16: every key but general.file_type the same, 1-D tensors byte for byte,
+    2-D tensors within the target type's rounding of gguf's dequantization of the source."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kvsimd.bench import models
+    src = gguf.GGUFReader(tiny_gguf)
+    fields = {f.name: f.contents() for f in src.fields.values()}
+    for weights, tol in (("Q8_0", 1 / 127), ("F16", 1e-3)):
+        dest = str(tmp_path / ("tiny.%s.gguf" % weights))
+        models.requantize(tiny_gguf, dest, weights)
+        out = gguf.GGUFReader(dest)
+        got = {f.name: f.contents() for f in out.fields.values()}
+        assert {k for k in fields if fields[k] != got.get(k)} == {"general.file_type"} and set(got) == set(fields)
+        assert got["general.file_type"] == getattr(gguf.LlamaFileType, "MOSTLY_" + weights)
+        for a, b in zip(src.tensors, out.tensors):
+            assert a.name == b.name and list(a.shape) == list(b.shape)
+            x, y = dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type)
+            if len(a.shape) == 1:
+                assert b.tensor_type == a.tensor_type and np.array_equal(x, y)
+            else:
+                assert b.tensor_type.name == weights
+                assert np.abs(x - y).max() <= tol * np.abs(x).max(), a.name
+    assert not list(tmp_path.glob("*.part.*"))
+
+
+def test_smollm2_variants_are_built_once(tmp_path, monkeypatch):
+    """The Q8_0 variant of the real SmolLM2 file goes into the model cache and is not rebuilt."""
+    import gguf
+
+    from kvsimd import KVSimdValueError
+    from kvsimd.bench import models
+    from kvsimd.loaders import registry
+    src = registry.smollm2_path()
+    monkeypatch.setenv("KVSIMD_CACHE", str(tmp_path))
+    os.symlink(src, tmp_path / registry.SMOLLM2_FILE)
+    assert models.smollm2_variant("Q4_1", log=None) == str(tmp_path / registry.SMOLLM2_FILE)
+    p = models.smollm2_variant("Q8_0", log=None)
+    assert p == str(tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(p).tensors}
+    assert kinds == {"Q8_0", "F32"}
+    stamp = os.stat(p).st_mtime_ns
+    assert models.smollm2_variant("Q8_0", log=None) == p and os.stat(p).st_mtime_ns == stamp
+    with pytest.raises(KVSimdValueError, match="weights must be one of Q4_1, Q8_0, F16, got 'Q5_0'"):
+        models.smollm2_variant("Q5_0", log=None)
+
+
+@pytest.mark.parametrize("breakage", [
+    lambda r: r.pop("load_s"),
+    lambda r: r.update(load_s=0.0),
+    lambda r: r.update(op="nope"),
+])
+def test_schema_checks_gguf_rows(breakage):
+    good = _doc()
+    good["results"]["decode"] += [
+        {"model": "m", "impl": "kvsimd", "context": 0, "threads": 1, "tok_per_s": 2.0},
+        {"op": "load", "model": "m", "impl": "kvsimd", "load_s": 0.5, "rss_before_MiB": 30.0,
+         "rss_after_MiB": 90.0, "file_MiB": 50.0},
+        {"op": "peer", "model": "m", "impl": "llama.cpp", "status": "not installed"}]
+    assert schema.validate(good)
+    bad = copy.deepcopy(good)
+    breakage(bad["results"]["decode"][2])
+    with pytest.raises(ValueError):
+        schema.validate(bad)
+    neg = copy.deepcopy(good)
+    neg["results"]["decode"][1]["context"] = -1
+    with pytest.raises(ValueError, match="context = -1 is not non-negative"):
+        schema.validate(neg)
+
+
+def test_workers_decode_the_same_tokens_as_the_decoder(tiny_gguf):
+    """A worker's context and its restore before each thread count give the Decoder's own greedy
+    continuation of the same prompt (kvsimd), and every implementation repeats itself after start."""
+    import kvsimd
+    from kvsimd.bench.decode import Worker, prompt_ids
+    ids = prompt_ids(tiny_gguf, 80)
+    direct = kvsimd.Decoder.from_gguf(tiny_gguf)
+    for impl in ["kvsimd", "transformers"] + (["llama.cpp"] if HAVE_LLAMA_CPP else []):
+        w = Worker(impl, tiny_gguf, 128)
+        try:
+            for depth in (20, 50):              # 50 extends 20: only the new tokens are prefilled
+                assert w.call("fill", tokens=ids[:depth])["tokens"] == (20 if depth == 20 else 30)
+                w.call("start", first=ids[depth])
+                got = w.call("steps", n=6)["tokens"]
+                w.call("threads", n=2)
+                w.call("start", first=ids[depth])
+                assert w.call("steps", n=6)["tokens"] == got, impl
+                w.call("threads", n=1)
+                if impl == "kvsimd":
+                    assert got == list(direct.generate(ids[:depth + 1], max_new_tokens=6))
+        finally:
+            w.close()

@@ -10,6 +10,9 @@ pytest-benchmark suites in ``bench/``:
 * ``attention`` / ``rope`` (:mod:`.kernels`): attend and the K-cache shift per ISA, shape,
   dtype and context, with NumPy and torch peers;
 * ``decode`` (:mod:`.decode`): tokens/s against transformers and the weight-streaming floor;
+  with ``--model smollm2|llama3-8b|PATH``, GGUF files as stored beside llama.cpp and transformers,
+  each in its own process (:mod:`.peers`), on files :mod:`.models` builds into the model cache
+  (SmolLM2 requantized to Q8_0/F16, a random Llama-3-8B-shaped Q4_0 file);
 * ``complexity`` (:mod:`.complexity`): seed 003's no-cache / encoder-hoisted / cached regimes,
   the token positions counted by an observer the bench attaches (:mod:`kvsimd.observe`);
 * ``streaming`` (:mod:`.streaming`) and ``quality`` (:mod:`.quality`): infinite generation

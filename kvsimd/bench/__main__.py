@@ -8,7 +8,12 @@ With no subcommand: an overview of roofline, attention, rope, decode, complexity
 kvsimd.bench.schema; --plot DIR writes PNG charts (needs matplotlib: pip install -e ".[plot]"
 from the source checkout), after the JSON.
 
-quality (and decode --model smollm2) read a text: --text PATH, else $KVSIMD_BENCH_TEXT, else
+decode --model smollm2|llama3-8b|PATH: GGUF files as stored, kvsimd beside llama.cpp
+(llama-cpp-python, "not installed" without it: pip install -e ".[peers]") and transformers, each
+in its own process: load time and RSS, prefill of a 512-token prompt, decode at context depths
+(--depth), 1 and 2 threads; ratios paired round by round, medians with 95% intervals.
+
+quality (and decode of a GGUF model) read a text: --text PATH, else $KVSIMD_BENCH_TEXT, else
 $KVSIMD_SHARED_DIR/data/hamlet_gut.txt (quality needs one; decode falls back to a built-in
 filler, since decode speed does not depend on the words)."""
 import argparse
@@ -68,6 +73,45 @@ def _kernel_section(args, roof, isas, op):
     return rows + peers
 
 
+def _gguf_models(args):
+    """(label, path) of the GGUF files --model names, and the default depths."""
+    from kvsimd.bench import models
+    if args.model == "smollm2":
+        return [("smollm2 " + w, models.smollm2_variant(w)) for w in models.SMOLLM2_WEIGHTS], [0, 4096, 8192]
+    if args.model == "llama3-8b":
+        return [("llama3-8b-shaped", models.llama3_8b_shaped())], [0, 4096]
+    name = os.path.basename(args.model)
+    return [(name[:-5] if name.endswith(".gguf") else name, args.model)], [0, 4096]
+
+
+def _show_gguf(r):
+    who = "%-10s %-12s" % (r["impl"], r.get("isa", r.get("version", "")))
+    if r.get("op") == "peer":
+        print("decode     %-22s %-12s %s%s" % (r["model"], r["impl"], r["status"],
+                                              "  (%s)" % r["hint"] if r.get("hint") else ""), flush=True)
+        return
+    if r.get("op") == "load":
+        print("load       %-22s %s %6.2f s   RSS %7.1f -> %7.1f MiB (%+.1f; file %.1f MiB)"
+              % (r["model"], who, r["load_s"], r["rss_before_MiB"], r["rss_after_MiB"], r["rss_delta_MiB"],
+                 r["file_MiB"]), flush=True)
+        return
+    if r.get("op") == "fill":
+        print("fill       %-22s %5d tokens after %-5d threads=%d %s %8.1f tok/s (%.1f s)"
+              % (r["model"], r["tokens"], r["start"], r["threads"], who, r["tok_per_s"], r["seconds"]), flush=True)
+        return
+    if r.get("op") == "memory":
+        print("memory     %-22s %-10s RSS after the run %.1f MiB (peak %.1f)"
+              % (r["model"], r["impl"], r["rss_MiB"], r["rss_peak_MiB"]), flush=True)
+        return
+    what = "prefill %d tokens" % r["tokens"] if r.get("op") == "prefill" else "context=%-5d" % r["context"]
+    ratio = ""
+    if "speedup" in r:
+        ratio = "   kvsimd / %s = %.2fx [%.2f, %.2f]" % (r["impl"], r["speedup"], *r["speedup_ci95"])
+    print("%-10s %-22s %-18s threads=%d %s %8.1f tok/s [%.1f, %.1f]%s"
+          % ("prefill" if r.get("op") == "prefill" else "decode", r["model"], what, r["threads"], who,
+             r["tok_per_s"], r["tok_per_s_ci95"][0], r["tok_per_s_ci95"][1], ratio), flush=True)
+
+
 def run_decode(args, roof):
     from kvsimd.bench import decode
     threads = args.threads or [1, 2]
@@ -77,11 +121,22 @@ def run_decode(args, roof):
         print("decode     %-15s context=%-5d threads=%d %-13s %8.1f tok/s%s"
               % (r["model"], r["context"], r["threads"], r["impl"], r["tok_per_s"],
                  "   prefill %.1f tok/s" % r["prefill_tok_per_s"] if "prefill_tok_per_s" in r else ""), flush=True)
-    if args.model == "smollm2":
-        rows = decode.bench_smollm2([128] if args.quick else [128, 4096], threads, steps, show, args.text)
-    else:
-        rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
-                          models=("smollm2-shaped",) if args.quick else None)
+    if args.model != "shapes":
+        models, depths = _gguf_models(args)
+        if args.depth:
+            depths = args.depth
+        elif args.quick:
+            depths = [0, 64]
+        prefill = args.prefill_tokens
+        if prefill is None:
+            prefill = 64 if args.quick else 512 if args.model == "smollm2" else 0
+        return decode.bench_gguf(models, depths, threads, steps=args.steps or (4 if args.quick else 8),
+                                 rounds=args.repeat or (3 if args.quick else 8), progress=_show_gguf,
+                                 text_path=args.text, prefill_tokens=prefill,
+                                 prefill_repeat=2 if args.quick else 5, load_repeat=1 if args.quick else 3,
+                                 fill=args.fill, flash_attn=args.llama_flash_attn)
+    rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
+                      models=("smollm2-shaped",) if args.quick else None)
     ratios = {}
     for r in rows:
         ratios.setdefault((r["model"], r["context"], r["threads"]), {})[r["impl"]] = r["tok_per_s"]
@@ -181,8 +236,25 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small cases, few repeats (each subcommand < 1 min)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (see kvsimd.bench.schema)")
     ap.add_argument("--plot", metavar="DIR", help='write PNG charts into DIR (needs matplotlib: pip install -e ".[plot]")')
-    ap.add_argument("--model", choices=["shapes", "smollm2"], default="shapes",
-                    help="decode: random models of SmolLM2/BART shape, or the real SmolLM2 GGUF")
+    ap.add_argument("--model", default="shapes", metavar="shapes|smollm2|llama3-8b|PATH",
+                    help="decode: random models of SmolLM2/BART shape (float32 weights, beside transformers); "
+                         "or GGUF files as stored, beside llama.cpp and transformers: smollm2 (the real SmolLM2 "
+                         "Q4_1 and its Q8_0/F16 variants), llama3-8b (random weights of Llama-3-8B's shapes, "
+                         "Q4_0, ~4.5 GB, built into the model cache when missing) or the PATH of a GGUF file")
+    ap.add_argument("--depth", type=int, action="append",
+                    help="decode of a GGUF model: context depth(s) (default 0, 4096, 8192 for smollm2; 0 and "
+                         "4096 otherwise)")
+    ap.add_argument("--steps", type=int, help="decode of a GGUF model: greedy steps per round (default 8; "
+                    "--repeat rounds, default 8)")
+    ap.add_argument("--prefill-tokens", type=int, metavar="N",
+                    help="decode of a GGUF model: the prompt of the prefill measurement (default 512 for smollm2, "
+                         "0 = none for other models: their context fills are reported as prefill figures)")
+    ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                    help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
+                         "of the same length (llama.cpp and transformers always prefill)")
+    ap.add_argument("--llama-flash-attn", action="store_true",
+                    help="decode of a GGUF model: llama.cpp with flash attention (default: off, "
+                         "llama-cpp-python's default)")
     ap.add_argument("--contention", action="store_true",
                     help="decode: 1 thread, 2 threads and the default beside a process spinning on one core "
                          "(random SmolLM2-shaped model; results in the 'contention' section)")
@@ -200,12 +272,21 @@ def main(argv=None):
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
     if any(t < 1 for t in args.threads or []):
         ap.error("--threads must be >= 1")
+    if args.model != "shapes" and (args.what != "decode" or args.contention):
+        ap.error("--model goes with the decode subcommand (not --contention)")
+    if args.model not in ("shapes", "smollm2", "llama3-8b"):
+        if not os.path.isfile(args.model):
+            ap.error("--model %s: no such file (give shapes, smollm2, llama3-8b or the path of a GGUF file)"
+                     % args.model)
+    if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1) or \
+            (args.prefill_tokens or 0) < 0:
+        ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
-    wants_text = args.what == "quality" or (args.what == "decode" and args.model == "smollm2"
+    wants_text = args.what == "quality" or (args.what == "decode" and args.model != "shapes"
                                             and not args.contention)
     if args.text and not wants_text:
-        ap.error("--text goes with quality or decode --model smollm2")
+        ap.error("--text goes with quality or decode --model smollm2 (or another GGUF model)")
     try:       # before anything runs: a missing text is one line and exit 2, not a traceback later
         args.text = common.text_path(args.text, required=args.what == "quality") if wants_text else None
     except KVSimdError as e:
@@ -218,6 +299,7 @@ def main(argv=None):
     sections = OVERVIEW if args.overview else ("contention",) if args.contention else (args.what,)
 
     t_start = time.perf_counter()
+    load_start = os.getloadavg()      # a shared machine: what else ran is part of the record
     machine = common.header()
     roof = common.roofline(size=(256 << 20) if args.quick else (1 << 30), repeat=3 if args.quick else 5)
     print("roofline (1 thread, beyond LLC): read %.2f GB/s, copy %.2f GB/s (read+write bytes)"
@@ -229,7 +311,8 @@ def main(argv=None):
     doc = {"schema": SCHEMA_VERSION,
            "header": {"machine": machine, "versions": common.versions(), "isa": kvsimd.isa_info(),
                       "roofline": roof, "argv": list(sys.argv[1:] if argv is None else argv), "quick": args.quick,
-                      "seconds": time.perf_counter() - t_start},
+                      "seconds": time.perf_counter() - t_start,
+                      "loadavg": {"start": list(load_start), "end": list(os.getloadavg())}},
            "results": results}
     doc.update(args.extra)
     if args.json:      # first: whatever happens to the charts, the run is kept

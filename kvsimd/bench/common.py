@@ -229,7 +229,7 @@ def header(out=sys.stdout):
 
 def versions():
     out = {"python": platform.python_version(), "numpy": np.__version__, "kvsimd": kvsimd.__version__}
-    for mod in ("torch", "transformers"):
+    for mod in ("torch", "transformers", "llama_cpp"):
         try:
             out[mod] = __import__(mod).__version__
         except ImportError:

@@ -1,15 +1,27 @@
-"""End-to-end decode speed: kvsimd against transformers (when installed) on the same weights.
+"""End-to-end decode speed.
 
-Decode speed depends on the context length, not on what the context says, so both caches are
-filled with the same random K/V up to the context and then timed over single-token steps.
+* :func:`run` -- random models of SmolLM2/BART shape, float32 weights, kvsimd against
+  transformers (when installed) on the same weights and against the weight-streaming floor.
+  Decode speed depends on the context length, not on what the context says, so both caches are
+  filled with the same random K/V up to the context and then timed over single-token steps.
+* :func:`bench_gguf` -- GGUF files as stored (SmolLM2 Q4_1 and its Q8_0/F16 variants from
+  :mod:`kvsimd.bench.models`, or any file): load time and RSS, prefill, and decode at context
+  depths, kvsimd beside llama.cpp (llama-cpp-python, same file) and transformers (same file,
+  dequantized to float32), each implementation in its own process (:mod:`kvsimd.bench.peers`).
 """
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 
 import kvsimd
 from kvsimd.bench.common import median_ci
+from kvsimd.errors import KVSimdError
 
 SHAPES = {
     # SmolLM2-135M: 30 layers, hidden 576, 9 heads / 3 KV heads, head_dim 64, FFN 1536, vocab 49152
@@ -205,52 +217,271 @@ def run(contexts, threads, steps, progress=None, models=None):
     return rows
 
 
-def bench_smollm2(contexts, threads, steps, progress=None, text_path=None):
-    """The real SmolLM2-135M-Instruct GGUF: prefill and decode tok/s, kvsimd vs transformers on
-    the same file (both with float32 weights after dequantization)."""
-    import os
+# ------------------------------------------------------------------------------ GGUF files, beside llama.cpp
+GGUF_PEERS = ("llama.cpp", "transformers")
+PEER_HINTS = {"llama.cpp": 'pip install -e ".[peers]" (built natively: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install '
+                           '--no-binary llama-cpp-python llama-cpp-python)',
+              "transformers": "pip install transformers 'torch==2.13.0'"}
 
-    import torch
-    import transformers as T
 
-    from kvsimd.loaders import registry as models
-    T.logging.set_verbosity_error()
-    path = models.smollm2_path()
-    ours = kvsimd.Decoder.from_gguf(path)
-    hf = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+class WorkerError(KVSimdError, RuntimeError):
+    """A worker process of the GGUF bench failed (its message and the tail of its stderr)."""
+
+
+class Worker:
+    """One implementation in its own process (:mod:`kvsimd.bench.peers`), driven line by line."""
+
+    def __init__(self, impl, path, n_ctx, fill="prefill", flash_attn=False):
+        self.impl = impl
+        self.log = tempfile.TemporaryFile(mode="w+")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvsimd.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(
+            os.pathsep) if p]))
+        self.p = subprocess.Popen([sys.executable, "-m", "kvsimd.bench.peers", impl, path, "--n-ctx", str(n_ctx),
+                                   "--fill", fill] + (["--flash-attn"] if flash_attn else []),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        try:
+            self.load = self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            rc = self.p.wait()
+            self.log.seek(0)
+            tail = self.log.read().strip().splitlines()[-3:]
+            raise WorkerError("%s worker exited with status %s%s" % (self.impl, rc, ": " + " | ".join(tail) if tail
+                                                                     else ""))
+        reply = json.loads(line)
+        if "error" in reply:
+            raise WorkerError("%s: %s" % (self.impl, reply["error"]))
+        return reply
+
+    def call(self, cmd, **kw):
+        self.p.stdin.write(json.dumps(dict(cmd=cmd, **kw)) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write('{"cmd": "quit"}\n')
+                self.p.stdin.flush()
+                self.p.wait(timeout=60)
+            except Exception:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+def gguf_summary(path):
+    """(dominant weight type by bytes, number of weights, file size) of a GGUF file, from its directory."""
+    from kvsimd.loaders.gguf import open_gguf
+    gf = open_gguf(path)
+    try:
+        by = {}
+        n = 0
+        for t in gf.tensors.values():
+            by[t.qtype.name] = by.get(t.qtype.name, 0) + t.nbytes
+            n += int(np.prod(t.shape))
+        return max(by, key=by.get), n, gf.size
+    finally:
+        gf.close()
+
+
+def warm_page_cache(path):
+    """Read the whole file once (and throw it away), so that every load after it is a warm one."""
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(16 << 20)
+        while fh.readinto(buf):
+            pass
+
+
+def prompt_ids(path, n, text_path=None):
+    """``n`` token ids of the text (``text_path``, else a filler), by the file's own tokenizer, the
+    text repeated when it is shorter."""
+    from kvsimd.loaders.tokenizer import Tokenizer
     text = ""
-    if text_path:        # resolved by the command line (kvsimd.bench.common.text_path); else a filler
+    if text_path:
         with open(text_path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
-    ids = ours.tokenizer.encode(text or "All the world's a stage. " * 2000)
+    ids = Tokenizer.from_gguf(path).encode(text or "All the world's a stage. " * 2000)
+    if not ids:
+        raise KVSimdError("%s: the prompt text gives no tokens" % path)
+    while len(ids) < n:
+        ids = ids + ids
+    return [int(i) for i in ids[:n]]
+
+
+def available_peers(path, n_params, peers):
+    """impl -> None (runs) or why it does not: "not installed", or skipped for memory."""
+    out = {}
+    for impl in peers:
+        try:
+            if impl == "llama.cpp":
+                import llama_cpp  # noqa: F401
+            else:
+                import torch  # noqa: F401
+                import transformers  # noqa: F401
+            out[impl] = None
+        except ImportError:
+            out[impl] = "not installed"
+            continue
+        if impl == "transformers":   # float32 weights: more than a quarter of the memory is not run
+            need = 4 * n_params
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            if need > avail / 4:
+                out[impl] = "skipped: its float32 weights would take %.1f GB (%.1f GB available)" % (
+                    need / 1e9, avail / 1e9)
+    return out
+
+
+def _ci_rate(times):
+    med, lo, hi = median_ci(times)
+    return 1.0 / med, [1.0 / hi, 1.0 / lo]
+
+
+def _peer_ratios(rows, paired):
+    """Add to each peer's row the median over rounds of (peer time / kvsimd time) of the same round."""
+    for r in rows:
+        if r["impl"] != "kvsimd" and "kvsimd" in paired and r["impl"] in paired:
+            med, lo, hi = _paired_ratio(paired[r["impl"]], paired["kvsimd"])
+            r.update(speedup=med, speedup_ci95=[lo, hi])
+    return rows
+
+
+def _rotated(names, i):
+    return names[i % len(names):] + names[:i % len(names)]
+
+
+def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=None, prefill_tokens=512,
+               prefill_repeat=5, load_repeat=3, peers=GGUF_PEERS, fill="prefill", flash_attn=False, warmup=2):
+    """Load time and RSS, prefill of a ``prefill_tokens`` prompt, and decode at each context depth,
+    of kvsimd and its peers on each GGUF file of ``models`` (a list of (label, path)), every
+    implementation in its own process (:mod:`kvsimd.bench.peers`).
+
+    Decode: each implementation fills its context with the same prompt tokens, ``depth`` of them
+    (depth 0: one, a step needs a prompt; ``fill="random"``: kvsimd takes random K/V of the same
+    length instead), then from the same next token runs
+    ``warmup`` + ``rounds`` x ``steps`` greedy steps; rounds go round robin over the processes (the
+    order rotated each round), and before each thread count every implementation is put back to the
+    filled context, so all of them time the same positions.  Depths go in increasing order, each
+    context prefilling only the tokens it adds to the one before; these prefills (with the largest
+    thread count) are reported too ("fill" rows: ``tokens`` after ``start`` cached ones).  ``prefill_tokens=0``
+    skips the separate prefill of one prompt.  Peers' rows carry ``speedup``: the
+    median over rounds of their step time over kvsimd's, with a 95% bootstrap interval, and
+    ``same_tokens``: for how many of the ``greedy_tokens`` steps they chose kvsimd's tokens."""
     rows = []
-    for n_ctx in contexts:
-        prompt = ids[:n_ctx]
-        for nt in threads:
-            kvsimd.set_num_threads(nt)
-            torch.set_num_threads(nt)
-            cache = ours.new_cache(capacity=n_ctx + steps + 8)
-            t0 = time.perf_counter()
-            logits = ours.prefill(prompt, cache=cache)
-            pre = time.perf_counter() - t0
-            tok = [int(np.argmax(logits))]
-            dec = _median_step(lambda: ours.step(tok, cache=cache), steps)
-            rows.append({"model": "smollm2", "impl": "kvsimd", "context": n_ctx, "threads": nt,
-                         "prefill_tok_per_s": n_ctx / pre, "tok_per_s": 1.0 / dec, "isa": kvsimd.active_isa()})
-            if progress:
-                progress(rows[-1])
-            from transformers import DynamicCache
-            with torch.no_grad():
-                pkv = DynamicCache()
-                t0 = time.perf_counter()
-                out = hf(input_ids=torch.tensor([prompt]), past_key_values=pkv, use_cache=True)
-                pre = time.perf_counter() - t0
-                pkv = out.past_key_values
-                ids1 = out.logits[:, -1:].argmax(-1)
-                dec = _median_step(lambda: hf(input_ids=ids1, past_key_values=pkv, use_cache=True), steps)
-            rows.append({"model": "smollm2", "impl": "transformers", "context": n_ctx, "threads": nt,
-                         "prefill_tok_per_s": n_ctx / pre, "tok_per_s": 1.0 / dec})
-            if progress:
-                progress(rows[-1])
+
+    def emit(row):
+        rows.append(row)
+        if progress:
+            progress(row)
+    n_ctx = max(max(depths) + warmup + rounds * steps + 16, prefill_tokens + 16)
+    for label, path in models:
+        weights, n_params, size = gguf_summary(path)
+        base = {"model": label, "weights": weights, "file": os.path.basename(path)}
+        ids = prompt_ids(path, max(max(depths) + 2, prefill_tokens), text_path)
+        warm_page_cache(path)
+        status = available_peers(path, n_params, peers)
+        for impl, why in status.items():
+            if why:
+                emit(dict(base, op="peer", impl=impl, status=why,
+                          **({"hint": PEER_HINTS[impl]} if why == "not installed" else {})))
+        impls = ["kvsimd"] + [i for i in peers if status[i] is None]
+        # load: fresh processes, warm page cache; llama.cpp with a small context (its KV cache is
+        # allocated at load and counted in its RSS)
+        for impl in list(impls):
+            loads = []
+            try:
+                for _ in range(load_repeat):
+                    w = Worker(impl, path, 512, fill, flash_attn)
+                    w.close()
+                    loads.append(w.load)
+            except WorkerError as e:
+                emit(dict(base, op="peer", impl=impl, status="failed: %s" % e))
+                impls.remove(impl)
+                continue
+            last = loads[-1]
+            info = {k: v for k, v in last.items() if k in ("version", "isa", "flash_attn", "torch")}
+            emit(dict(base, op="load", impl=impl, load_s=statistics.median(x["load_s"] for x in loads),
+                      load_s_runs=[x["load_s"] for x in loads], rss_before_MiB=last["rss_before_MiB"],
+                      rss_after_MiB=last["rss_MiB"], rss_anon_MiB=last["rss_anon_MiB"],
+                      rss_file_MiB=last["rss_file_MiB"], rss_delta_MiB=last["rss_MiB"] - last["rss_before_MiB"],
+                      file_MiB=size / 2**20, **info))
+        workers = {}
+        try:
+            for impl in list(impls):
+                try:
+                    workers[impl] = Worker(impl, path, n_ctx, fill, flash_attn)
+                except WorkerError as e:
+                    emit(dict(base, op="peer", impl=impl, status="failed: %s" % e))
+                    impls.remove(impl)
+            infos = {impl: {k: v for k, v in w.load.items() if k in ("isa", "cache", "version", "flash_attn",
+                                                                     "fill", "dtype")}
+                     for impl, w in workers.items()}
+            # prefill of one prompt, each repeat on an empty state
+            prompt = ids[:prefill_tokens]
+            for nt in threads if prefill_tokens else ():
+                for w in workers.values():
+                    w.call("threads", n=nt)
+                times = {impl: [] for impl in workers}
+                warm = 1 if prefill_repeat >= 3 else 0        # a round that warms up, untimed
+                for i in range(warm + prefill_repeat):
+                    for impl in _rotated(list(workers), i):
+                        t = workers[impl].call("prefill", tokens=prompt)["seconds"]
+                        if i >= warm:
+                            times[impl].append(t)
+                out = []
+                for impl, t in times.items():
+                    rate, ci = _ci_rate([x / len(prompt) for x in t])
+                    out.append(dict(base, op="prefill", impl=impl, tokens=len(prompt), threads=nt, tok_per_s=rate,
+                                    tok_per_s_ci95=ci, repeat=prefill_repeat, **infos[impl]))
+                for r in _peer_ratios(out, times):
+                    emit(r)
+            # decode at each depth
+            for depth in sorted(depths):               # each context extends the one before
+                context = ids[:max(depth, 1)]         # depth 0: a one-token prompt (a step needs one)
+                for impl, w in workers.items():
+                    w.call("threads", n=max(threads))
+                    f = w.call("fill", tokens=context)
+                    if f["tokens"] > 1:      # the context's prefill, in chunks of 512: a prefill figure too
+                        # (0 tokens: kvsimd with fill="random" prefilled nothing)
+                        emit(dict(base, op="fill", impl=impl, tokens=f["tokens"], start=len(context) - f["tokens"],
+                                  threads=max(threads), seconds=f["seconds"], tok_per_s=f["tokens"] / f["seconds"],
+                                  **infos[impl]))
+                for nt in threads:
+                    chosen = {impl: [] for impl in workers}
+                    for impl, w in workers.items():
+                        w.call("threads", n=nt)
+                        w.call("start", first=ids[len(context)])
+                        if warmup:
+                            chosen[impl] += w.call("steps", n=warmup)["tokens"]
+                    every = {impl: [] for impl in workers}
+                    per_round = {impl: [] for impl in workers}
+                    for i in range(rounds):
+                        for impl in _rotated(list(workers), i):
+                            r = workers[impl].call("steps", n=steps)
+                            every[impl] += r["times"]
+                            chosen[impl] += r["tokens"]
+                            per_round[impl].append(statistics.median(r["times"]))
+                    out = []
+                    for impl, t in every.items():
+                        rate, ci = _ci_rate(t)
+                        out.append(dict(base, impl=impl, context=depth, context_tokens=len(context), threads=nt,
+                                        tok_per_s=rate, tok_per_s_ci95=ci, steps=len(t), rounds=rounds,
+                                        **infos[impl]))
+                        if impl != "kvsimd" and "kvsimd" in chosen:   # how long both chose the same tokens
+                            same = next((j for j, (a, b) in enumerate(zip(chosen[impl], chosen["kvsimd"])) if a != b),
+                                        len(chosen[impl]))
+                            out[-1].update(same_tokens=same, greedy_tokens=len(chosen[impl]))
+                    for r in _peer_ratios(out, per_round):
+                        emit(r)
+            for impl, w in workers.items():
+                emit(dict(base, op="memory", impl=impl, **{k: v for k, v in w.call("rss").items()}))
+        finally:
+            for w in workers.values():
+                w.close()
     return rows

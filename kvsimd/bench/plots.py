@@ -56,8 +56,9 @@ def _kernel_chart(rows, roof, key, title, path):
 
 def _decode_chart(rows, path):
     plt = _plt()
+    rows = [r for r in rows if "op" not in r]       # decode steps (not load, prefill, memory, peer rows)
     keys = sorted({(r["model"], r["context"], r["threads"]) for r in rows})
-    impls = ["kvsimd", "weights floor", "transformers"]
+    impls = [i for i in ("kvsimd", "llama.cpp", "weights floor", "transformers") if any(r["impl"] == i for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 4))
     w = 0.8 / len(impls)
     for j, impl in enumerate(impls):
@@ -68,7 +69,8 @@ def _decode_chart(rows, path):
     ax.set_xticklabels(["%s\nctx %d, %dT" % (m.replace("-shaped", ""), c, t) for m, c, t in keys], fontsize=7)
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=7)
-    ax.set_title("Decode speed, float32 weights (same weights for both)", fontsize=10)
+    ax.set_title("Decode speed, GGUF weights as stored (same file for all)" if any("weights" in r for r in rows)
+                 else "Decode speed, float32 weights (same weights for both)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

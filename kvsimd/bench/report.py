@@ -32,11 +32,15 @@ def _table(header, rows):
 def machine_line(doc):
     h = doc["header"]
     m, v = h["machine"], h["versions"]
-    vers = ", ".join("%s %s" % (k, v[k]) for k in ("python", "numpy", "torch", "transformers") if k in v)
-    return ("Measured on **%s** (%d cores, LLC %d MiB), %s; kvsimd %s, active path `%s`; whole run %.0f s "
+    vers = ", ".join("%s %s" % ("llama-cpp-python" if k == "llama_cpp" else k, v[k])
+                     for k in ("python", "numpy", "torch", "transformers", "llama_cpp") if k in v)
+    load = h.get("loadavg")
+    busy = (", load average %.1f at the start and %.1f at the end" % (load["start"][0], load["end"][0])
+            if load else "")
+    return ("Measured on **%s** (%d cores, LLC %d MiB), %s; kvsimd %s, active path `%s`; whole run %.0f s%s "
             "(`python -m kvsimd.bench %s`)."
             % (m["cpu"], m["cores"], m["llc_bytes"] >> 20, vers, v.get("kvsimd", "?"), h["isa"]["active"],
-               h.get("seconds", 0), " ".join(h["argv"])))
+               h.get("seconds", 0), busy, " ".join(h["argv"])))
 
 
 def roofline_md(rows):
@@ -154,6 +158,91 @@ def decode_md(rows):
         "rounds cancels), 95% bootstrap interval in brackets." if any("speedup" in r for r in rows) else "")
 
 
+def _ratio(r):
+    if not r or "speedup" not in r:
+        return "-"
+    lo, hi = r["speedup_ci95"]
+    return "**%sx** [%s, %s]" % (_f(r["speedup"], 2), _f(lo, 2), _f(hi, 2))
+
+
+def _peer_columns(rows):
+    return [p for p in ("llama.cpp", "transformers") if any(r["impl"] == p for r in rows)]
+
+
+def _speed_table(rows, key, first, same=False):
+    """One line per (model, key..., threads): kvsimd's tok/s, each peer's and kvsimd / peer (the
+    paired ratio with its interval; rows without one -- single runs -- the ratio of the rates)."""
+    peers = _peer_columns(rows)
+    cases = []
+    for r in rows:
+        k = (r["model"],) + tuple(r[x] for x in key) + (r["threads"],)
+        if k not in cases:
+            cases.append(k)
+    body = []
+    for k in cases:
+        v = {r["impl"]: r for r in rows if (r["model"],) + tuple(r[x] for x in key) + (r["threads"],) == k}
+        ours = v.get("kvsimd")
+        line = list(k) + [_f(ours["tok_per_s"]) if ours else "-"]
+        for p in peers:
+            ratio = _ratio(v.get(p))
+            if ratio == "-" and ours and p in v:
+                ratio = "%sx" % _f(ours["tok_per_s"] / v[p]["tok_per_s"], 2)
+            line += [_f(v[p]["tok_per_s"]) if p in v else "-", ratio]
+            if same:
+                line.append("%d/%d" % (v[p]["same_tokens"], v[p]["greedy_tokens"]) if "same_tokens" in v.get(p, {})
+                            else "-")
+        body.append(line)
+    head = ["model"] + first + ["threads", "kvsimd tok/s"]
+    for p in peers:
+        head += ["%s tok/s" % p, "kvsimd / %s" % p] + (["same tokens"] if same else [])
+    return _table(head, body)
+
+
+def gguf_md(rows):
+    """Decode, prefill, load and RSS of GGUF files as stored, beside llama.cpp and transformers."""
+    steps = [r for r in rows if "op" not in r]
+    pre = [r for r in rows if r.get("op") == "prefill"]
+    loads = [r for r in rows if r.get("op") == "load"]
+    fills = [r for r in rows if r.get("op") == "fill"]
+    status = [r for r in rows if r.get("op") == "peer"]
+    out = []
+    lc = next((r for r in rows if r["impl"] == "llama.cpp" and "version" in r), None)
+    intro = ("Each implementation runs in its own process on the same GGUF file, the others idle meanwhile; "
+             "same prompt tokens, same number of greedy steps, rounds interleaved round robin.  ")
+    if lc:
+        intro += ("llama.cpp: llama-cpp-python %s, KV cache f16, flash attention %s.  "
+                  % (lc["version"], "on" if lc.get("flash_attn") else "off"))
+    intro += ("transformers runs the file dequantized to float32.  Ratios: median over rounds of the peer's step "
+              "time over kvsimd's in the same round, 95% bootstrap interval in brackets.  Targets: decode >= "
+              "llama.cpp at every depth and thread count and >= 1.5x at depth 8192; prefill >= 0.8x llama.cpp.")
+    out.append(intro)
+    for r in status:
+        out.append("%s on %s: %s%s." % (r["impl"], r["model"], r["status"],
+                                        " (%s)" % r["hint"] if r.get("hint") else ""))
+    if steps:
+        out.append("Decode (a context of `context` prompt tokens, 0 meaning a one-token prompt; tok/s = 1 / the "
+                   "median step; `same tokens`: the greedy steps, warm-up included, before the peer's first token "
+                   "different from kvsimd's, of all of them):")
+        out.append(_speed_table(steps, ["context"], ["context"], same=any("same_tokens" in r for r in steps)))
+    if pre:
+        out.append("Prefill of one prompt (each repeat on an empty cache):")
+        out.append(_speed_table(pre, ["tokens"], ["prompt tokens"]))
+    if fills:
+        out.append("Prefill of the decode contexts, each extending the one before (chunks of 512 tokens; one run "
+                   "each, so no interval):")
+        out.append(_speed_table(fills, ["start", "tokens"], ["cached tokens", "new tokens"]))
+    if loads:
+        body = [[r["model"], r["impl"], _f(r["file_MiB"]), "%s s" % _f(r["load_s"], 2), _f(r["rss_after_MiB"]),
+                 "%+.1f" % r["rss_delta_MiB"] if "rss_delta_MiB" in r else "-",
+                 "%s / %s" % (_f(r.get("rss_anon_MiB")), _f(r.get("rss_file_MiB")))] for r in loads]
+        out.append("Load (a fresh process each time, warm page cache, the library already imported; median of %s; "
+                   "llama.cpp with a context of 512 tokens):"
+                   % "/".join(sorted({str(len(r.get("load_s_runs", [1]))) for r in loads})))
+        out.append(_table(["model", "implementation", "file MiB", "load", "RSS after load MiB",
+                           "RSS added by the load MiB", "RSS anonymous / file-backed MiB"], body))
+    return "\n\n".join(out)
+
+
 def contention_md(rows):
     body = [[r["model"], r["context"], r["neighbour"], r["setting"], r["threads"], r.get("blas_threads", "-"),
              _f(r["tok_per_s"]),
@@ -265,12 +354,15 @@ def render(doc, quality=None, images=None):
                                  "GB/s read + written (in place), in brackets the % of a plain copy of the same bytes "
                                  "timed beside it (target >= 60%).  Peers apply the same rotation with the usual "
                                  "rotate_half formula.")
-    if "decode" in res:
+    gguf_rows = [r for r in res.get("decode", []) if "weights" in r or "op" in r]
+    if gguf_rows:
+        parts += ["### Decode of GGUF files as stored, beside llama.cpp", gguf_md(gguf_rows)]
+    if any(r not in gguf_rows for r in res.get("decode", [])):
         parts += ["### Decode (tokens/s, float32 weights, same weights for both)",
                   "Implementations timed round robin, step by step.  The weight-streaming floor is the step's "
                   "matrix-vector products alone (same BLAS): no implementation reading float32 weights can beat "
                   "it.  Targets (1 thread): >= 2x transformers at context 128, >= 3x at 8192.",
-                  decode_md(res["decode"])]
+                  decode_md([r for r in res["decode"] if r not in gguf_rows])]
     if "contention" in res:
         parts += ["### Decode beside a busy core (threads under contention)", contention_md(res["contention"])]
     if "streaming" in res:

@@ -3,7 +3,8 @@
     {"schema": 1,
      "header": {"machine": {cpu, cores, llc_bytes, ...}, "versions": {python, numpy, kvsimd, torch?, ...},
                 "isa": {compiled, supported, active, forced}, "roofline": {read_GBps, copy_GBps, bytes},
-                "argv": [...], "quick": bool, "seconds": float},
+                "argv": [...], "quick": bool, "seconds": float,
+                "loadavg": {"start": [1, 5, 15 min], "end": [...]}},
      "results": {<section>: [row, ...], ...}}
 
 Sections and the keys every row has (figures are positive and finite):
@@ -14,8 +15,16 @@ Sections and the keys every row has (figures are positive and finite):
                 median_s, GBps, pct_read_roofline (kvsimd rows: isa)
 * rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
                 median_s, GBps, pct_copy_roofline
-* decode     -- model, impl ("kvsimd" | "transformers" | "weights floor"), context, threads, tok_per_s;
-                peers also speedup (median per-round ratio of their step to kvsimd's) and speedup_ci95
+* decode     -- model, impl ("kvsimd" | "transformers" | "weights floor" | "llama.cpp"), context (>= 0),
+                threads, tok_per_s; peers also speedup (median per-round ratio of their step to kvsimd's)
+                and speedup_ci95.  Runs on GGUF files (decode --model smollm2|llama3-8b|PATH) add weights
+                (the file's main tensor type), file, tok_per_s_ci95, steps, rounds, and rows with an op:
+                "prefill" (model, impl, tokens, threads, tok_per_s, tok_per_s_ci95; peers speedup),
+                "fill" (model, impl, tokens, start, threads, seconds, tok_per_s: the prefill of the tokens a
+                decode context adds to the one before, ``start`` tokens),
+                "load" (model, impl, load_s, rss_before_MiB, rss_after_MiB, file_MiB: a fresh process,
+                warm page cache), "memory" (model, impl, rss_MiB: each process after the run) and
+                "peer" (model, impl, status: "not installed", "skipped: ..." or "failed: ...")
 * contention -- op "contention", model, context, neighbour ("none" | "busy core"), setting ("1 thread" |
                 "2 threads" | "default"), threads, tok_per_s, vs_1_thread (median per-round ratio of the
                 setting's step time to the 1-thread step time) and vs_1_thread_ci95, rounds
@@ -37,7 +46,12 @@ ROW_KEYS = {
     "attention": {None: ["op", "impl", "shape", "H", "Hkv", "D", "N", "dtype", "median_s", "GBps",
                          "pct_read_roofline"]},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
-    "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"]},
+    "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
+               "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
+               "fill": ["model", "impl", "tokens", "start", "threads", "seconds", "tok_per_s"],
+               "load": ["model", "impl", "load_s", "rss_before_MiB", "rss_after_MiB", "file_MiB"],
+               "memory": ["model", "impl", "rss_MiB"],
+               "peer": ["model", "impl", "status"]},
     "contention": {None: ["op", "model", "context", "neighbour", "setting", "threads", "tok_per_s", "vs_1_thread",
                           "vs_1_thread_ci95", "rounds"]},
     "complexity": {"complexity": ["regime", "N", "M", "seconds", "token_positions"],
@@ -50,9 +64,11 @@ ROW_KEYS = {
     "quality": {None: ["config", "scored", "ppl_all", "ppl_oracle_positions"]},
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
-            "pct_copy_roofline", "context", "tok_per_s", "M", "seconds", "token_positions", "tokens",
-            "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored", "vs_1_thread", "rounds"}
-FINITE = POSITIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
+            "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
+            "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
+            "vs_1_thread", "rounds"}
+NONNEGATIVE = {"context", "start"}
+FINITE = POSITIVE | NONNEGATIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 
 
 def validate(doc):
@@ -80,7 +96,7 @@ def validate(doc):
         for i, row in enumerate(rows):
             spec = ROW_KEYS[section]
             op = row.get("op")
-            keys = spec.get(None) or spec.get(op)
+            keys = spec[op] if op in spec else spec.get(None)
             if keys is None:
                 raise ValueError("%s[%d]: unknown op %r" % (section, i, op))
             for k in keys:
@@ -90,7 +106,8 @@ def validate(doc):
                 raise ValueError("roofline[%d]: needs GBps or GFLOPs" % i)
             for k, v in row.items():
                 if k in FINITE and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    if not math.isfinite(v) or (k in POSITIVE and v <= 0):
-                        raise ValueError("%s[%d]: %s = %r is not %s" % (section, i, k, v,
-                                                                        "positive" if k in POSITIVE else "finite"))
+                    if not math.isfinite(v) or (k in POSITIVE and v <= 0) or (k in NONNEGATIVE and v < 0):
+                        raise ValueError("%s[%d]: %s = %r is not %s" % (
+                            section, i, k, v, "positive" if k in POSITIVE else "non-negative" if k in NONNEGATIVE
+                            else "finite"))
     return True
