@@ -192,9 +192,9 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
         }
 }
 
-/* Columns n0..n1-1.  When the NB rows of x are longer than KV_GEMV_XBYTES, k is cut into ranges
-   of about that much x (so that x stays in the L1 cache while a tile of KV_GEMV_TILE columns
-   goes through it), the tile's accumulators kept on the stack between ranges. */
+/* Columns n0..n1-1, KV_GEMV_TILE at a time.  k is cut into ranges of about KV_GEMV_XBYTES of x
+   (one range when x is short), so that x stays in the L1 cache while the tile's columns go
+   through it; the tile's accumulators wait on the stack between ranges. */
 static inline __attribute__((always_inline)) void KV_WFN(cols)(const kv_gemv_params *p, int64_t n0, int64_t n1,
                                                                 const int NB)
 {
@@ -206,14 +206,6 @@ static inline __attribute__((always_inline)) void KV_WFN(cols)(const kv_gemv_par
 #endif
     const int64_t k = p->k, want = KV_GEMV_XBYTES / (int64_t)sizeof(float) / NB;
     const int64_t kc = want > unit ? want / unit * unit : unit;
-    if (k <= kc) {
-        int64_t j = n0;
-        for (; j + NC <= n1; j += NC)
-            KV_WFN(pass)(p, j, NB, NC, 0, k, 0, 1, 1);
-        for (; j < n1; j++)
-            KV_WFN(pass)(p, j, NB, 1, 0, k, 0, 1, 1);
-        return;
-    }
     vf sv[KV_GEMV_TILE * KV_GEMV_SAVE];
     for (int64_t t0 = n0; t0 < n1; t0 += KV_GEMV_TILE) {
         const int64_t t1 = t0 + KV_GEMV_TILE < n1 ? t0 + KV_GEMV_TILE : n1;
