@@ -133,6 +133,7 @@ static inline void vf_reduce_block(const vf *a, float *out)
 static inline vf vf_swap_pairs(vf x) { return _mm256_permute_ps(x, 0xB1); }
 
 /* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+#define KV_VREGS 16   /* vector registers (gemv.inc.h sizes its register tiles by it) */
 typedef __m256i vi;
 static inline vi vi_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline vi vi_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -140,11 +141,22 @@ static inline vi vi_and(vi a, int32_t m) { return _mm256_and_si256(a, _mm256_set
 static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 static inline vi vi_shr(vi a, int s) { return _mm256_srli_epi32(a, s); }
 static inline vi vi_shl(vi a, int s) { return _mm256_slli_epi32(a, s); }
+static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_andv(vi a, vi b) { return _mm256_and_si256(a, b); }
+static inline vi vi_srlv(vi a, vi n) { return _mm256_srlv_epi32(a, n); }
+/* lane l: p16[idx[l]], or 0 where idx[l] < 0 (p16: 16 readable bytes; idx: KV_W entries) */
+static inline vi vi_gather_u8(const uint8_t *p16, const int8_t *idx)
+{
+    const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p16), _mm_loadl_epi64((const __m128i *)idx));
+    return _mm256_cvtepu8_epi32(b);
+}
 static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf vf_load_bf16(const uint16_t *p)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
-static inline float kv_half(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+static inline float kv_half(const uint8_t *p) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_loadu_si16(p))); }
+/* the half at p (any alignment) in every lane */
+static inline vf vf_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_set1_epi16((short)(p[0] | p[1] << 8))); }
 
 #endif

@@ -191,6 +191,7 @@ static inline vh16 vh16_load_part(const uint16_t *p, int64_t n) { return _mm256_
 static inline void vh16_store_part(uint16_t *p, vh16 v, int64_t n) { _mm256_mask_storeu_epi16(p, kv_m16(n), v); }
 
 /* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+#define KV_VREGS 32   /* vector registers (gemv.inc.h sizes its register tiles by it) */
 typedef __m512i vi;
 static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi vi_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -198,15 +199,39 @@ static inline vi vi_and(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set
 static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 static inline vi vi_shr(vi a, int s) { return _mm512_srli_epi32(a, (unsigned)s); }
 static inline vi vi_shl(vi a, int s) { return _mm512_slli_epi32(a, (unsigned)s); }
+static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_andv(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vi_srlv(vi a, vi n) { return _mm512_srlv_epi32(a, n); }
+/* lane l: p16[idx[l]], or 0 where idx[l] < 0 (p16: 16 readable bytes; idx: KV_W entries) */
+static inline vi vi_gather_u8(const uint8_t *p16, const int8_t *idx)
+{
+    const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p16), _mm_loadu_si128((const __m128i *)idx));
+    return _mm512_cvtepu8_epi32(b);
+}
 static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+/* lane l: t[idx[l] mod 16] (VPERMPS reads the low 4 bits of each index) */
+#define KV_HAVE_LUT16 1
+static inline vf vf_lut16(vf t, vi idx) { return _mm512_permutexvar_ps(idx, t); }
+static inline vf vf_iota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* lane l: (t0, t1)[idx[l] mod 32] (VPERMT2PS reads the low 5 bits) */
+static inline vf vf_lut32(vf t0, vf t1, vi idx) { return _mm512_permutex2var_ps(t0, idx, t1); }
 static inline vf vf_load_bf16(const uint16_t *p)
 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+/* VCVTSH2SS merges into its first source: given a zeroed one, a conversion does not wait for
+   whatever last wrote its destination register (a false dependency that chained the blocks of
+   a weight row one after the other) */
 static inline float kv_half(const uint8_t *p)
 {
-    union { uint16_t u; _Float16 h; } v = {(uint16_t)(p[0] | p[1] << 8)};
-    return (float)v.h;   /* VCVTSH2SS */
+    const __m128h h = _mm_castsi128_ph(_mm_loadu_si16(p));   /* VMOVW: a plain load */
+    return _mm_cvtss_f32(_mm_cvtsh_ss(_mm_setzero_ps(), h));
+}
+/* the half at p (any alignment) in every lane */
+static inline vf vf_half(const uint8_t *p)
+{
+    const __m128h h = _mm_castsi128_ph(_mm_loadu_si16(p));
+    return _mm512_broadcastss_ps(_mm_cvtsh_ss(_mm_setzero_ps(), h));
 }
 
 #endif

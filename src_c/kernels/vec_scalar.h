@@ -61,6 +61,7 @@ static inline void vf_reduce_block(const vf *a, float *out) { out[0] = a[0]; }
 #define KV_ROT_PAIRWISE 1
 
 /* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+#define KV_VREGS 1   /* vector registers (gemv.inc.h sizes its register tiles by it) */
 typedef int32_t vi;
 static inline vi vi_u8(const uint8_t *p) { return p[0]; }                 /* KV_W bytes, zero-extended */
 static inline vi vi_i8(const uint8_t *p) { return (int8_t)p[0]; }         /* KV_W bytes, sign-extended */
@@ -68,6 +69,11 @@ static inline vi vi_and(vi a, int32_t m) { return a & m; }
 static inline vi vi_or(vi a, vi b) { return a | b; }
 static inline vi vi_shr(vi a, int s) { return (vi)((uint32_t)a >> s); }
 static inline vi vi_shl(vi a, int s) { return (vi)((uint32_t)a << s); }
+static inline vi vi_load(const int32_t *p) { return p[0]; }
+static inline vi vi_andv(vi a, vi b) { return a & b; }
+static inline vi vi_srlv(vi a, vi n) { return (vi)((uint32_t)a >> n); }
+/* lane l: p16[idx[l]], or 0 where idx[l] < 0 */
+static inline vi vi_gather_u8(const uint8_t *p16, const int8_t *idx) { return idx[0] < 0 ? 0 : p16[idx[0]]; }
 static inline vf vf_from_vi(vi a) { return (float)a; }
 static inline vf vf_load_bf16(const uint16_t *p)
 {
@@ -77,5 +83,6 @@ static inline vf vf_load_bf16(const uint16_t *p)
 }
 /* the half at p (any alignment) as a float */
 static inline float kv_half(const uint8_t *p) { return kv_h2f_soft((uint16_t)(p[0] | p[1] << 8)); }
+static inline vf vf_half(const uint8_t *p) { return kv_half(p); }
 
 #endif

@@ -1,21 +1,33 @@
 /* wt_q4_1.inc.h - Q4_1: blocks of 32 values, half scale d and half minimum m, then 16 bytes
- * of 4-bit q (as Q4_0); value = d * q + m. */
+ * of 4-bit q (as Q4_0, whose nibble helpers it shares: wt_q4_0.inc.h comes first); value =
+ * d * q + m, rounded once (d q is exact), as gguf's dequantization does. */
+#ifdef KV_HAVE_LUT16
+typedef struct { vf t; } wt_q4_1_state;   /* t[i] = d i + m */
+static inline void wt_q4_1_prep(const uint8_t *b, wt_q4_1_state *st)
+{
+    st->t = vf_fmadd(vf_iota(), vf_half(b), vf_half(b + 2));
+}
+static inline vf wt_q4_1_group(const uint8_t *b, const wt_q4_1_state *st, int g)
+{
+    return vf_lut16(st->t, wt_q4_nibbles(b + 4, g, 0));
+}
+#else
 typedef struct { vf d, m; } wt_q4_1_state;
 static inline void wt_q4_1_prep(const uint8_t *b, wt_q4_1_state *st)
 {
-    st->d = vf_set1(kv_half(b));
-    st->m = vf_set1(kv_half(b + 2));
+    st->d = vf_half(b);
+    st->m = vf_half(b + 2);
 }
-static inline vf wt_q4_1_group(const uint8_t *b, const wt_q4_1_state *st, int j)
+static inline vf wt_q4_1_group(const uint8_t *b, const wt_q4_1_state *st, int g)
 {
-    const vi raw = vi_u8(b + 4 + (j & 15));
-    const vi q = j < 16 ? vi_and(raw, 15) : vi_shr(raw, 4);
-    return vf_fmadd(vf_from_vi(q), st->d, st->m);
+    return vf_fmadd(vf_from_vi(wt_q4_nibbles(b + 4, g, 1)), st->d, st->m);
 }
+#endif
 #define WT_NAME q4_1
 #define WT_BLOCK 32
 #define WT_BYTES 20
 #define WT_STATE wt_q4_1_state
 #define WT_PREP wt_q4_1_prep
 #define WT_GROUP wt_q4_1_group
+#define WT_POS WT_Q4_POS
 #include "gemv.inc.h"
