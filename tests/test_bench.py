@@ -402,9 +402,10 @@ def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
 
 def test_decode_gguf_says_not_installed(tmp_path, tiny_gguf):
     """Without llama-cpp-python (and transformers), the bench says so, with the install hint, in
-    its output, its JSON and the report, and still times kvsimd."""
+    its output, its JSON and the report, and still times kvsimd (here on a random context)."""
     env = _hide(tmp_path, "llama_cpp", "transformers")
-    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--depth", "8", env=env)
+    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--depth", "8", "--fill", "random",
+                       env=env)
     schema.validate(doc)
     rows = doc["results"]["decode"]
     status = {r["impl"]: r for r in rows if r.get("op") == "peer"}
@@ -414,7 +415,8 @@ def test_decode_gguf_says_not_installed(tmp_path, tiny_gguf):
     assert 'pip install -e ".[peers]"' in hint and "GGML_NATIVE=ON" in hint
     assert "llama.cpp    not installed" in p.stdout
     assert {r["impl"] for r in rows if r.get("op") != "peer"} == {"kvsimd"}
-    assert {(r["context"], r["threads"]) for r in rows if "op" not in r} == {(8, 1)}
+    assert {(r["context"], r["threads"], r["fill"]) for r in rows if "op" not in r} == {(8, 1, "random")}
+    assert not [r for r in rows if r.get("op") == "fill"]          # random K/V: no prefill to report
     assert "llama_cpp" not in doc["header"]["versions"]
     assert "llama.cpp on tiny-random: not installed" in report.render(doc)
 
