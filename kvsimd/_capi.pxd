@@ -25,7 +25,7 @@ cdef extern from "kvsimd.h" nogil:
     const char *KV_VERSION
     uint32_t KV_FEAT_AVX2, KV_FEAT_AVX512FP16, KV_FEAT_OSXSAVE, KV_FEAT_OS_YMM, KV_FEAT_OS_ZMM
     uint32_t KV_FEAT_AVX, KV_FEAT_AVX2_ONLY, KV_FEAT_FMA, KV_FEAT_F16C, KV_FEAT_AVX512F
-    uint32_t KV_FEAT_AVX512BW, KV_FEAT_AVX512VL, KV_FEAT_AVX512_FP16_ONLY
+    uint32_t KV_FEAT_AVX512BW, KV_FEAT_AVX512VL, KV_FEAT_AVX512_FP16_ONLY, KV_FEAT_AVX512VNNI
 
     ctypedef struct kv_attn_range:
         int64_t query
@@ -62,6 +62,7 @@ cdef extern from "kvsimd.h" nogil:
         const float *x
         float *y
         int64_t row_bytes, k, n, B, x_stride, y_stride
+        const void *xq
         int32_t wtype
     int KV_WT_COUNT
     int KV_GEMV_MAX_B
@@ -70,6 +71,10 @@ cdef extern from "kvsimd.h" nogil:
     const char *kv_wtype_info(int t, int *ggml_id, int64_t *block, int64_t *block_bytes) noexcept
     void kv_matmul(const kv_gemv_params *p, int threads) noexcept
     void kv_dequantize(int t, float *dst, const void *src, int64_t n) noexcept
+    int kv_has_x8(int t) noexcept
+    kv_status kv_repack_x8(int t, void *dst, const void *src, int64_t rows, int64_t row_bytes) noexcept nogil
+    void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs) noexcept nogil
+    int64_t KV_XQ_ROW_BYTES(int64_t k) noexcept nogil
 
     ctypedef struct kv_field:
         const char *name
@@ -99,6 +104,7 @@ cdef extern from "kvsimd.h" nogil:
         kv_peak_fn fma_peak
         kv_gemv_fn gemv[9]
         kv_dequant_fn dequant[9]
+        kv_gemv_fn gemv_x8[9]
 
     uint32_t kv_cpu_features() noexcept
     kv_status kv_init(const char *force, char *msg, size_t msg_len) noexcept

@@ -55,6 +55,7 @@ def _kernel_addresses():
             "f32_to_f16": <size_t>row.f32_to_f16, "f16_to_f32": <size_t>row.f16_to_f32,
             "gemv": {_WT_NAMES[t]: <size_t>row.gemv[t] for t in range(KV_WT_COUNT)},
             "dequant": {_WT_NAMES[t]: <size_t>row.dequant[t] for t in range(KV_WT_COUNT)},
+            "gemv_x8": {_WT_NAMES[t]: <size_t>row.gemv_x8[t] for t in range(KV_WT_COUNT) if row.gemv_x8[t] != NULL},
             "required": kv_isa_required(i),
         }
     return {
@@ -65,3 +66,14 @@ def _kernel_addresses():
         "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
         "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
     }
+
+
+def _quantize_x(x):
+    """kv_quantize_x of float32 x [B, k] (k a multiple of 32) as uint8 [B, KV_XQ_ROW_BYTES(k)]: the
+    activations an int8 product reads (for the emulator tests, which call the kernels directly)."""
+    x = _np.ascontiguousarray(x, _np.float32)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise KVSimdValueError("x must be [B, k] with k a multiple of 32, got %s" % (x.shape,))
+    out = _np.empty((x.shape[0], KV_XQ_ROW_BYTES(x.shape[1])), _np.uint8)
+    kv_quantize_x(<void *>_ptr(out), <const float *>_ptr(x), x.shape[0], x.shape[1], x.shape[1])
+    return out

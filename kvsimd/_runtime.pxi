@@ -8,7 +8,7 @@ _FEATURE_BITS = (
     ("osxsave", KV_FEAT_OSXSAVE), ("os_ymm_state", KV_FEAT_OS_YMM), ("os_zmm_state", KV_FEAT_OS_ZMM),
     ("avx", KV_FEAT_AVX), ("avx2", KV_FEAT_AVX2_ONLY), ("fma", KV_FEAT_FMA), ("f16c", KV_FEAT_F16C),
     ("avx512f", KV_FEAT_AVX512F), ("avx512bw", KV_FEAT_AVX512BW), ("avx512vl", KV_FEAT_AVX512VL),
-    ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
+    ("avx512vnni", KV_FEAT_AVX512VNNI), ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
 )
 
 

@@ -3,6 +3,7 @@
 # buffer (a memory-mapped GGUF file: nothing is copied or dequantized at load), and its product
 # with rows of activations through the active row's kernel (kv_matmul).
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE
+from libc.stdlib cimport malloc, free
 
 # the weight types, as C lists them: name -> (index, ggml type id, values per block, bytes per block)
 _WT_NAMES = []
@@ -40,18 +41,32 @@ cdef class QMatrix:
     ``data`` is any C-contiguous buffer of exactly ``rows * row_bytes`` bytes (a ``numpy.uint8``
     view of a memory-mapped file is used in place); the QMatrix holds it exported for its
     lifetime, so the owner cannot resize or close it meanwhile.  A memory-mapped file must not be
-    truncated while a QMatrix reads it (as with any memory map, the process would get SIGBUS)."""
+    truncated while a QMatrix reads it (as with any memory map, the process would get SIGBUS).
+
+    ``activations`` chooses how a product multiplies:
+
+    - ``"int8"`` (types Q8_0, Q4_0, Q4_1 with ``rows`` a multiple of 8; the default for them): x is
+      rounded per block of 32 values to int8 steps of ``max |x| / 127`` (as llama.cpp does) and
+      multiplied by integer dot products -- about twice the speed of widening the weights, with
+      the extra error of rounding x (``kvsimd.bounds.matmul_bound``: at most half a step times
+      the block's sum of ``|w|``).  The matrix is then held a second time, repacked for the
+      kernel (8 rows side by side; the same size as stored, made once here): products read only
+      the repacked copy; ``dequantize``, ``take`` and ``raw`` the stored bytes.
+    - ``"float32"`` (every type; the default for the others): each weight widened exactly to
+      float32 and multiplied into x in float32 (nothing is rounded but the sums)."""
     cdef Py_buffer _view
     cdef bint _held
     cdef const uint8_t *_data
+    cdef uint8_t *_packed               # the repacked copy (int8 activations), or NULL
     cdef readonly object base
-    cdef readonly str wtype, name
+    cdef readonly str wtype, name, activations
     cdef readonly int64_t rows, cols, row_bytes
     cdef readonly int ggml_type
     cdef int t
 
-    def __cinit__(self, data, wtype, shape, *, str name="w"):
+    def __cinit__(self, data, wtype, shape, *, str name="w", activations=None):
         self._held = False
+        self._packed = NULL
         if not isinstance(wtype, str) or wtype.lower() not in _WTYPES:
             raise KVSimdValueError("%s: wtype must be one of %s, got %r" % (name, ", ".join(_WTYPES), wtype))
         wt = wtype.lower()
@@ -85,8 +100,24 @@ cdef class QMatrix:
         if (<size_t>self._data) % align:
             raise KVSimdValueError("%s: %s data must be aligned to %d bytes (address %#x)"
                                    % (name, wt.upper(), align, <size_t>self._data))
+        can = kv_has_x8(self.t) and rows % 8 == 0
+        if activations is None:
+            activations = "int8" if can else "float32"
+        if activations not in ("int8", "float32"):
+            raise KVSimdValueError("%s: activations must be 'int8' or 'float32', got %r" % (name, activations))
+        if activations == "int8" and not can:
+            raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0 or Q4_1 matrix of a multiple of 8 rows, "
+                                   "got %s [%d, %d]" % (name, wt.upper(), rows, cols))
+        self.activations = activations
+        if activations == "int8":
+            self._packed = <uint8_t *>malloc(<size_t>want)
+            if self._packed == NULL:
+                raise MemoryError("%s: no memory for the repacked copy (%d bytes)" % (name, want))
+            with nogil:
+                kv_repack_x8(self.t, self._packed, self._data, self.rows, self.row_bytes)
 
     def __dealloc__(self):
+        free(self._packed)
         if self._held:
             PyBuffer_Release(&self._view)
 
@@ -104,7 +135,14 @@ cdef class QMatrix:
         return <size_t>self._data
 
     def __repr__(self):
-        return "QMatrix(%s, %s, [%d, %d])" % (self.name, self.wtype.upper(), self.rows, self.cols)
+        return "QMatrix(%s, %s, [%d, %d], %s activations)" % (self.name, self.wtype.upper(), self.rows, self.cols,
+                                                            self.activations)
+
+    def _repacked(self):
+        """A copy of the repacked bytes (int8 activations; None otherwise): for the emulator tests."""
+        if self._packed == NULL:
+            return None
+        return _np.frombuffer((<char *>self._packed)[:self.nbytes], dtype=_np.uint8).copy()
 
     def raw(self):
         """The stored bytes as a read-only numpy.uint8 array [rows, row_bytes] (no copy)."""
@@ -157,9 +195,13 @@ cdef class QMatrix:
     cdef void apply(self, const float *x, int64_t B, int64_t xs, float *y, int64_t ys, int threads) noexcept nogil:
         """y[b, j] = sum_i x[b, i] W[j, i] for b < B (strides in floats); arguments checked by the caller."""
         cdef kv_gemv_params p
+        cdef void *ws = NULL
         if B <= 0:
             return
-        p.w = self._data
+        if self._packed != NULL:   # (no memory for x's int8 copy: the float path, from the stored bytes)
+            ws = malloc(<size_t>(B * KV_XQ_ROW_BYTES(self.cols)))
+        p.xq = ws
+        p.w = <const void *>self._packed if ws != NULL else <const void *>self._data
         p.x = x
         p.y = y
         p.row_bytes = self.row_bytes
@@ -170,3 +212,4 @@ cdef class QMatrix:
         p.y_stride = ys
         p.wtype = self.t
         kv_matmul(&p, threads)
+        free(ws)

@@ -17,7 +17,8 @@ from kvsimd import reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_scale", "attend_bound", "alibi_score_error", "GEMV_LANES", "matmul_depth", "matmul_bound"]
+           "attend_scale", "attend_bound", "alibi_score_error", "GEMV_LANES", "matmul_depth", "matmul_bound",
+           "x8_block_magnitude"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
@@ -171,6 +172,19 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 #    order errs by at most gamma_k(2^-53) sum |x||w| < k 2^-52 sum |x||w|: added so that a
 #    test's float64 result (NumPy/BLAS, any order) may stand in for the exact sum.
 # Not covered: overflow (|y| or a partial sum beyond fp32's range) and NaN/Inf inputs.
+#
+# Int8 activations (QMatrix(..., activations="int8"), kernels/gemv_x8.inc.h; Q8_0, Q4_0, Q4_1):
+# 4. x is rounded per block of 32 values to x^ = d_x q_x, d_x = fl(max |x| / 127), q_x the
+#    nearest integer to fl(x / d_x) (|q_x| <= 127): |x - x^| <= (d_x / 2)(1 + 2^-16).  This is
+#    the error the path exists for: sum over blocks of (d_x / 2)(1 + 2^-16) sum |w| (the block's
+#    weights).
+# 5. The rest is float32 arithmetic on exact integers: per block and column the integer sum
+#    S = sum q'_w q_x (q'_w the decoder's unsigned or signed weights, S < 2^24: exact as a
+#    float), then t = S d_x, the offset or minimum term (o d_x sum q_x, m d_x sum q_x) added, the
+#    product with d_w and the accumulation over k / 32 blocks: at most h = k / 32 + 6 roundings,
+#    each relative to the largest intermediate, which is at most M sum |x^| with M the block's
+#    largest |d_w| (|q'_w| + |o|) + |m| (x8_block_magnitude: 383 |d| for Q8_0, 23 |d| for Q4_0,
+#    15 |d| + |m| for Q4_1): gamma_h sum_blocks M (sum |x| + 16 d_x).
 GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512fp16": 16}   # KV_W of each row's vec_*.h
 
 
@@ -183,17 +197,50 @@ def matmul_depth(k: int, isa: str) -> int:
     return -(-int(k) // w) + int(w).bit_length() - 1 + 8
 
 
-def matmul_bound(x, w_deq, isa: str):
+def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitude=None):
     """Per-output bound ``[B, rows]`` on ``|QMatrix.matmul(x) - x @ w_deq.T|`` (the right side in
     float64) on ISA row ``isa``: ``(gamma_h + k 2^-52) * (|x| @ |w_deq|.T) + k 2^-148`` with
     ``h = matmul_depth(k, isa)``.  ``x``: float32 [B, k]; ``w_deq``: the dequantized weights
-    [rows, k] (``QMatrix.dequantize()``, or ``gguf.quants.dequantize`` of the same bytes)."""
+    [rows, k] (``QMatrix.dequantize()``, or ``gguf.quants.dequantize`` of the same bytes).
+    ``activations="int8"`` (a QMatrix's ``activations``): sections 4 and 5 above, with
+    ``block_magnitude`` = ``x8_block_magnitude(qm.raw(), qm.wtype)``."""
     x = np.asarray(x, np.float64)
     w = np.asarray(w_deq, np.float64)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise KVSimdValueError("matmul_bound needs x [B, k] and w_deq [rows, k], got x %s and w_deq %s"
                                % (x.shape, w.shape))
     k = x.shape[1]
-    h = matmul_depth(k, isa)
+    if activations not in ("float32", "int8"):
+        raise KVSimdValueError("activations must be 'float32' or 'int8', got %r" % (activations,))
+    if activations == "float32":
+        h = matmul_depth(k, isa)
+        gamma = h * U32 / (1.0 - h * U32)
+        return (gamma + k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148
+    matmul_depth(k, isa)                          # (checks isa)
+    mag = np.asarray(block_magnitude, np.float64) if block_magnitude is not None else None
+    if k % 32 or mag is None or mag.shape != (w.shape[0], k // 32):
+        raise KVSimdValueError("int8 activations need k a multiple of 32 and block_magnitude [rows, k / 32] "
+                               "(x8_block_magnitude), got k %d and %s" % (k, None if mag is None else mag.shape))
+    h = k // 32 + 6
     gamma = h * U32 / (1.0 - h * U32)
-    return (gamma + k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148
+    ax = np.abs(x).reshape(x.shape[0], -1, 32)
+    step = ax.max(-1) / 127.0 * (1 + 2.0 ** -20)                       # [B, blocks]
+    wsum = np.abs(w).reshape(w.shape[0], -1, 32).sum(-1)                # [rows, blocks]
+    rounding = (step * (0.5 + 2.0 ** -16)) @ wsum.T
+    arithmetic = gamma * ((ax.sum(-1) + 16 * step) @ mag.T)
+    return rounding + arithmetic + (k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148
+
+
+def x8_block_magnitude(raw, wtype: str):
+    """[rows, blocks] M of section 5 above, from the stored bytes ``raw`` [rows, row bytes] of a
+    Q8_0, Q4_0 or Q4_1 matrix (the blocks' half scale d at byte 0, Q4_1's half minimum m at 2)."""
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+    if wtype not in size:
+        raise KVSimdValueError("int8 activations exist for q8_0, q4_0 and q4_1, got %r" % (wtype,))
+    b = np.ascontiguousarray(raw, np.uint8).reshape(raw.shape[0], -1, size[wtype])
+    d = np.abs(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+    if wtype == "q8_0":
+        return 383.0 * d
+    if wtype == "q4_0":
+        return 23.0 * d
+    return 15.0 * d + np.abs(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))

@@ -222,8 +222,23 @@ def norm(cfg, nw, x):
     raise KVSimdValueError("cfg.norm must be rmsnorm or layernorm, got %r" % (cfg.norm,))
 
 
+def int8_rows(x):
+    """x as int8 activations see it (``QMatrix(..., activations="int8")``; kvsimd.h
+    kv_quantize_x): each block of 32 values of a row rounded to the nearest multiple of
+    ``max |block| / 127`` (ties to even)."""
+    b = np.asarray(x, np.float64).reshape(*np.shape(x)[:-1], -1, 32)
+    step = np.abs(b).max(axis=-1, keepdims=True) / 127.0
+    q = np.rint(np.divide(b, step, out=np.zeros_like(b), where=step > 0))
+    return (q * step).reshape(np.shape(x))
+
+
 def _linear(x, w, b=None):
-    y = x @ _matrix(w)
+    parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    if any(getattr(p, "activations", None) == "int8" for p in parts):   # each part sees x its own way
+        y = np.concatenate([(int8_rows(x) if getattr(p, "activations", None) == "int8" else x) @ _matrix(p)
+                            for p in parts], axis=-1)
+    else:
+        y = x @ _matrix(w)
     return y if b is None else y + _f64(b)
 
 

@@ -55,7 +55,7 @@ typedef enum kv_wtype {
 
 /* CPU features, as a bitmask (cpu.c). */
 #define KV_FEAT_AVX2 (1u << 0)        /* AVX + AVX2 + FMA + F16C, OS saves YMM state */
-#define KV_FEAT_AVX512FP16 (1u << 1)  /* AVX512 F/BW/VL + AVX512_FP16, OS saves ZMM/opmask */
+#define KV_FEAT_AVX512FP16 (1u << 1)  /* AVX512 F/BW/VL/VNNI + AVX512_FP16, OS saves ZMM/opmask */
 #define KV_FEAT_OSXSAVE (1u << 8)
 #define KV_FEAT_OS_YMM (1u << 9)
 #define KV_FEAT_OS_ZMM (1u << 10)
@@ -67,6 +67,7 @@ typedef enum kv_wtype {
 #define KV_FEAT_AVX512BW (1u << 16)
 #define KV_FEAT_AVX512VL (1u << 17)
 #define KV_FEAT_AVX512_FP16_ONLY (1u << 18)
+#define KV_FEAT_AVX512VNNI (1u << 19)
 
 #define KV_MAX_HEAD_DIM 512
 #define KV_MAX_TOKENS (1LL << 24)
@@ -148,8 +149,16 @@ typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
  * w + j * row_bytes.  x [B, k] float32 (row stride x_stride floats), y [B, n] (row stride
  * y_stride floats; a fused projection writes its parts into column ranges of one output).
  * Kernels take 1 <= B <= KV_GEMV_MAX_B and k a multiple of the block; ops.c feeds longer inputs
- * in slices of KV_GEMV_MAX_B rows. */
+ * in slices of KV_GEMV_MAX_B rows.
+ *
+ * Int8 activations (gemv_x8, types Q8_0, Q4_0, Q4_1; kv_has_x8): w is then the repacked layout of
+ * kv_repack_x8 (8 columns side by side), n0 and n1 are multiples of 8, and xq holds x quantized
+ * per block of 32 values (kv_quantize_x): row b at xq + b * KV_XQ_ROW_BYTES(k) is k int8 values
+ * q, then k / 32 floats d (the blocks' steps), then k / 32 floats s = d * sum(q); x is not read.
+ * The product is then sum over blocks of d_w d_x sum(q_w q_x) (+ the type's minimum or offset
+ * times s): integer dot products, exact, one float rounding per block and column. */
 #define KV_GEMV_MAX_B 8
+#define KV_XQ_ROW_BYTES(k) ((k) + 2 * (int64_t)sizeof(float) * ((k) / 32))
 #define KV_GEMV_PARAMS_FIELDS(F) \
     F(const void *, w, 'Q') \
     F(const float *, x, 'Q') \
@@ -160,6 +169,7 @@ typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
     F(int64_t, B, 'q') \
     F(int64_t, x_stride, 'q') \
     F(int64_t, y_stride, 'q') \
+    F(const void *, xq, 'Q') \
     F(int32_t, wtype, 'i')
 typedef struct kv_gemv_params { KV_GEMV_PARAMS_FIELDS(KV_FIELD_) } kv_gemv_params;
 
@@ -200,6 +210,7 @@ typedef struct kv_kernels {
     kv_peak_fn fma_peak;
     kv_gemv_fn gemv[KV_WT_COUNT];        /* indexed by kv_wtype */
     kv_dequant_fn dequant[KV_WT_COUNT];
+    kv_gemv_fn gemv_x8[KV_WT_COUNT];     /* int8 activations, repacked weights (NULL: none) */
 } kv_kernels;
 
 /* cpu.c: CPUID + XGETBV.  Freestanding (no libc), so it also runs in the emulator. */
@@ -247,8 +258,25 @@ void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n);
 const char *kv_wtype_info(int t, int *ggml_id, int64_t *block, int64_t *block_bytes);
 /* The product p for any B >= 1 (slices of KV_GEMV_MAX_B rows), columns split across `threads`
    OpenMP threads in contiguous ranges: every column is computed by the same code whatever the
-   thread count, so results are identical for any thread count.  No workspace, no allocation. */
+   thread count, so results are identical for any thread count.  With p->xq set (int8
+   activations: p->w repacked, p->xq the caller's workspace of B * KV_XQ_ROW_BYTES(k) bytes),
+   x is first quantized into it; column ranges are then multiples of 8.  No allocation. */
 void kv_matmul(const kv_gemv_params *p, int threads);
+/* 1 if type t has the int8-activation product (every row has the same set). */
+int kv_has_x8(kv_wtype t);
+/* The repacked layout of a [rows, k] matrix of type t (kv_has_x8, rows a multiple of 8; the same
+ * size as stored): columns 8g..8g+7 (the file's rows) take rows_bytes * 8 contiguous bytes, block
+ * after block; a block of the 8 columns is their 8 half scales d (lane c = column c), for Q4_1
+ * their 8 half minimums m, then the quant bytes 4 at a time: 32 bytes i hold bytes 4i..4i+3 of
+ * each column's quants, column c at 4c (for Q4_x the low nibbles of those bytes are values
+ * 4i..4i+3 and the high nibbles values 16+4i..; for Q8_0 the bytes are values 4i..4i+3).
+ * kv_repack_x8 returns KV_ERR_ARG for another type or rows not a multiple of 8. */
+kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int64_t row_bytes);
+/* x [B, k] (row stride xs floats, k a multiple of 32) into xq (B * KV_XQ_ROW_BYTES(k) bytes,
+ * 4-byte aligned), as kv_gemv_params describes: per block of 32, d = max |x| / 127 and
+ * q = x / d rounded to nearest (ties to even) -- |x - d q| <= d / 2; a block holding NaN or
+ * infinity gets d = s = NaN (its products are NaN, as with float activations). */
+void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs);
 void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */

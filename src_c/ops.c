@@ -4,7 +4,9 @@
  * integer positions (libm is fine here; kernels never call it), and handed to the kernel as
  * (cos, sin) float pairs.  Callers validate their arguments (the Python boundary does).
  */
+#include <float.h>
 #include <math.h>
+#include <string.h>
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -105,13 +107,17 @@ void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n) { kv_acti
 static void matmul_cols(const kv_kernels *row, const kv_gemv_params *p, int64_t n0, int64_t n1)
 {
     kv_gemv_params s = *p;
+    const kv_gemv_fn fn = p->xq ? row->gemv_x8[p->wtype] : row->gemv[p->wtype];
+    const int64_t xqs = KV_XQ_ROW_BYTES(p->k);
     for (int64_t j0 = n0; j0 < n1; j0 += KV_GEMV_TILE) {
         const int64_t j1 = j0 + KV_GEMV_TILE < n1 ? j0 + KV_GEMV_TILE : n1;
         for (int64_t b0 = 0; b0 < p->B; b0 += KV_GEMV_MAX_B) {
             s.B = p->B - b0 < KV_GEMV_MAX_B ? p->B - b0 : KV_GEMV_MAX_B;
             s.x = p->x + b0 * p->x_stride;
             s.y = p->y + b0 * p->y_stride;
-            row->gemv[p->wtype](&s, j0, j1);
+            if (p->xq)
+                s.xq = (const uint8_t *)p->xq + b0 * xqs;
+            fn(&s, j0, j1);
         }
     }
 }
@@ -120,8 +126,11 @@ void kv_matmul(const kv_gemv_params *p, int threads)
 {
     const kv_kernels *row = kv_active();
     threads = clamp_threads(threads);
-    /* at least 64 columns per thread: below that a thread costs more than it saves */
-    const int64_t most = p->n / 64 > 0 ? p->n / 64 : 1;
+    if (p->xq)
+        kv_quantize_x((void *)p->xq, p->x, p->B, p->k, p->x_stride);
+    /* at least 64 columns per thread: below that a thread costs more than it saves; with int8
+       activations the ranges are whole groups of 8 columns */
+    const int64_t most = p->n / 64 > 0 ? p->n / 64 : 1, unit = p->xq ? 8 : 1, units = p->n / unit;
     const int nt = (int)(most < threads ? most : threads);
     if (nt <= 1) {
         matmul_cols(row, p, 0, p->n);
@@ -131,7 +140,65 @@ void kv_matmul(const kv_gemv_params *p, int threads)
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
 #endif
     for (int t = 0; t < nt; t++)
-        matmul_cols(row, p, p->n * t / nt, p->n * (t + 1) / nt);
+        matmul_cols(row, p, units * t / nt * unit, units * (t + 1) / nt * unit);
+}
+
+int kv_has_x8(kv_wtype t) { return t == KV_WT_Q8_0 || t == KV_WT_Q4_0 || t == KV_WT_Q4_1; }
+
+kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int64_t row_bytes)
+{
+    if (!kv_has_x8(t) || rows % 8)
+        return KV_ERR_ARG;
+    const int64_t bb = kv_wtypes[t].bytes, nb = row_bytes / bb;
+    const int64_t hb = t == KV_WT_Q4_1 ? 4 : 2, qb = bb - hb;  /* header (d, m) and quant bytes */
+    uint8_t *o = (uint8_t *)dst;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t ib = 0; ib < nb; ib++) {
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *b = (const uint8_t *)src + (g * 8 + c) * row_bytes + ib * bb;
+                for (int64_t f = 0; f < hb / 2; f++)
+                    memcpy(o + f * 16 + 2 * c, b + 2 * f, 2);
+                for (int64_t i = 0; i < qb / 4; i++)
+                    memcpy(o + 8 * hb + 32 * i + 4 * c, b + hb + 4 * i, 4);
+            }
+            o += 8 * bb;
+        }
+    return KV_OK;
+}
+
+void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
+{
+    const int64_t nb = k / 32;
+    for (int64_t b = 0; b < B; b++) {
+        int8_t *q = (int8_t *)xq + b * KV_XQ_ROW_BYTES(k);
+        float *d = (float *)(q + k), *s = d + nb;
+        const float *xr = x + b * xs;
+        for (int64_t ib = 0; ib < nb; ib++) {
+            const float *v = xr + 32 * ib;
+            float amax = 0.0f;
+            int finite = 1;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(v[i]);
+                finite &= a <= FLT_MAX;          /* false for NaN and infinity */
+                amax = a > amax ? a : amax;
+            }
+            int32_t sum = 0;
+            if (!finite) {
+                d[ib] = s[ib] = NAN;
+                memset(q + 32 * ib, 0, 32);
+                continue;
+            }
+            const float step = amax / 127.0f;
+            for (int i = 0; i < 32; i++) {
+                float r = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
+                r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+                q[32 * ib + i] = (int8_t)r;
+                sum += (int32_t)r;
+            }
+            d[ib] = step;
+            s[ib] = step * (float)sum;
+        }
+    }
 }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 

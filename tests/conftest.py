@@ -254,17 +254,25 @@ class EmulatedRow:
         xp = np.full((B, xs), np.nan, np.float32)
         xp[:, :k] = x
         fill = 0xA5A5A5A5
-        w = self._put_weights(qm)
+        int8 = qm.activations == "int8"
+        if int8:   # the repacked weights, x quantized as kv_matmul does it (C code, outside the row)
+            w = self.guest.put(qm._repacked(), offset=3)
+            xq = ext._quantize_x(x)
+            xqa = g.put(xq, offset=4)
+        else:
+            w = self._put_weights(qm)
         xa = g.put(xp, offset=4)
         ya = g.put(np.full(B * ys, fill, np.uint32), offset=4, guard=self.GUARD)
-        fn = self.guest.guest_address(self.info["rows"][self.isa]["gemv"][qm.wtype])
+        fn = self.guest.guest_address(self.info["rows"][self.isa]["gemv_x8" if int8 else "gemv"][qm.wtype])
         t = list(ext.weight_types()).index(qm.wtype)
+        unit = 8 if int8 else 1     # int8: column ranges of whole groups of 8
         for b0 in range(0, B, 8):
             prm = g.put(self._pack("kv_gemv_params", {
                 "w": w, "x": xa + 4 * b0 * xs, "y": ya + 4 * b0 * ys, "row_bytes": qm.row_bytes, "k": k, "n": n,
-                "B": min(8, B - b0), "x_stride": xs, "y_stride": ys, "wtype": t}))
+                "B": min(8, B - b0), "x_stride": xs, "y_stride": ys, "wtype": t,
+                "xq": xqa + b0 * xq.shape[1] if int8 else 0}))
             for p in range(parts):
-                n0, n1 = n * p // parts, n * (p + 1) // parts
+                n0, n1 = n // unit * p // parts * unit, n // unit * (p + 1) // parts * unit
                 if n1 > n0:
                     g.call(fn, prm, n0, n1)
         y = np.frombuffer(self._read_guarded(ya, 4 * B * ys), np.uint32).reshape(B, ys)

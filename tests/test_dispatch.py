@@ -60,9 +60,10 @@ def test_detection_agrees_with_the_kernel():
     for name in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"):
         assert (name in feats) == (name in flags), name
     assert ("avx512fp16" in feats) == ("avx512_fp16" in flags)
+    assert ("avx512vnni" in feats) == ("avx512_vnni" in flags)
     supported = kvsimd.isa_info()["supported"]
     assert ("avx2" in supported) == ({"avx2", "fma", "f16c"} <= flags)
-    assert ("avx512fp16" in supported) == ({"avx512f", "avx512bw", "avx512vl", "avx512_fp16"} <= flags)
+    assert ("avx512fp16" in supported) == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_fp16"} <= flags)
 
 
 def test_default_choice_is_the_best_supported():

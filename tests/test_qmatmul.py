@@ -22,7 +22,7 @@ import pytest
 
 import kvsimd
 import kvsimd._kvsimd as ext
-from kvsimd.bounds import matmul_bound
+from kvsimd.bounds import matmul_bound, x8_block_magnitude
 from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,16 +49,26 @@ def test_the_table_matches_gguf():
 
 
 # ------------------------------------------------------------------------------ test weights
-def make_weights(rng, wtype, rows, cols):
+X8 = ("q8_0", "q4_0", "q4_1")    # the types with int8 activations (QMatrix activations="int8")
+
+
+def activations(wtype):
+    return ("float32", "int8") if wtype in X8 else ("float32",)
+
+
+def make_weights(rng, wtype, rows, cols, act=None):
     """(QMatrix, gguf's float32 dequantization [rows, cols]): rows quantized from Gaussian rows of
-    varied scale, mixed with rows of random blocks (tests/quantizers.py)."""
+    varied scale, mixed with rows of random blocks (tests/quantizers.py).  ``act`` "int8": rows
+    rounded up to a multiple of 8 (what int8 activations need)."""
+    if act == "int8":
+        rows = -(-rows // 8) * 8
     x = (rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-2, 2, (rows, 1)))).astype(np.float32)
     raw = Q.quantize(x, wtype)
     rand = Q.random_blocks(rng, wtype, rows, cols)
     pick = rng.random(rows) < 0.5
     raw[pick] = rand[pick]
     raw = np.ascontiguousarray(raw)
-    qm = QMatrix(raw, wtype, (rows, cols), name="w_" + wtype)
+    qm = QMatrix(raw, wtype, (rows, cols), name="w_" + wtype, activations=act)
     return qm, Q.dequantize(raw, wtype)
 
 
@@ -68,7 +78,8 @@ def check_product(row, qm, w_deq, x, parts=1):
     y = row.matmul(qm, x, parts)
     assert y.shape == (x.shape[0], qm.rows) and y.dtype == np.float32
     ref = x.astype(np.float64) @ w_deq.astype(np.float64).T
-    bound = matmul_bound(x, w_deq, row.isa)
+    mag = x8_block_magnitude(qm.raw(), qm.wtype) if qm.activations == "int8" else None
+    bound = matmul_bound(x, w_deq, row.isa, qm.activations, mag)
     err = np.abs(y.astype(np.float64) - ref)
     assert np.all(np.isfinite(y)), (row.isa, qm)
     assert np.all(err <= bound), (row.isa, qm, x.shape, float((err / bound).max()))
@@ -190,9 +201,10 @@ def test_matmul_small(row, wtype, rng):
     B = 1 (four chains), 2, 3, 8 and 11 (a slice of 8 and one of 3), the first two k."""
     for k in KS[wtype][:2]:
         for n in (1, 37):
-            qm, w = make_weights(rng, wtype, n, k)
-            for B in (1, 2, 3, 8, 11):
-                check_product(row, qm, w, rng.standard_normal((B, k)).astype(np.float32))
+            for act in activations(wtype):
+                qm, w = make_weights(rng, wtype, n, k, act)
+                for B in (1, 2, 3, 8, 11):
+                    check_product(row, qm, w, rng.standard_normal((B, k)).astype(np.float32))
 
 
 @pytest.mark.emulated_slow
@@ -201,9 +213,10 @@ def test_matmul_odd_shapes(row, wtype, rng):
     """Every B = 1..8 and 19, every k of KS, n = 1, 37 and 67."""
     for k in KS[wtype]:
         for n in (1, 37, 67):
-            qm, w = make_weights(rng, wtype, n, k)
-            for B in list(range(1, 9)) + [19]:
-                check_product(row, qm, w, rng.standard_normal((B, k)).astype(np.float32))
+            for act in activations(wtype):
+                qm, w = make_weights(rng, wtype, n, k, act)
+                for B in list(range(1, 9)) + [19]:
+                    check_product(row, qm, w, rng.standard_normal((B, k)).astype(np.float32))
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
@@ -212,26 +225,42 @@ def test_matmul_large(isa, wtype, rng):
     split), B = 1, 8 and 19; native rows only (millions of guest instructions per case)."""
     from conftest import NativeRow
     k = 4099 if wtype in FLOATS else 4096
-    qm, w = make_weights(rng, wtype, 300, k)
-    for B in (1, 8, 19):
-        check_product(NativeRow(isa), qm, w, rng.standard_normal((B, k)).astype(np.float32), parts=2)
+    for act in activations(wtype):
+        qm, w = make_weights(rng, wtype, 300, k, act)
+        for B in (1, 8, 19):
+            check_product(NativeRow(isa), qm, w, rng.standard_normal((B, k)).astype(np.float32), parts=2)
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
 def test_matmul_special_inputs(row, wtype, rng):
     """Rows of x that are zero, one-hot (picks a weight exactly: no rounding) or huge/tiny."""
     k = KS[wtype][1]
-    qm, w = make_weights(rng, wtype, 21, k)
-    x = np.zeros((5, k), np.float32)
-    x[1, k - 1] = 1.0
-    x[2, 0] = -1.0
-    x[3] = rng.standard_normal(k) * 1e15
-    x[4] = rng.standard_normal(k) * 1e-15
+    for act in activations(wtype):
+        qm, w = make_weights(rng, wtype, 21, k, act)
+        x = np.zeros((5, k), np.float32)
+        x[1, k - 1] = 1.0
+        x[2, 0] = -1.0
+        x[3] = rng.standard_normal(k) * 1e15
+        x[4] = rng.standard_normal(k) * 1e-15
+        y = row.matmul(qm, x)
+        np.testing.assert_array_equal(y[0].view(np.uint32), np.zeros(qm.rows, np.uint32))   # +0.0
+        if act == "float32":    # (int8: 1 is 127 steps of fl(1 / 127): within the bound, not exact)
+            np.testing.assert_array_equal(y[1], w[:, k - 1])
+            np.testing.assert_array_equal(y[2], -w[:, 0])
+        check_product(row, qm, w, x)
+
+
+@pytest.mark.parametrize("wtype", X8)
+def test_int8_activations_non_finite_x(row, wtype, rng):
+    """A block of x holding NaN or infinity makes its row's outputs NaN (kv_quantize_x), never a
+    finite number; the other rows are untouched."""
+    qm, w = make_weights(rng, wtype, 16, 96, "int8")
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    x[1, 40], x[2, 95] = np.inf, np.nan
     y = row.matmul(qm, x)
-    np.testing.assert_array_equal(y[0].view(np.uint32), np.zeros(21, np.uint32))   # +0.0
-    np.testing.assert_array_equal(y[1], w[:, k - 1])
-    np.testing.assert_array_equal(y[2], -w[:, 0])
-    check_product(row, qm, w, x)
+    assert np.all(np.isnan(y[1])) and np.all(np.isnan(y[2]))
+    check_product(row, qm, w, x[[0, 3]])
+    np.testing.assert_array_equal(y[[0, 3]], row.matmul(qm, x[[0, 3]]))
 
 
 @pytest.mark.parametrize("wtype", WTYPES)
@@ -239,12 +268,13 @@ def test_any_column_split_gives_the_same_bits(row, wtype, rng):
     """Columns computed in 1, 2 or 3 parts (threads natively, separate kernel calls in the
     emulator): every output is computed by the same code, so the bits are identical."""
     k = KS[wtype][-1]
-    qm, w = make_weights(rng, wtype, 200, k)
-    for B in (1, 5, 11):
-        x = rng.standard_normal((B, k)).astype(np.float32)
-        one = row.matmul(qm, x, 1)
-        for parts in (2, 3):
-            np.testing.assert_array_equal(row.matmul(qm, x, parts).view(np.uint32), one.view(np.uint32))
+    for act in activations(wtype):
+        qm, w = make_weights(rng, wtype, 200, k, act)
+        for B in (1, 5, 11):
+            x = rng.standard_normal((B, k)).astype(np.float32)
+            one = row.matmul(qm, x, 1)
+            for parts in (2, 3):
+                np.testing.assert_array_equal(row.matmul(qm, x, parts).view(np.uint32), one.view(np.uint32))
 
 
 @pytest.fixture
@@ -258,13 +288,15 @@ def threads():
 def test_one_and_two_threads_identical(isa, threads, wtype, rng):
     """Through the public thread setting: n = 300 splits into 2 threads (64+ columns each)."""
     k = KS[wtype][-1]
-    qm, _ = make_weights(rng, wtype, 300, k)
-    x = rng.standard_normal((19, k)).astype(np.float32)
-    kvsimd.set_num_threads(1)
-    a = qm.matmul(x)
-    kvsimd.set_num_threads(2)
-    assert kvsimd.get_num_threads() == 2
-    np.testing.assert_array_equal(qm.matmul(x).view(np.uint32), a.view(np.uint32))
+    for act in activations(wtype):
+        qm, _ = make_weights(rng, wtype, 300, k, act)
+        for B in (1, 19):
+            x = rng.standard_normal((B, k)).astype(np.float32)
+            kvsimd.set_num_threads(1)
+            a = qm.matmul(x)
+            kvsimd.set_num_threads(2)
+            assert kvsimd.get_num_threads() == 2
+            np.testing.assert_array_equal(qm.matmul(x).view(np.uint32), a.view(np.uint32))
 
 
 def test_matmul_of_no_rows_and_into_out(isa, rng):
@@ -501,4 +533,35 @@ def test_properties(rng):
         assert qm.row_bytes == cols // info["block"] * info["block_bytes"] == raw.shape[1]
         assert qm.nbytes == raw.nbytes and qm.address == raw.ctypes.data
         assert not qm.raw().flags.writeable and qm.raw().ctypes.data == raw.ctypes.data
-        assert repr(qm) == "QMatrix(t, %s, [3, %d])" % (wtype.upper(), cols)
+        assert repr(qm) == "QMatrix(t, %s, [3, %d], float32 activations)" % (wtype.upper(), cols)
+        assert qm.activations == "float32" and qm._repacked() is None     # 3 rows: no int8 groups of 8
+
+
+@pytest.mark.parametrize("wtype", WTYPES)
+def test_activations_choice(wtype, rng):
+    """int8 by default where the type has it and the rows are a multiple of 8; float32 otherwise;
+    asking for int8 where it cannot be is an error naming the matrix; the repacked copy holds
+    the stored bytes 4 at a time, 8 columns side by side (kvsimd.h kv_repack_x8)."""
+    info = WINFO[wtype]
+    cols = 2 * info["block"] if wtype in BLOCKED else 5
+    raw = np.ascontiguousarray(Q.quantize(rng.standard_normal((16, cols)).astype(np.float32), wtype))
+    qm = QMatrix(raw, wtype, (16, cols), name="t")
+    assert qm.activations == ("int8" if wtype in X8 else "float32")
+    assert QMatrix(raw, wtype, (16, cols), activations="float32").activations == "float32"
+    with pytest.raises(KVSimdValueError, match=r"t: activations must be 'int8' or 'float32', got 'int4'"):
+        QMatrix(raw, wtype, (16, cols), name="t", activations="int4")
+    if wtype not in X8:
+        with pytest.raises(KVSimdValueError, match=r"t: int8 activations need a Q8_0, Q4_0 or Q4_1 matrix"):
+            QMatrix(raw, wtype, (16, cols), name="t", activations="int8")
+        return
+    with pytest.raises(KVSimdValueError, match=r"t: int8 activations need .* got %s \[12, %d\]"
+                       % (wtype.upper(), cols)):
+        QMatrix(raw[:12], wtype, (12, cols), name="t", activations="int8")
+    # the documented layout, rebuilt here from the stored bytes
+    hb = 4 if wtype == "q4_1" else 2
+    bb = info["block_bytes"]
+    blocks = raw.reshape(2, 8, cols // 32, bb)                   # [group, column, block, byte]
+    head = blocks[..., :hb].reshape(2, 8, cols // 32, hb // 2, 2).transpose(0, 2, 3, 1, 4)
+    quants = blocks[..., hb:].reshape(2, 8, cols // 32, (bb - hb) // 4, 4).transpose(0, 2, 3, 1, 4)
+    want = np.concatenate([head.reshape(2, cols // 32, -1), quants.reshape(2, cols // 32, -1)], axis=-1)
+    np.testing.assert_array_equal(qm._repacked(), want.reshape(-1))

@@ -281,10 +281,11 @@ class GGUFFile:
             raise GGUFError("%s: tensor %s holds %d NaN/inf values (first at index %s)"
                             % (self.path, t.name, bad, index))
 
-    def stored(self, name, copy=False):
+    def stored(self, name, copy=False, activations="int8"):
         """Matrix ``name`` as stored: a :class:`kvsimd.QMatrix` over its bytes in the map (or over
         a private copy of them with ``copy``), or, for a type kvsimd has no kernel for, over its
-        float32 dequantization (``self.dequantized`` lists those).  NaN/inf is an error."""
+        float32 dequantization (``self.dequantized`` lists those).  NaN/inf is an error.
+        ``activations``: "int8" where the type and shape allow it (QMatrix's default), or "float32"."""
         from kvsimd._kvsimd import QMatrix
         t = self.tensors[name]
         if len(t.shape) != 2:
@@ -295,7 +296,24 @@ class GGUFFile:
             return QMatrix(w.view(np.uint8).reshape(t.shape[0], -1), "f32", t.shape, name=name)
         raw = self._raw(t, copy)
         self._need_finite(t, raw)
-        return QMatrix(raw, t.qtype.name.lower(), t.shape, name=name)
+        q = QMatrix(raw, t.qtype.name.lower(), t.shape, name=name,
+                    activations="float32" if activations == "float32" else None)
+        if not copy and q.activations == "int8":
+            self._release(t)
+        return q
+
+    def _release(self, t):
+        """Drop the map's pages of tensor t from the process (its products read the QMatrix's
+        repacked copy): they stay in the page cache, and a later read of the stored bytes
+        (``take``, ``raw``) maps them again.  Whole pages inside the tensor only."""
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page
+        end = (t.offset + t.nbytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):   # an advice only: memory use, not correctness
+                pass
 
     def read(self, name):
         """Tensor ``name`` dequantized to a C-contiguous float32 array of its shape; NaN/inf is an error."""
@@ -498,13 +516,14 @@ def check_gguf(gf):
     return cfg, spec
 
 
-def load_tensors(gf, copy=False):
+def load_tensors(gf, copy=False, activations="int8"):
     """name -> tensor: matrices as stored (:meth:`GGUFFile.stored`, ggml order ``[out, in]``),
     vectors (norms, biases) as float32 arrays."""
-    return {name: gf.stored(name, copy) if len(t.shape) == 2 else gf.read(name) for name, t in gf.tensors.items()}
+    return {name: gf.stored(name, copy, activations) if len(t.shape) == 2 else gf.read(name)
+            for name, t in gf.tensors.items()}
 
 
-def decoder_kwargs_from_gguf(path, mmap=True):
+def decoder_kwargs_from_gguf(path, mmap=True, activations="int8"):
     """Decoder constructor arguments and the parsed file (which :meth:`Tokenizer.from_gguf` reads).
     Nothing is read before the whole file checked out, tokenizer included.  Matrices stay as the
     file stores them (views of the memory map; private copies with ``mmap=False``)."""
@@ -513,7 +532,7 @@ def decoder_kwargs_from_gguf(path, mmap=True):
     cfg, _ = check_gguf(gf)
     Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read
     try:
-        w = load_tensors(gf, copy=not mmap)
+        w = load_tensors(gf, copy=not mmap, activations=activations)
     finally:
         gf.close()    # unmaps only when nothing views the map any more (mmap=False, or no matrix)
     if gf.dequantized:

@@ -159,4 +159,6 @@ static inline float kv_half(const uint8_t *p) { return _mm_cvtss_f32(_mm_cvtph_p
 /* the half at p (any alignment) in every lane */
 static inline vf vf_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_set1_epi16((short)(p[0] | p[1] << 8))); }
 
+#include "v8_x86.h"   /* the int8-activation product's 8-lane forms */
+
 #endif

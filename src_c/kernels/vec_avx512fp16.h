@@ -234,4 +234,6 @@ static inline vf vf_half(const uint8_t *p)
     return _mm512_broadcastss_ps(_mm_cvtsh_ss(_mm_setzero_ps(), h));
 }
 
+#include "v8_x86.h"   /* the int8-activation product's 8-lane forms */
+
 #endif

@@ -85,4 +85,91 @@ static inline vf vf_load_bf16(const uint16_t *p)
 static inline float kv_half(const uint8_t *p) { return kv_h2f_soft((uint16_t)(p[0] | p[1] << 8)); }
 static inline vf vf_half(const uint8_t *p) { return kv_half(p); }
 
+/* The 8-lane forms of the int8-activation product (gemv_x8.inc.h; v8_x86.h has the SIMD ones):
+   lane c = weight column c, plain loops. */
+typedef struct { float v[8]; } v8f;
+typedef struct { int32_t v[8]; } v8i;
+typedef struct { uint8_t v[32]; } v8b;
+static inline v8b v8b_load(const uint8_t *p)
+{
+    v8b r;
+    for (int i = 0; i < 32; i++) r.v[i] = p[i];
+    return r;
+}
+static inline v8b v8b_lo4(v8b a)
+{
+    for (int i = 0; i < 32; i++) a.v[i] &= 15;
+    return a;
+}
+static inline v8b v8b_hi4(v8b a)
+{
+    for (int i = 0; i < 32; i++) a.v[i] >>= 4;
+    return a;
+}
+static inline v8b v8b_flip(v8b a)
+{
+    for (int i = 0; i < 32; i++) a.v[i] ^= 0x80;
+    return a;
+}
+static inline v8b v8b_bcast4(const int8_t *p)
+{
+    v8b r;
+    for (int i = 0; i < 32; i++) r.v[i] = (uint8_t)p[i % 4];
+    return r;
+}
+static inline v8i v8i_zero(void) { v8i r = {{0}}; return r; }
+static inline v8i v8i_add(v8i a, v8i b)
+{
+    for (int c = 0; c < 8; c++) a.v[c] += b.v[c];
+    return a;
+}
+/* acc + the sums of 4 products u * s per lane (u unsigned bytes, s signed) */
+static inline v8i v8i_dot(v8i acc, v8b u, v8b s)
+{
+    for (int c = 0; c < 8; c++)
+        for (int j = 0; j < 4; j++) acc.v[c] += (int32_t)u.v[4 * c + j] * (int8_t)s.v[4 * c + j];
+    return acc;
+}
+/* both signed */
+static inline v8i v8i_sdot(v8i acc, v8b w, v8b x)
+{
+    for (int c = 0; c < 8; c++)
+        for (int j = 0; j < 4; j++) acc.v[c] += (int32_t)(int8_t)w.v[4 * c + j] * (int8_t)x.v[4 * c + j];
+    return acc;
+}
+static inline v8f v8f_from(v8i a)
+{
+    v8f r;
+    for (int c = 0; c < 8; c++) r.v[c] = (float)a.v[c];
+    return r;
+}
+static inline v8f v8f_half8(const uint8_t *p)
+{
+    v8f r;
+    for (int c = 0; c < 8; c++) r.v[c] = kv_half(p + 2 * c);
+    return r;
+}
+static inline v8f v8f_set1(float a)
+{
+    v8f r;
+    for (int c = 0; c < 8; c++) r.v[c] = a;
+    return r;
+}
+static inline v8f v8f_bcast(const float *p) { return v8f_set1(*p); }
+static inline v8f v8f_zero(void) { return v8f_set1(0.0f); }
+static inline v8f v8f_mul(v8f a, v8f b)
+{
+    for (int c = 0; c < 8; c++) a.v[c] *= b.v[c];
+    return a;
+}
+static inline v8f v8f_fmadd(v8f a, v8f b, v8f c)
+{
+    for (int l = 0; l < 8; l++) c.v[l] = a.v[l] * b.v[l] + c.v[l];   /* as vf_fmadd: no FMA on this row */
+    return c;
+}
+static inline void v8f_store(float *p, v8f a)
+{
+    for (int c = 0; c < 8; c++) p[c] = a.v[c];
+}
+
 #endif

@@ -46,3 +46,25 @@ static inline vf wt_q4_0_group(const uint8_t *b, const wt_q4_0_state *st, int g)
 #define WT_GROUP wt_q4_0_group
 #define WT_POS WT_Q4_POS
 #include "gemv.inc.h"
+
+/* Int8 activations (gemv_x8.inc.h): 32 repacked bytes hold two weight vectors, their low nibbles
+   (values 4i..4i+3 of each column) and their high ones (values 16+4i..); nibbles 0..15 stand for
+   q_w + 8. */
+#define WX_Q4_XPOS(i) (((i) >> 1) * 4 + 16 * ((i) & 1))
+static inline void wx_q4_decode(const uint8_t *qs, v8b *w)
+{
+    KV_UNROLL(4)
+    for (int v = 0; v < 4; v++) {
+        const v8b raw = v8b_load(qs + 32 * v);
+        w[2 * v] = v8b_lo4(raw);
+        w[2 * v + 1] = v8b_hi4(raw);
+    }
+}
+#define WX_NAME q4_0
+#define WX_BYTES 144
+#define WX_MIN 0
+#define WX_OFF -8.0f
+#define WX_DECODE(blk, w) wx_q4_decode((blk) + 16, (w))
+#define WX_DOT v8i_dot
+#define WX_XPOS WX_Q4_XPOS
+#include "gemv_x8.inc.h"

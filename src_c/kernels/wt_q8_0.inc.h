@@ -12,3 +12,30 @@ static inline vf wt_q8_0_group(const uint8_t *b, const wt_q8_0_state *st, int g)
 #define WT_PREP wt_q8_0_prep
 #define WT_GROUP wt_q8_0_group
 #include "gemv.inc.h"
+
+/* Int8 activations (gemv_x8.inc.h): 32 repacked bytes are values 4i..4i+3 of each column.  With
+   VPDPBUSD (unsigned times signed, no saturation) the weights go in as q_w + 128; otherwise as
+   |q_w| against x carrying q_w's sign (v8i_sdot). */
+static inline void wx_q8_decode(const uint8_t *qs, v8b *w)
+{
+    KV_UNROLL(8)
+    for (int i = 0; i < 8; i++)
+#ifdef KV_HAVE_DPBUSD
+        w[i] = v8b_flip(v8b_load(qs + 32 * i));
+#else
+        w[i] = v8b_load(qs + 32 * i);
+#endif
+}
+#define WX_NAME q8_0
+#define WX_BYTES 272
+#define WX_MIN 0
+#define WX_DECODE(blk, w) wx_q8_decode((blk) + 16, (w))
+#ifdef KV_HAVE_DPBUSD
+#define WX_OFF -128.0f
+#define WX_DOT v8i_dot
+#else
+#define WX_OFF 0.0f
+#define WX_DOT v8i_sdot
+#endif
+#define WX_XPOS(i) (4 * (i))
+#include "gemv_x8.inc.h"
