@@ -94,7 +94,7 @@ cdef class _Parameters:
 
 # Rows of x up to which stored weights go through the kernel (each weight decoded once, multiplied
 # into every row); beyond, dequantized tiles through BLAS (prefill: measured on SmolLM2's shapes,
-# the kernel wins at 16 rows, BLAS from 64; Linear._apply_tiles).
+# the kernel wins at 16 rows, BLAS from 64; Linear._apply_tiles; int8-activation parts: the kernel always).
 _KERNEL_ROWS = 32
 
 
@@ -163,37 +163,37 @@ cdef class Linear(_Parameters):
         cdef QMatrix q
         if self.w is not None:
             _np.matmul(x, self.w.a, out=out)
-        elif R > _KERNEL_ROWS:
-            self._apply_tiles(x, out)
         else:
             for part in self.parts:
                 q = <QMatrix>part
-                with nogil:
-                    q.apply(xp, R, ni, yp + off, no, threads)
+                if R > _KERNEL_ROWS and q._packed == NULL:
+                    self._apply_tiles(q, x, out, off)
+                else:
+                    with nogil:
+                        q.apply(xp, R, ni, yp + off, no, threads)
                 off += q.rows
         _add_rows(yp, _wp(self.b), R, no)
         return 0
 
-    cdef int _apply_tiles(self, x, out) except -1:
-        """Many rows (a prefill chunk): the product is compute-bound, so each part is dequantized
-        a tile of rows at a time into float32 scratch (~4 MB: it stays in cache) and multiplied
-        through BLAS (measured 2x faster than the kernel from 64 rows on)."""
-        cdef QMatrix q
-        cdef int64_t off = 0, j, t, T
+    cdef int _apply_tiles(self, QMatrix q, x, out, int64_t off) except -1:
+        """Many rows (a prefill chunk) through a float-activation part: the product is
+        compute-bound, so the part is dequantized a tile of rows at a time into float32 scratch
+        (~4 MB: it stays in cache) and multiplied through BLAS (measured 2x faster than the
+        widening kernel from 64 rows on).  Int8-activation parts keep their kernel at any row
+        count (measured faster than these tiles at 64 and 512 rows on SmolLM2's and an 8B
+        model's shapes; and it reads the repacked copy only, not the file's pages)."""
+        cdef int64_t j, t, T
         cdef float *sp
         cdef const uint8_t *src
-        for part in self.parts:
-            q = <QMatrix>part
-            T = max(16, min(256, (1 << 22) // (4 * q.cols)))
-            scratch = _np.empty((T, q.cols), _np.float32)
-            sp = <float *>_ptr(scratch)
-            for j in range(0, q.rows, T):
-                t = min(T, q.rows - j)
-                src = q._data + j * q.row_bytes
-                with nogil:
-                    kv_dequantize(q.t, sp, src, t * q.cols)
-                _np.matmul(x, scratch[:t].T, out=out[:, off + j:off + j + t])
-            off += q.rows
+        T = max(16, min(256, (1 << 22) // (4 * q.cols)))
+        scratch = _np.empty((T, q.cols), _np.float32)
+        sp = <float *>_ptr(scratch)
+        for j in range(0, q.rows, T):
+            t = min(T, q.rows - j)
+            src = q._data + j * q.row_bytes
+            with nogil:
+                kv_dequantize(q.t, sp, src, t * q.cols)
+            _np.matmul(x, scratch[:t].T, out=out[:, off + j:off + j + t])
         return 0
 
     def __call__(self, x):
