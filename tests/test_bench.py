@@ -196,6 +196,27 @@ def test_report_replaces_only_the_marked_readme_section(tmp_path):
         report.main([str(doc), "--readme", str(readme)])
 
 
+def test_report_joins_runs_of_one_machine(tmp_path):
+    """--also: the rows of a second run (e.g. decode --model) join the main run's, and the machine
+    line names it; runs on another CPU are refused."""
+    main, other = _doc(), _doc()
+    other["header"]["argv"] = ["decode", "--model", "smollm2"]
+    other["results"]["decode"][0].update(model="n", context=4096, tok_per_s=2.0)
+    paths = []
+    for name, d in (("a.json", main), ("b.json", other)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(d))
+    readme = tmp_path / "README.md"
+    readme.write_text("%s\n%s\n" % (report.BEGIN, report.END))
+    assert report.main([str(paths[0]), "--also", str(paths[1]), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "| m | 128 | 1 | 3.0 |" in text and "| n | 4096 | 1 | 2.0 |" in text
+    assert "With `python -m kvsimd.bench decode --model smollm2`" in text
+    other["header"]["machine"]["cpu"] = "y"
+    with pytest.raises(ValueError, match="different machines"):
+        report.merge(main, [other])
+
+
 # ---------------------------------------------------------------------------------- the text file
 def test_text_path_precedence(tmp_path):
     """--text, else $KVSIMD_BENCH_TEXT, else $KVSIMD_SHARED_DIR/data/hamlet_gut.txt."""

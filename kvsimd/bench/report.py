@@ -3,6 +3,7 @@ section).  Every figure comes from the JSON; nothing is typed in by hand.
 
     python -m kvsimd.bench.report results.json                 # print the Markdown
     python -m kvsimd.bench.report results.json --readme README.md [--quality q.json] [--images docs]
+    python -m kvsimd.bench.report results.json --also gguf.json ...   # + runs of single subcommands
 
 With ``--readme`` the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` is
 replaced.  ``--quality`` adds the table of a separate ``quality`` run (it needs the real model
@@ -337,10 +338,33 @@ def quality_md(doc):
                    "vs the oracle of its window (same positions)"], body)
 
 
+def merge(doc, others):
+    """``doc`` with the results of ``others`` (runs of single subcommands on the same machine, e.g.
+    ``decode --model smollm2``) joined in: lists of rows concatenated.  Each other run is named
+    after the main run's machine line; a run on another CPU is refused."""
+    validate(doc)
+    out = json.loads(json.dumps(doc))
+    for o in others:
+        validate(o)
+        if o["header"]["machine"]["cpu"] != doc["header"]["machine"]["cpu"]:
+            raise ValueError("runs on different machines: %r and %r"
+                             % (doc["header"]["machine"]["cpu"], o["header"]["machine"]["cpu"]))
+        for k, v in o["results"].items():
+            if isinstance(v, list):
+                out["results"].setdefault(k, []).extend(v)
+            else:
+                out["results"].setdefault(k, v)
+        out.setdefault("also", []).append({"argv": o["header"]["argv"], "seconds": o["header"].get("seconds", 0)})
+    return out
+
+
 def render(doc, quality=None, images=None):
     validate(doc)
     res = doc["results"]
     parts = [machine_line(doc)]
+    for a in doc.get("also", []):
+        parts[0] += "  With `python -m kvsimd.bench %s` (%.0f s) on the same machine." % (" ".join(a["argv"]),
+                                                                                     a["seconds"])
     if "roofline" in res:
         parts += ["### Roofline", roofline_md(res["roofline"])]
     if "attention" in res:
@@ -389,9 +413,17 @@ def main(argv=None):
     ap.add_argument("--quality", help="JSON of a separate `quality` run to include")
     ap.add_argument("--readme", help="replace the marked section of this file")
     ap.add_argument("--image", action="append", default=[], metavar="ALT=PATH", help="charts to show")
+    ap.add_argument("--also", action="append", default=[], metavar="JSON",
+                    help="a run of one subcommand on the same machine (e.g. decode --model smollm2) to join in")
     args = ap.parse_args(argv)
     with open(args.json) as fh:
         doc = json.load(fh)
+    if args.also:
+        others = []
+        for path in args.also:
+            with open(path) as fh:
+                others.append(json.load(fh))
+        doc = merge(doc, others)
     quality = None
     if args.quality:
         with open(args.quality) as fh:
