@@ -72,6 +72,7 @@ cdef extern from "kvsimd.h" nogil:
     void kv_matmul(const kv_gemv_params *p, int threads) noexcept
     void kv_dequantize(int t, float *dst, const void *src, int64_t n) noexcept
     int kv_has_x8(int t) noexcept
+    int64_t kv_x8_bytes(int t, int64_t rows, int64_t k) noexcept
     kv_status kv_repack_x8(int t, void *dst, const void *src, int64_t rows, int64_t row_bytes) noexcept nogil
     void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs) noexcept nogil
     int64_t KV_XQ_ROW_BYTES(int64_t k) noexcept nogil

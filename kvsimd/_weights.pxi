@@ -45,12 +45,14 @@ cdef class QMatrix:
 
     ``activations`` chooses how a product multiplies:
 
-    - ``"int8"`` (types Q8_0, Q4_0, Q4_1 with ``rows`` a multiple of 8; the default for them): x is
+    - ``"int8"`` (types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K with ``rows`` a multiple of 8; the default for
+      them): x is
       rounded per block of 32 values to int8 steps of ``max |x| / 127`` (as llama.cpp does) and
       multiplied by integer dot products -- about twice the speed of widening the weights, with
       the extra error of rounding x (``kvsimd.bounds.matmul_bound``: at most half a step times
       the block's sum of ``|w|``).  The matrix is then held a second time, repacked for the
-      kernel (8 rows side by side; the same size as stored, made once here): products read only
+      kernel (8 rows side by side; the same size as stored, 3% more for Q4_K/Q5_K, made once
+      here): products read only
       the repacked copy; ``dequantize``, ``take`` and ``raw`` the stored bytes.
     - ``"float32"`` (every type; the default for the others): each weight widened exactly to
       float32 and multiplied into x in float32 (nothing is rounded but the sums)."""
@@ -58,6 +60,7 @@ cdef class QMatrix:
     cdef bint _held
     cdef const uint8_t *_data
     cdef uint8_t *_packed               # the repacked copy (int8 activations), or NULL
+    cdef int64_t _packed_bytes
     cdef readonly object base
     cdef readonly str wtype, name, activations
     cdef readonly int64_t rows, cols, row_bytes
@@ -106,13 +109,15 @@ cdef class QMatrix:
         if activations not in ("int8", "float32"):
             raise KVSimdValueError("%s: activations must be 'int8' or 'float32', got %r" % (name, activations))
         if activations == "int8" and not can:
-            raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0 or Q4_1 matrix of a multiple of 8 rows, "
+            raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K matrix of a multiple "
+                                   "of 8 rows, "
                                    "got %s [%d, %d]" % (name, wt.upper(), rows, cols))
         self.activations = activations
         if activations == "int8":
-            self._packed = <uint8_t *>malloc(<size_t>want)
+            self._packed_bytes = kv_x8_bytes(self.t, rows, cols)
+            self._packed = <uint8_t *>malloc(<size_t>self._packed_bytes)
             if self._packed == NULL:
-                raise MemoryError("%s: no memory for the repacked copy (%d bytes)" % (name, want))
+                raise MemoryError("%s: no memory for the repacked copy (%d bytes)" % (name, self._packed_bytes))
             with nogil:
                 kv_repack_x8(self.t, self._packed, self._data, self.rows, self.row_bytes)
 
@@ -142,7 +147,7 @@ cdef class QMatrix:
         """A copy of the repacked bytes (int8 activations; None otherwise): for the emulator tests."""
         if self._packed == NULL:
             return None
-        return _np.frombuffer((<char *>self._packed)[:self.nbytes], dtype=_np.uint8).copy()
+        return _np.frombuffer((<char *>self._packed)[:self._packed_bytes], dtype=_np.uint8).copy()
 
     def raw(self):
         """The stored bytes as a read-only numpy.uint8 array [rows, row_bytes] (no copy)."""

@@ -174,6 +174,7 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 # Not covered: overflow (|y| or a partial sum beyond fp32's range) and NaN/Inf inputs.
 #
 # Int8 activations (QMatrix(..., activations="int8"), kernels/gemv_x8.inc.h; Q8_0, Q4_0, Q4_1):
+# (Q4_K, Q5_K: the same per sub-block of 32, D = d sc and M = -dmin mn, sc and mn 6-bit integers.)
 # 4. x is rounded per block of 32 values to x^ = d_x q_x, d_x = fl(max |x| / 127), q_x the
 #    nearest integer to fl(x / d_x) (|q_x| <= 127): |x - x^| <= (d_x / 2)(1 + 2^-16).  This is
 #    the error the path exists for: sum over blocks of (d_x / 2)(1 + 2^-16) sum |w| (the block's
@@ -184,7 +185,8 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 #    product with d_w and the accumulation over k / 32 blocks: at most h = k / 32 + 6 roundings,
 #    each relative to the largest intermediate, which is at most M sum |x^| with M the block's
 #    largest |d_w| (|q'_w| + |o|) + |m| (x8_block_magnitude: 383 |d| for Q8_0, 23 |d| for Q4_0,
-#    15 |d| + |m| for Q4_1): gamma_h sum_blocks M (sum |x| + 16 d_x).
+#    15 |d| + |m| for Q4_1, 15 (Q5_K: 31) |d sc| + |dmin mn| for the k-quants):
+#    gamma_h sum_blocks M (sum |x| + 16 d_x).
 GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512fp16": 16}   # KV_W of each row's vec_*.h
 
 
@@ -231,14 +233,28 @@ def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitu
     return rounding + arithmetic + (k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148
 
 
+def _kquant_scales(b):
+    """6-bit scales and minimums [rows, super-blocks, 8] of Q4_K/Q5_K super-blocks b (bytes 4..15)."""
+    s = b[..., 4:16].astype(np.int64)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
 def x8_block_magnitude(raw, wtype: str):
-    """[rows, blocks] M of section 5 above, from the stored bytes ``raw`` [rows, row bytes] of a
-    Q8_0, Q4_0 or Q4_1 matrix (the blocks' half scale d at byte 0, Q4_1's half minimum m at 2)."""
-    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+    """[rows, blocks of 32] M of section 5 above, from the stored bytes ``raw`` [rows, row bytes]
+    of a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K matrix (the blocks' half scale d at byte 0; Q4_1's half
+    minimum m, the k-quants' half dmin at 2; the k-quants' packed 6-bit scales at 4..15)."""
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176}
     if wtype not in size:
-        raise KVSimdValueError("int8 activations exist for q8_0, q4_0 and q4_1, got %r" % (wtype,))
+        raise KVSimdValueError("int8 activations exist for %s, got %r" % (", ".join(size), wtype))
     b = np.ascontiguousarray(raw, np.uint8).reshape(raw.shape[0], -1, size[wtype])
     d = np.abs(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+    if wtype in ("q4_k", "q5_k"):     # per sub-block of 32: |d sc| q_max + |dmin mn|
+        sc, mn = _kquant_scales(b)
+        dmin = np.abs(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+        qmax = 15.0 if wtype == "q4_k" else 31.0
+        return (qmax * d[..., None] * sc + dmin[..., None] * mn).reshape(raw.shape[0], -1)
     if wtype == "q8_0":
         return 383.0 * d
     if wtype == "q4_0":

@@ -143,12 +143,60 @@ void kv_matmul(const kv_gemv_params *p, int threads)
         matmul_cols(row, p, units * t / nt * unit, units * (t + 1) / nt * unit);
 }
 
-int kv_has_x8(kv_wtype t) { return t == KV_WT_Q8_0 || t == KV_WT_Q4_0 || t == KV_WT_Q4_1; }
+int kv_has_x8(kv_wtype t)
+{
+    return t == KV_WT_Q8_0 || t == KV_WT_Q4_0 || t == KV_WT_Q4_1 || t == KV_WT_Q4_K || t == KV_WT_Q5_K;
+}
+
+int64_t kv_x8_bytes(kv_wtype t, int64_t rows, int64_t k)
+{
+    if (!kv_has_x8(t))
+        return 0;
+    const int64_t per = t == KV_WT_Q4_K ? 1184 : t == KV_WT_Q5_K ? 1440 : 8 * kv_wtypes[t].bytes;
+    return rows / 8 * (k / kv_wtypes[t].block) * per;
+}
+
+/* scale and minimum of sub-block j (0..7) of a Q4_K/Q5_K super-block's 12 packed bytes */
+static void kquant_scale_min(const uint8_t *s12, int j, uint8_t *sc, uint8_t *mn)
+{
+    if (j < 4) {
+        *sc = s12[j] & 63;
+        *mn = s12[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s12[j + 4] & 15) | ((s12[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((s12[j + 4] >> 4) | ((s12[j] >> 6) << 4));
+    }
+}
+
+static void repack_kquant(kv_wtype t, uint8_t *o, const uint8_t *src, int64_t rows, int64_t row_bytes)
+{
+    const int64_t bb = kv_wtypes[t].bytes, nsb = row_bytes / bb, per = t == KV_WT_Q4_K ? 1184 : 1440;
+    const int64_t qh_at = t == KV_WT_Q5_K ? 16 : -1, qs_at = t == KV_WT_Q5_K ? 48 : 16;
+    const int64_t out_qs = t == KV_WT_Q5_K ? 416 : 160;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t ib = 0; ib < nsb; ib++, o += per)
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *b = src + (g * 8 + c) * row_bytes + ib * bb;
+                memcpy(o + 2 * c, b, 2);                       /* d */
+                memcpy(o + 16 + 2 * c, b + 2, 2);              /* dmin */
+                for (int j = 0; j < 8; j++)
+                    kquant_scale_min(b + 4, j, o + 32 + 8 * j + c, o + 96 + 8 * j + c);
+                if (qh_at >= 0)
+                    for (int i = 0; i < 8; i++)
+                        memcpy(o + 160 + 32 * i + 4 * c, b + qh_at + 4 * i, 4);
+                for (int i = 0; i < 32; i++)                   /* pair i / 8, vector i % 8 */
+                    memcpy(o + out_qs + 32 * i + 4 * c, b + qs_at + 4 * i, 4);
+            }
+}
 
 kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int64_t row_bytes)
 {
     if (!kv_has_x8(t) || rows % 8)
         return KV_ERR_ARG;
+    if (t == KV_WT_Q4_K || t == KV_WT_Q5_K) {
+        repack_kquant(t, (uint8_t *)dst, (const uint8_t *)src, rows, row_bytes);
+        return KV_OK;
+    }
     const int64_t bb = kv_wtypes[t].bytes, nb = row_bytes / bb;
     const int64_t hb = t == KV_WT_Q4_1 ? 4 : 2, qb = bb - hb;  /* header (d, m) and quant bytes */
     uint8_t *o = (uint8_t *)dst;

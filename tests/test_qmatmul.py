@@ -49,7 +49,7 @@ def test_the_table_matches_gguf():
 
 
 # ------------------------------------------------------------------------------ test weights
-X8 = ("q8_0", "q4_0", "q4_1")    # the types with int8 activations (QMatrix activations="int8")
+X8 = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k")    # the types with int8 activations (activations="int8")
 
 
 def activations(wtype):
@@ -254,8 +254,9 @@ def test_matmul_special_inputs(row, wtype, rng):
 def test_int8_activations_non_finite_x(row, wtype, rng):
     """A block of x holding NaN or infinity makes its row's outputs NaN (kv_quantize_x), never a
     finite number; the other rows are untouched."""
-    qm, w = make_weights(rng, wtype, 16, 96, "int8")
-    x = rng.standard_normal((4, 96)).astype(np.float32)
+    k = KS[wtype][-1]
+    qm, w = make_weights(rng, wtype, 16, k, "int8")
+    x = rng.standard_normal((4, k)).astype(np.float32)
     x[1, 40], x[2, 95] = np.inf, np.nan
     y = row.matmul(qm, x)
     assert np.all(np.isnan(y[1])) and np.all(np.isnan(y[2]))
@@ -551,12 +552,14 @@ def test_activations_choice(wtype, rng):
     with pytest.raises(KVSimdValueError, match=r"t: activations must be 'int8' or 'float32', got 'int4'"):
         QMatrix(raw, wtype, (16, cols), name="t", activations="int4")
     if wtype not in X8:
-        with pytest.raises(KVSimdValueError, match=r"t: int8 activations need a Q8_0, Q4_0 or Q4_1 matrix"):
+        with pytest.raises(KVSimdValueError, match=r"t: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K "):
             QMatrix(raw, wtype, (16, cols), name="t", activations="int8")
         return
     with pytest.raises(KVSimdValueError, match=r"t: int8 activations need .* got %s \[12, %d\]"
                        % (wtype.upper(), cols)):
         QMatrix(raw[:12], wtype, (12, cols), name="t", activations="int8")
+    if WINFO[wtype]["block"] != 32:
+        return      # (the k-quants' layout: wt_kquant.inc.h; their products are checked on every row)
     # the documented layout, rebuilt here from the stored bytes
     hb = 4 if wtype == "q4_1" else 2
     bb = info["block_bytes"]

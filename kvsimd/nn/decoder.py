@@ -54,9 +54,9 @@ class Decoder(_Stack):
         Q5_1, Q2_K, Q3_K dequantized to float32 with a warning).  ``mmap=True``: the weights are
         views of the memory-mapped file (load costs no copy; the file must stay as it is while the
         model lives); ``mmap=False``: a private copy of the stored bytes.  ``activations="int8"``:
-        the Q8_0, Q4_0 and Q4_1 matrices multiply activations rounded to int8 per block of 32 (as
-        llama.cpp does; about twice the speed, see :class:`kvsimd.QMatrix`), ``"float32"``: every
-        matrix widens its weights and multiplies in float32.  The tokenizer from the file's
+        the Q8_0, Q4_0, Q4_1, Q4_K and Q5_K matrices multiply activations rounded to int8 per
+        block of 32 (as llama.cpp does; about twice the speed, see :class:`kvsimd.QMatrix`),
+        ``"float32"``: every matrix widens its weights and multiplies in float32.  The tokenizer from the file's
         metadata is ``.tokenizer``."""
         from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
         from kvsimd.loaders.gguf import GGUFError, decoder_kwargs_from_gguf

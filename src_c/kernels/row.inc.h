@@ -37,5 +37,6 @@ const kv_kernels KV_FN(kernels) = {
     },
     {   /* int8 activations: the types kv_has_x8 names */
         [KV_WT_Q8_0] = KV_FN(gemv_x8_q8_0), [KV_WT_Q4_0] = KV_FN(gemv_x8_q4_0), [KV_WT_Q4_1] = KV_FN(gemv_x8_q4_1),
+        [KV_WT_Q4_K] = KV_FN(gemv_x8_q4_k), [KV_WT_Q5_K] = KV_FN(gemv_x8_q5_k),
     },
 };

@@ -13,6 +13,14 @@ typedef __m256i v8b;
 static inline v8b v8b_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline v8b v8b_lo4(v8b a) { return _mm256_and_si256(a, _mm256_set1_epi8(15)); }
 static inline v8b v8b_hi4(v8b a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(15)); }
+static inline v8b v8b_or(v8b a, v8b b) { return _mm256_or_si256(a, b); }
+/* 16 in each byte whose bit j (0..7) is set, else 0 (16-bit shifts: bit 4 of each byte comes from
+   bit j of the same byte for shifts up to 4 left or 3 right) */
+static inline v8b v8b_bit4(v8b a, int j)
+{
+    const v8b s = j <= 4 ? _mm256_slli_epi16(a, 4 - j) : _mm256_srli_epi16(a, j - 4);
+    return _mm256_and_si256(s, _mm256_set1_epi8(16));
+}
 /* signed bytes as unsigned ones plus 128 */
 static inline v8b v8b_flip(v8b a) { return _mm256_xor_si256(a, _mm256_set1_epi8((char)0x80)); }
 /* the 4 bytes at p in every lane */
@@ -45,6 +53,8 @@ static inline v8f v8f_half8(const uint8_t *p)
     return _mm256_maskz_cvtph_ps((__mmask8)0xFF, _mm_loadu_si128((const __m128i *)p));
 #endif
 }
+/* 8 unsigned bytes as floats */
+static inline v8f v8f_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline v8f v8f_bcast(const float *p) { return _mm256_broadcast_ss(p); }
 static inline v8f v8f_set1(float a) { return _mm256_set1_ps(a); }
 static inline v8f v8f_zero(void) { return _mm256_setzero_ps(); }

@@ -106,6 +106,16 @@ static inline v8b v8b_hi4(v8b a)
     for (int i = 0; i < 32; i++) a.v[i] >>= 4;
     return a;
 }
+static inline v8b v8b_or(v8b a, v8b b)
+{
+    for (int i = 0; i < 32; i++) a.v[i] |= b.v[i];
+    return a;
+}
+static inline v8b v8b_bit4(v8b a, int j)
+{
+    for (int i = 0; i < 32; i++) a.v[i] = (uint8_t)(((a.v[i] >> j) & 1) << 4);
+    return a;
+}
 static inline v8b v8b_flip(v8b a)
 {
     for (int i = 0; i < 32; i++) a.v[i] ^= 0x80;
@@ -156,6 +166,12 @@ static inline v8f v8f_set1(float a)
     return r;
 }
 static inline v8f v8f_bcast(const float *p) { return v8f_set1(*p); }
+static inline v8f v8f_u8(const uint8_t *p)
+{
+    v8f r;
+    for (int c = 0; c < 8; c++) r.v[c] = (float)p[c];
+    return r;
+}
 static inline v8f v8f_zero(void) { return v8f_set1(0.0f); }
 static inline v8f v8f_mul(v8f a, v8f b)
 {

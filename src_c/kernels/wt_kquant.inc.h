@@ -91,6 +91,59 @@ static inline vf wt_q5_k_group(const uint8_t *b, const wt_k8_state *st, int g)
 #define WT_POS WT_K8_POS
 #include "gemv.inc.h"
 
+/* Int8 activations (gemv_x8.inc.h) for Q4_K and Q5_K, repacked (kv_repack_x8) per super-block of
+ * 8 columns as: 8 half d @0, 8 half dmin @16, the 6-bit scales as bytes [sub-block][column] @32,
+ * the minimums likewise @96; Q5_K then its qh bytes 4 at a time (32 bytes i: qh[4i..4i+3] of each
+ * column) @160; then the qs bytes 4 at a time, 8 vectors per pair of sub-blocks (@160 Q4_K, @416
+ * Q5_K): sub-block j reads pair j/2's vectors, low nibbles (j even) or high ones (j odd), plus
+ * (Q5_K) bit j of the qh vectors as 16.  D = d scale_j, M = -dmin min_j. */
+typedef struct { v8f d, nmin; } wx_k8_state;
+static inline void wx_k8_prep(const uint8_t *b, wx_k8_state *st)
+{
+    st->d = v8f_half8(b);
+    st->nmin = v8f_mul(v8f_half8(b + 16), v8f_set1(-1.0f));
+}
+static inline void wx_k8_scale(const uint8_t *b, const wx_k8_state *st, int j, v8f *D, v8f *M)
+{
+    *D = v8f_mul(st->d, v8f_u8(b + 32 + 8 * j));
+    *M = v8f_mul(st->nmin, v8f_u8(b + 96 + 8 * j));
+}
+static inline void wx_k8_decode(const uint8_t *qs, const uint8_t *qh, int j, v8b *w)
+{
+    KV_UNROLL(8)
+    for (int v = 0; v < 8; v++) {
+        const v8b raw = v8b_load(qs + 256 * (j >> 1) + 32 * v);
+        w[v] = (j & 1) ? v8b_hi4(raw) : v8b_lo4(raw);
+        if (qh)
+            w[v] = v8b_or(w[v], v8b_bit4(v8b_load(qh + 32 * v), j));
+    }
+}
+#define WX_NAME q4_k
+#define WX_SUPER 256
+#define WX_BYTES 1184
+#define WX_STATE wx_k8_state
+#define WX_PREP wx_k8_prep
+#define WX_DECODE(blk, st, j, w) wx_k8_decode((blk) + 160, NULL, (j), (w))
+#define WX_SCALE wx_k8_scale
+#define WX_MIN 1
+#define WX_OFF 0.0f
+#define WX_DOT v8i_dot
+#define WX_XPOS(i) (4 * (i))
+#include "gemv_x8.inc.h"
+
+#define WX_NAME q5_k
+#define WX_SUPER 256
+#define WX_BYTES 1440
+#define WX_STATE wx_k8_state
+#define WX_PREP wx_k8_prep
+#define WX_DECODE(blk, st, j, w) wx_k8_decode((blk) + 416, (blk) + 160, (j), (w))
+#define WX_SCALE wx_k8_scale
+#define WX_MIN 1
+#define WX_OFF 0.0f
+#define WX_DOT v8i_dot
+#define WX_XPOS(i) (4 * (i))
+#include "gemv_x8.inc.h"
+
 /* Q6_K: half h (128 values) of a super-block uses ql[64h ..+64], qh[32h ..+32] and scales
  * [8h ..+8]; its value 32 qd + l (quarter qd, l < 32) has low bits in ql[64h + l + 32 (qd & 1)]
  * (low nibble for qd < 2, high nibble else), high bits 2qd..2qd+1 of qh[32h + l], and scale

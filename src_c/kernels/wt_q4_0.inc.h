@@ -49,7 +49,7 @@ static inline vf wt_q4_0_group(const uint8_t *b, const wt_q4_0_state *st, int g)
 
 /* Int8 activations (gemv_x8.inc.h): 32 repacked bytes hold two weight vectors, their low nibbles
    (values 4i..4i+3 of each column) and their high ones (values 16+4i..); nibbles 0..15 stand for
-   q_w + 8. */
+   q_w + 8.  Blocks of 32: the 8 half scales first. */
 #define WX_Q4_XPOS(i) (((i) >> 1) * 4 + 16 * ((i) & 1))
 static inline void wx_q4_decode(const uint8_t *qs, v8b *w)
 {
@@ -60,11 +60,17 @@ static inline void wx_q4_decode(const uint8_t *qs, v8b *w)
         w[2 * v + 1] = v8b_hi4(raw);
     }
 }
+typedef struct { int unused; } wx_none_state;
+#define WX_NO_PREP(blk, st) ((void)(st))
 #define WX_NAME q4_0
+#define WX_SUPER 32
 #define WX_BYTES 144
+#define WX_STATE wx_none_state
+#define WX_PREP WX_NO_PREP
+#define WX_DECODE(blk, st, j, w) wx_q4_decode((blk) + 16, (w))
+#define WX_SCALE(blk, st, j, D, M) (*(D) = v8f_half8(blk), *(M) = *(D))
 #define WX_MIN 0
 #define WX_OFF -8.0f
-#define WX_DECODE(blk, w) wx_q4_decode((blk) + 16, (w))
 #define WX_DOT v8i_dot
 #define WX_XPOS WX_Q4_XPOS
 #include "gemv_x8.inc.h"

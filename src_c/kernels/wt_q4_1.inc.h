@@ -35,10 +35,14 @@ static inline vf wt_q4_1_group(const uint8_t *b, const wt_q4_1_state *st, int g)
 /* Int8 activations (gemv_x8.inc.h): as Q4_0's (wt_q4_0.inc.h), nibbles q_w, 8 minimums after
    the 8 scales. */
 #define WX_NAME q4_1
+#define WX_SUPER 32
 #define WX_BYTES 160
+#define WX_STATE wx_none_state
+#define WX_PREP WX_NO_PREP
+#define WX_DECODE(blk, st, j, w) wx_q4_decode((blk) + 32, (w))
+#define WX_SCALE(blk, st, j, D, M) (*(D) = v8f_half8(blk), *(M) = v8f_half8((blk) + 16))
 #define WX_MIN 1
 #define WX_OFF 0.0f
-#define WX_DECODE(blk, w) wx_q4_decode((blk) + 32, (w))
 #define WX_DOT v8i_dot
 #define WX_XPOS WX_Q4_XPOS
 #include "gemv_x8.inc.h"

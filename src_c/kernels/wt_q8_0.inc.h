@@ -26,10 +26,15 @@ static inline void wx_q8_decode(const uint8_t *qs, v8b *w)
         w[i] = v8b_load(qs + 32 * i);
 #endif
 }
+typedef struct { int unused; } wx_q8_state;
 #define WX_NAME q8_0
+#define WX_SUPER 32
 #define WX_BYTES 272
+#define WX_STATE wx_q8_state
+#define WX_PREP(blk, st) ((void)(st))
+#define WX_DECODE(blk, st, j, w) wx_q8_decode((blk) + 16, (w))
+#define WX_SCALE(blk, st, j, D, M) (*(D) = v8f_half8(blk), *(M) = *(D))
 #define WX_MIN 0
-#define WX_DECODE(blk, w) wx_q8_decode((blk) + 16, (w))
 #ifdef KV_HAVE_DPBUSD
 #define WX_OFF -128.0f
 #define WX_DOT v8i_dot
