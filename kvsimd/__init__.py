@@ -4,11 +4,16 @@ The ISA path (``scalar``, ``avx2``, ``avx512fp16``) is chosen once at import fro
 ``KVSIMD_FORCE_ISA`` forces one.  See :func:`isa_info` and :func:`show_runtime`."""
 import os as _os
 
-# Decoding alternates short OpenMP regions (attention) with BLAS calls that run their own
-# threads: OpenMP threads spinning after each region would starve BLAS on a small machine
-# (measured here: 2 threads, 3.8 tok/s spinning vs 25.6 passive).  Sleep instead, unless the
-# user chose otherwise.  Read by libgomp when the extension loads, so set before importing it.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A decode step is ~200 short OpenMP regions (matrix products, attention) a few microseconds
+# apart, sometimes with BLAS calls (float32 weights) that run their own threads between them.
+# Threads that sleep after each region pay a wake-up per region (SmolLM2 Q4_1, 2 threads on 2
+# cores: 48 tok/s passive vs 276 spinning briefly; 1 thread: 180); threads that spin long starve
+# BLAS (float32 weights: 3.1 tok/s spinning without limit, 21 at 30000 spins, 43 at 1000, 50
+# passive).  So spin briefly, then sleep -- unless the user chose a policy or a spin count.
+# Read by libgomp when the extension loads, so set before importing it.
+_SPIN_SET = not _os.environ.get("OMP_WAIT_POLICY") and not _os.environ.get("GOMP_SPINCOUNT")
+if _SPIN_SET:   # (the bench gives its peers' processes libgomp's own default back)
+    _os.environ["GOMP_SPINCOUNT"] = "1000"
 
 try:
     from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime

@@ -237,6 +237,10 @@ class Worker:
         root = os.path.dirname(os.path.dirname(os.path.abspath(kvsimd.__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(
             os.pathsep) if p]))
+        if impl != "kvsimd" and kvsimd._SPIN_SET:
+            # a peer runs with libgomp's own default spin (llama.cpp and torch use OpenMP too),
+            # not the brief spin kvsimd's import sets for its own process
+            env["GOMP_SPINCOUNT"] = "300000"
         self.p = subprocess.Popen([sys.executable, "-m", "kvsimd.bench.peers", impl, path, "--n-ctx", str(n_ctx),
                                    "--fill", fill] + (["--flash-attn"] if flash_attn else []),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
