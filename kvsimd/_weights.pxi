@@ -45,10 +45,10 @@ cdef class QMatrix:
 
     ``activations`` chooses how a product multiplies:
 
-    - ``"int8"`` (types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K with ``rows`` a multiple of 8; the default for
-      them): x is
-      rounded per block of 32 values to int8 steps of ``max |x| / 127`` (as llama.cpp does) and
-      multiplied by integer dot products -- about twice the speed of widening the weights, with
+    - ``"int8"`` (types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K with ``rows`` a multiple of 8; the default
+      for them): x is rounded per block of 32 values to int8 steps of ``max |x| / 127`` (as
+      llama.cpp does) and multiplied by integer dot products -- about twice the speed of widening
+      the weights (Q6_K's integer form measured no faster: it widens), with
       the extra error of rounding x (``kvsimd.bounds.matmul_bound``: at most half a step times
       the block's sum of ``|w|``).  The matrix is then held a second time, repacked for the
       kernel (8 rows side by side; the same size as stored, 3% more for Q4_K/Q5_K, made once
@@ -109,8 +109,8 @@ cdef class QMatrix:
         if activations not in ("int8", "float32"):
             raise KVSimdValueError("%s: activations must be 'int8' or 'float32', got %r" % (name, activations))
         if activations == "int8" and not can:
-            raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K matrix of a multiple "
-                                   "of 8 rows, "
+            raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K matrix of a "
+                                   "multiple of 8 rows, "
                                    "got %s [%d, %d]" % (name, wt.upper(), rows, cols))
         self.activations = activations
         if activations == "int8":

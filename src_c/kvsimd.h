@@ -151,7 +151,8 @@ typedef struct kv_rot_params { KV_ROT_PARAMS_FIELDS(KV_FIELD_) } kv_rot_params;
  * Kernels take 1 <= B <= KV_GEMV_MAX_B and k a multiple of the block; ops.c feeds longer inputs
  * in slices of KV_GEMV_MAX_B rows.
  *
- * Int8 activations (gemv_x8, types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K; kv_has_x8): w is then the repacked layout of
+ * Int8 activations (gemv_x8, types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K; kv_has_x8): w is then the
+ * repacked layout of
  * kv_repack_x8 (8 columns side by side), n0 and n1 are multiples of 8, and xq holds x quantized
  * per block of 32 values (kv_quantize_x): row b at xq + b * KV_XQ_ROW_BYTES(k) is k int8 values
  * q, then k / 32 floats d (the blocks' steps), then k / 32 floats s = d * sum(q); x is not read.
@@ -267,7 +268,7 @@ int kv_has_x8(kv_wtype t);
 /* Bytes of the repacked layout of a [rows, k] matrix of type t (0 if t has none). */
 int64_t kv_x8_bytes(kv_wtype t, int64_t rows, int64_t k);
 /* The repacked layout of a [rows, k] matrix of type t (kv_has_x8, rows a multiple of 8; the same
- * size as stored; the k-quants' layout is in kernels/wt_kquant.inc.h, 3% larger): columns
+ * size as stored; Q4_K's and Q5_K's layout is in kernels/wt_kquant.inc.h, 3% larger): columns
  * 8g..8g+7 (the file's rows) take row_bytes * 8 contiguous bytes, block
  * after block; a block of the 8 columns is their 8 half scales d (lane c = column c), for Q4_1
  * their 8 half minimums m, then the quant bytes 4 at a time: 32 bytes i hold bytes 4i..4i+3 of

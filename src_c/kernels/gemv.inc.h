@@ -55,6 +55,14 @@
 #define KV_GEMV_NAMAX 2
 #define KV_PRAGMA_(x) _Pragma(#x)
 #define KV_UNROLL(n) KV_PRAGMA_(GCC unroll n)
+/* the int8-activation product's unrolling (gemv_x8.inc.h and its decoders): on the vector rows;
+   none on the scalar row, whose 8-lane forms are loops already (unrolled, they made its object
+   take a minute to compile) */
+#if KV_W == 1
+#define KV_XU(n) KV_UNROLL(1)
+#else
+#define KV_XU(n) KV_UNROLL(n)
+#endif
 #endif
 
 #define KV_WFN(f) KV_CAT(KV_CAT(kv_##f, WT_NAME), KV_ISA)   /* kv_gemv_q4_0_avx2 */

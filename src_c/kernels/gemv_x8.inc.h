@@ -26,6 +26,7 @@
  */
 #ifndef KV_GEMV_X8_ONCE
 #define KV_GEMV_X8_ONCE
+
 #ifndef KV_GEMV_X8_PF
 #define KV_GEMV_X8_PF 1024   /* bytes ahead prefetched in a column group's stream */
 #endif
@@ -41,17 +42,17 @@ static inline __attribute__((always_inline)) void KV_XFN(x8_cols)(const kv_gemv_
     for (int64_t g = n0 / 8; g < n1 / 8; g++) {
         const uint8_t *blk = (const uint8_t *)p->w + g * nsb * WX_BYTES;
         v8f acc[KV_GEMV_MAX_B];
-        KV_UNROLL(8)
+        KV_XU(8)
         for (int b = 0; b < NB; b++)
             acc[b] = v8f_zero();
         for (int64_t isb = 0; isb < nsb; isb++, blk += WX_BYTES) {
-            KV_UNROLL(4)
+            KV_XU(4)
             for (int o = 0; o < WX_BYTES; o += 512)
                 __builtin_prefetch(blk + KV_GEMV_X8_PF + o);
             __builtin_prefetch(blk + KV_GEMV_X8_PF + WX_BYTES - 1);
             WX_STATE st;
             WX_PREP(blk, &st);
-            KV_UNROLL(8)
+            KV_XU(8)
             for (int j = 0; j < WX_SUPER / 32; j++) {
                 const int64_t ib = isb * (WX_SUPER / 32) + j;    /* x's block */
                 v8b w[8];
@@ -59,12 +60,12 @@ static inline __attribute__((always_inline)) void KV_XFN(x8_cols)(const kv_gemv_
                 WX_DECODE(blk, &st, j, w);
                 WX_SCALE(blk, &st, j, &D, &M);
                 (void)M;
-                KV_UNROLL(8)
+                KV_XU(8)
                 for (int b = 0; b < NB; b++) {
                     const int8_t *xb = (const int8_t *)(xq + b * qs) + ib * 32;
                     const float *xd = (const float *)(xq + b * qs + k) + ib, *xs = xd + nb;
                     v8i s0 = v8i_zero(), s1 = v8i_zero();   /* two chains: integer sums, any order is exact */
-                    KV_UNROLL(8)
+                    KV_XU(8)
                     for (int i = 0; i < 8; i += 2) {
                         s0 = WX_DOT(s0, w[i], v8b_bcast4(xb + WX_XPOS(i)));
                         s1 = WX_DOT(s1, w[i + 1], v8b_bcast4(xb + WX_XPOS(i + 1)));
@@ -78,7 +79,7 @@ static inline __attribute__((always_inline)) void KV_XFN(x8_cols)(const kv_gemv_
                 }
             }
         }
-        KV_UNROLL(8)
+        KV_XU(8)
         for (int b = 0; b < NB; b++)
             v8f_store(p->y + b * p->y_stride + g * 8, acc[b]);
     }

@@ -110,7 +110,7 @@ static inline void wx_k8_scale(const uint8_t *b, const wx_k8_state *st, int j, v
 }
 static inline void wx_k8_decode(const uint8_t *qs, const uint8_t *qh, int j, v8b *w)
 {
-    KV_UNROLL(8)
+    KV_XU(8)
     for (int v = 0; v < 8; v++) {
         const v8b raw = v8b_load(qs + 256 * (j >> 1) + 32 * v);
         w[v] = (j & 1) ? v8b_hi4(raw) : v8b_lo4(raw);

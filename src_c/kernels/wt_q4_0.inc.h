@@ -53,7 +53,7 @@ static inline vf wt_q4_0_group(const uint8_t *b, const wt_q4_0_state *st, int g)
 #define WX_Q4_XPOS(i) (((i) >> 1) * 4 + 16 * ((i) & 1))
 static inline void wx_q4_decode(const uint8_t *qs, v8b *w)
 {
-    KV_UNROLL(4)
+    KV_XU(4)
     for (int v = 0; v < 4; v++) {
         const v8b raw = v8b_load(qs + 32 * v);
         w[2 * v] = v8b_lo4(raw);

@@ -18,7 +18,7 @@ static inline vf wt_q8_0_group(const uint8_t *b, const wt_q8_0_state *st, int g)
    |q_w| against x carrying q_w's sign (v8i_sdot). */
 static inline void wx_q8_decode(const uint8_t *qs, v8b *w)
 {
-    KV_UNROLL(8)
+    KV_XU(8)
     for (int i = 0; i < 8; i++)
 #ifdef KV_HAVE_DPBUSD
         w[i] = v8b_flip(v8b_load(qs + 32 * i));
