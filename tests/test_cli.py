@@ -13,7 +13,7 @@ import pytest
 
 import kvsimd
 
-from test_gguf import model_dir, ours, write_llama_gguf  # noqa: F401  (fixtures: SmolLM2 from the pytest cache)
+from test_gguf import model_dir, ours_int8, write_llama_gguf  # noqa: F401  (fixtures: SmolLM2 from the pytest cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,7 +173,8 @@ def test_sliding_window_generates_past_the_window(tiny):
 
 
 # ------------------------------------------------------------------------------ the real model (SmolLM2)
-def test_cli_generates_the_same_tokens(ours):
+def test_cli_generates_the_same_tokens(ours_int8):
+    ours = ours_int8          # the CLI loads with from_gguf's defaults (int8 activations)
     prompt = "The old king said to his daughters:"
     r = cli(["generate", "--model", ours.source, "--max-new-tokens", "12", "--cache-dtype", "float32", prompt])
     assert r.returncode == 0, r.stderr
