@@ -173,6 +173,11 @@ def main(argv=None):
     rows = []
     for wtype in types:
         for group, label, k, n in shapes:
+            block = ext.weight_types()[wtype]["block"]
+            if k % block:
+                print("%-5s %-11s    (k = %d is not a whole number of %s blocks of %d: no such matrix)"
+                      % (wtype, label, k, wtype, block), flush=True)
+                continue
             case = Case(wtype, k, n, target, rng)
             for isa in isas:
                 with use_isa(isa):

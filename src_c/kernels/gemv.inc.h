@@ -11,17 +11,29 @@
  *                                 g * KV_W: blocks in value order).
  * Float types (WT_BLOCK 1) give WT_LOAD(col, i) and WT_LOAD_PART(col, i, m) (m < KV_W values).
  *
- * The product widens each weight to float32 once and multiplies it into every row of x (the
- * B <= KV_GEMV_MAX_B rows of a decode step share each decoded weight).  NC columns are done
- * side by side so that each vector of x, loaded once, serves NC columns and the chains of the
- * NC columns overlap; per (row, column) NA independent vector accumulators take the groups of
- * KV_W values in turn (group g into accumulator g mod NA), so one row alone still keeps the
- * FMA units busy.  NC and NA depend on B only (KV_GEMV_NC / KV_GEMV_NA).
+ * The product widens each weight to float32 once -- exactly the float32 value gguf's
+ * dequantization gives -- and multiplies it into every row of x (the B <= KV_GEMV_MAX_B rows of
+ * a decode step share each decoded weight).  NC columns are done side by side so that each
+ * vector of x, loaded once, serves NC columns and the chains of the NC columns overlap; per
+ * (row, column) NA independent vector accumulators take the vectors of KV_W values in turn
+ * (for block types: vector g of every block into accumulator g mod NA), so one row alone still
+ * keeps the FMA units busy.  NC and NA depend on B only (KV_GEMV_NC / KV_GEMV_NA).
+ *
+ * Error: each lane of an accumulator is one chain of fused multiply-adds over k / (NA KV_W)
+ * products; a column's sum is then acc_0 + ... + acc_{NA-1} and the lane tree of vf_hsum
+ * (log2 KV_W adds): at most k / (NA KV_W) + NA - 1 + log2 KV_W roundings in any product's path
+ * (KV_W = 1 on the scalar row, where the multiply and the add round separately: twice that).
+ *
+ * Memory: a column is a contiguous row of the file's tensor.  The columns are taken in tiles
+ * of KV_GEMV_TILE and k in ranges of about KV_GEMV_XBYTES of x, so that x stays in the L1
+ * cache while a tile goes through it (the tile's accumulators wait on the stack between
+ * ranges); the columns one pass ahead are prefetched, the hardware prefetcher following NC
+ * interleaved streams less well than one.
  *
  * Every column is computed by the same sequence of operations whether it is done in a pass of
- * NC columns or alone (the last columns of a range): its accumulators, the order it adds them
- * (a0 + a1 + ... then the fixed lane tree of vf_hsum) do not depend on its neighbours, so
- * results do not depend on how columns are split across threads or tiles.
+ * NC columns or alone (the last columns of a tile), in one range of k or several: its
+ * accumulators and the order it adds them do not depend on its neighbours, so results do not
+ * depend on how columns are split across threads or tiles.
  */
 #ifndef KV_GEMV_ONCE
 #define KV_GEMV_ONCE
@@ -53,6 +65,10 @@
 #endif
 #define KV_GEMV_NCMAX 4
 #define KV_GEMV_NAMAX 2
+#define KV_GEMV_FITS(NB) (KV_GEMV_NC(NB) <= KV_GEMV_NCMAX && KV_GEMV_NA(NB) <= KV_GEMV_NAMAX && \
+                          (NB) * KV_GEMV_NA(NB) <= KV_GEMV_SAVE)
+_Static_assert(KV_GEMV_FITS(1) && KV_GEMV_FITS(2) && KV_GEMV_FITS(3) && KV_GEMV_FITS(4) && KV_GEMV_FITS(5) &&
+               KV_GEMV_FITS(6) && KV_GEMV_FITS(7) && KV_GEMV_FITS(8), "gemv tiling exceeds its arrays");
 #define KV_PRAGMA_(x) _Pragma(#x)
 #define KV_UNROLL(n) KV_PRAGMA_(GCC unroll n)
 /* the int8-activation product's unrolling (gemv_x8.inc.h and its decoders): on the vector rows;
@@ -103,8 +119,7 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
             for (int a = 0; a < NA; a++)
                 acc[b][c][a] = first ? vf_zero() : sv[(c * NB + b) * NA + a];
     }
-    /* the same values of the columns KV_GEMV_PF_BYTES or more ahead: the hardware prefetcher
-       follows one stream well, NC interleaved ones less so */
+    /* prefetch the same values of the columns one pass (or more: at least KV_GEMV_PF_BYTES) ahead */
     const int64_t ahead = NC * p->row_bytes, pf = (KV_GEMV_PF_BYTES + ahead - 1) / ahead * ahead;
 #if WT_BLOCK == 1
     int64_t i = i0;
@@ -113,7 +128,7 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
         for (int c = 0; c < NC; c++)
             KV_UNROLL(4)
             for (int o = 0; o < NA * KV_W * WT_BYTES; o += 64)
-                __builtin_prefetch(col[c] + i * WT_BYTES + pf + o);
+                __builtin_prefetch((const void *)((uintptr_t)col[c] + i * WT_BYTES + pf + o));
         KV_UNROLL(2)
         for (int a = 0; a < NA; a++) {
             vf w[KV_GEMV_NCMAX];
@@ -155,9 +170,9 @@ static inline __attribute__((always_inline)) void KV_WFN(pass)(const kv_gemv_par
         for (int c = 0; c < NC; c++) {
             blk[c] = col[c] + ib * WT_BYTES;
             KV_UNROLL(4)
-            for (int o = 0; o < WT_BYTES; o += 64)
-                __builtin_prefetch(blk[c] + pf + o);
-            __builtin_prefetch(blk[c] + pf + WT_BYTES - 1);
+            for (int o = 0; o < WT_BYTES; o += 64)   /* (maybe past the matrix: a prefetch never faults) */
+                __builtin_prefetch((const void *)((uintptr_t)blk[c] + pf + o));
+            __builtin_prefetch((const void *)((uintptr_t)blk[c] + pf + WT_BYTES - 1));
             WT_PREP(blk[c], &st[c]);
         }
         KV_UNROLL(KV_GEMV_GROUP_UNROLL)
