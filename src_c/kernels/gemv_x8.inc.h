@@ -47,9 +47,9 @@ static inline __attribute__((always_inline)) void KV_XFN(x8_cols)(const kv_gemv_
             acc[b] = v8f_zero();
         for (int64_t isb = 0; isb < nsb; isb++, blk += WX_BYTES) {
             KV_XU(4)
-            for (int o = 0; o < WX_BYTES; o += 512)
-                __builtin_prefetch(blk + KV_GEMV_X8_PF + o);
-            __builtin_prefetch(blk + KV_GEMV_X8_PF + WX_BYTES - 1);
+            for (int o = 0; o < WX_BYTES; o += 512)   /* (maybe past the matrix: a prefetch never faults) */
+                __builtin_prefetch((const void *)((uintptr_t)blk + KV_GEMV_X8_PF + o));
+            __builtin_prefetch((const void *)((uintptr_t)blk + KV_GEMV_X8_PF + WX_BYTES - 1));
             WX_STATE st;
             WX_PREP(blk, &st);
             KV_XU(8)
