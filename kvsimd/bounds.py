@@ -187,6 +187,8 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 #    largest |d_w| (|q'_w| + |o|) + |m| (x8_block_magnitude: 383 |d| for Q8_0, 23 |d| for Q4_0,
 #    15 |d| + |m| for Q4_1, 15 (Q5_K: 31) |d sc| + |dmin mn| for the k-quants):
 #    gamma_h sum_blocks M (sum |x| + 16 d_x).
+#    Not covered either: a block of x whose largest |x| is below 2^-119 (its step is a subnormal
+#    float, rounded coarsely, or zero).
 GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512fp16": 16}   # KV_W of each row's vec_*.h
 
 
