@@ -454,10 +454,14 @@ cdef class KVCache(_KVStore):
         return tx
 
     # ------------------------------------------------------------------ prefill
-    def begin_prefill(self, seq, tokens, *, rope=None, alibi_slopes=None, n_heads=None):
+    def begin_prefill(self, seq, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,
+                      windows=None):
         """Plan a causal pass of ``tokens`` (int64 ids) of sequence ``seq`` after its cached prefix:
         their K/V go to the next slots, row t reads slots 0..start+t.  ``n_heads`` (default
-        n_kv_heads) query heads; ``rope`` / ``alibi_slopes`` the model's positions."""
+        n_kv_heads) query heads; ``rope`` / ``alibi_slopes`` the model's positions; ``scale`` of
+        q.k (default 1/sqrt(head_dim)), ``softcap`` of the scores (None: off); ``windows``: the
+        attention windows of the model's layers (a layer with window W reads the last W keys of
+        its row's ranges: see begin_step)."""
         cdef int64_t s, start, T, t
         rope = _need_rope(rope)
         with self._claim():
@@ -471,7 +475,7 @@ cdef class KVCache(_KVStore):
                 raise KVSimdCapacityError("prompt of %d tokens after %d cached exceeds capacity %d (sequence %d)"
                                           % (T, start, self.capacity, s))
             H = self.n_kv_heads if n_heads is None else _need_int(n_heads, "n_heads")
-            p = _new_plan(self, 1, T, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes)
+            p = _new_plan(self, 1, T, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes, scale, softcap, windows)
             p.seq = s
             p.seqs[:] = s
             p.slots[:] = _np.arange(start, start + T)
@@ -500,11 +504,17 @@ cdef class KVCache(_KVStore):
             self._tokens[s].extend(p.tokens.tolist())
 
     # ------------------------------------------------------------------ decode step
-    def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None):
+    def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,
+                   windows=None):
         """Plan one decode step (one token per sequence): make room where a window is full (the
         policy), pick each token's slot and positions and its key ranges.  Under "reevaluate" the
         returned plan may only carry ``refill`` (sequence -> token ids): those sequences were
-        emptied, the caller prefills the ids, then calls begin_step again."""
+        emptied, the caller prefills the ids, then calls begin_step again.
+
+        ``scale``, ``softcap`` and ``windows``: as in begin_prefill.  An attention window is a
+        per-layer limit on top of the cache's own (the sinks and the ring): a layer with window W
+        reads the last W of the keys the cache holds for the row, oldest first -- the sinks only
+        while the row holds at most W keys, as in the model without a cache."""
         cdef int64_t B = self.batch, C = self.capacity, nk = self.n_keep, W = C - nk, b, L, slot, Lp, kpos, comp
         rope = _need_rope(rope)
         with self._claim():
@@ -530,11 +540,11 @@ cdef class KVCache(_KVStore):
                         self._discard_sink_query(b)
                     else:
                         raise KVSimdCapacityError("cache full: sequence %d holds %d tokens" % (b, C))
-            p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes)
+            p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes, scale, softcap, windows)
             if refill:
                 p.refill = _MappingProxyType(refill)
                 return p
-            per_row = []
+            per_row, chrono = [], []
             for b in range(B):
                 L = self._lengths[b]
                 slot = L if (L < nk or W == 0) else nk + (self._head[b] - nk + (L - nk)) % W
@@ -542,11 +552,12 @@ cdef class KVCache(_KVStore):
                 comp = Lp - 1
                 kpos = self._seen[b] if self._policy == _P_SINK_QUERY else comp
                 ranges = [(True, 0, min(nk, Lp), comp)] if nk else []
-                if Lp > nk:
-                    # the window's keys carry their own positions, so slot order does not matter
-                    # to the softmax: in slot order, ranges that touch become one kernel range
-                    ranges += [(False, t0, t1, kpos) for t0, t1 in sorted(_ring_ranges(self._head[b], Lp - nk, nk, W))]
-                per_row.append(ranges)
+                ring = [(False, t0, t1, kpos) for t0, t1 in _ring_ranges(self._head[b], Lp - nk, nk, W)] \
+                    if Lp > nk else []
+                # the window's keys carry their own positions, so slot order does not matter
+                # to the softmax: in slot order, ranges that touch become one kernel range
+                per_row.append(ranges + sorted(ring))
+                chrono.append(ranges + ring)      # oldest key first: attention windows cut it
                 p.seqs[b], p.slots[b], p.kpos[b] = b, slot, kpos
                 p.spos[b] = comp if nk else kpos
                 if self._tx is not None:
@@ -555,7 +566,7 @@ cdef class KVCache(_KVStore):
                         self._tx.save_kv(b, slot, slot + 1)  # the oldest window token's K/V, overwritten now
             p.embed_positions = _readonly(p.spos if self._policy == _P_SINK_QUERY else p.kpos)
             p.tokens = _readonly(tokens.copy())
-            _plan_ranges(p, per_row)
+            _plan_ranges(p, per_row, chrono)
             _plan_tables(p)
             for b in range(B):
                 self._pos[b, p.slots[b]] = p.kpos[b]     # invisible until committed; ALiBi reads it

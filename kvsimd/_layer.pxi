@@ -257,17 +257,26 @@ cdef class Norm(_Parameters):
 cdef class Block:
     """One layer's weights, packed: norms, the fused q|k|v projection, the output projection, the
     FFN (``ffn_in`` = [w1 | w3] when gated) and, with cross-attention, its norm, q, o and the
-    k|v projection of the encoder output."""
-    cdef readonly Norm norm1, norm2, norm_cross
+    k|v projection of the encoder output.  Optional: ``q_norm`` / ``k_norm`` (a norm of each q
+    and k head before RoPE) and ``post_attn`` / ``post_ffn`` (norms of the attention and FFN
+    outputs before their residual adds)."""
+    cdef readonly Norm norm1, norm2, norm_cross, q_norm, k_norm, post_attn, post_ffn
     cdef readonly Linear qkv, o, ffn_in, ffn_out, cross_q, cross_o, cross_kv
 
     def __cinit__(self, Norm norm1, Linear qkv, Linear o, Norm norm2, Linear ffn_in, Linear ffn_out,
-                  Norm norm_cross=None, Linear cross_q=None, Linear cross_o=None, Linear cross_kv=None):
+                  Norm norm_cross=None, Linear cross_q=None, Linear cross_o=None, Linear cross_kv=None, *,
+                  Norm q_norm=None, Norm k_norm=None, Norm post_attn=None, Norm post_ffn=None):
         self.norm1, self.qkv, self.o, self.norm2, self.ffn_in, self.ffn_out = norm1, qkv, o, norm2, ffn_in, ffn_out
         self.norm_cross, self.cross_q, self.cross_o, self.cross_kv = norm_cross, cross_q, cross_o, cross_kv
+        if (q_norm is None) != (k_norm is None):
+            raise KVSimdValueError("q_norm and k_norm come together (a norm of every q and k head), got one of them")
+        self.q_norm, self.k_norm, self.post_attn, self.post_ffn = q_norm, k_norm, post_attn, post_ffn
+
+    cdef tuple norms(self):
+        return (self.norm1, self.norm2, self.norm_cross, self.q_norm, self.k_norm, self.post_attn, self.post_ffn)
 
     cdef int verify(self) except -1:
-        for part in (self.norm1, self.norm2, self.norm_cross):
+        for part in self.norms():
             if part is not None:
                 (<Norm>part).verify()
         for part in (self.qkv, self.o, self.ffn_in, self.ffn_out, self.cross_q, self.cross_o, self.cross_kv):
@@ -281,12 +290,13 @@ cdef class Layers:
     cdef readonly list blocks
     cdef readonly int64_t d, H, Hkv, D
     cdef readonly bint pre_norm, parallel, gated, cross
+    cdef readonly tuple windows      # per block: its attention window (0: every key of the plan's ranges)
     cdef int act
     cdef object _wr                 # int64 [n, 2]: every weight's bytes [start, end), for run's overlap check
     cdef list _wn                   # their names
 
     def __cinit__(self, blocks, *, int64_t d_model, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                  activation, bint gated, bint pre_norm, bint parallel_residual):
+                  activation, bint gated, bint pre_norm, bint parallel_residual, windows=None):
         if not isinstance(activation, str) or activation not in _ACTS:
             raise KVSimdValueError("activation must be one of %s, got %r" % (", ".join(_ACTS), activation))
         self.blocks = list(blocks)
@@ -302,10 +312,19 @@ cdef class Layers:
                                    % (d_model, n_heads, n_kv_heads, head_dim))
         for b in self.blocks:
             self._check_block(<Block>b)
+        if windows is None:
+            self.windows = (0,) * len(self.blocks)
+        else:
+            if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__") or len(windows) != len(self.blocks):
+                raise KVSimdValueError("windows must be one integer >= 0 per block (%d), got %r"
+                                       % (len(self.blocks), windows))
+            self.windows = tuple(_need_int(w, "windows[%d]" % i) for i, w in enumerate(windows))
+            if any(w < 0 for w in self.windows):
+                raise KVSimdValueError("windows must be >= 0 (0: every key), got %r" % (self.windows,))
         cdef _Weight w
         spans, self._wn = [], []
         for b in self.blocks:
-            for part in ((<Block>b).norm1, (<Block>b).norm2, (<Block>b).norm_cross):
+            for part in (<Block>b).norms():
                 if part is None:
                     continue
                 for w in ((<_Parameters>part).w, (<_Parameters>part).b):
@@ -329,6 +348,13 @@ cdef class Layers:
                 raise KVSimdTypeError("a Block of these layers needs norm1, norm2%s" % (" and norm_cross" if self.cross else ""))
             if (<Norm>n).d != d:
                 raise KVSimdValueError("%s must have %d entries for these layers, got %d" % ((<Norm>n).w.name, d, (<Norm>n).d))
+        if b.q_norm is not None and (b.q_norm.d != self.D or b.k_norm.d != self.D):
+            raise KVSimdValueError("q_norm and k_norm must have head_dim=%d entries, got %d and %d"
+                                   % (self.D, b.q_norm.d, b.k_norm.d))
+        for n in (b.post_attn, b.post_ffn):
+            if n is not None and ((<Norm>n).d != d or not self.pre_norm):
+                raise KVSimdValueError("%s: post-sublayer norms need pre-norm layers and %d entries, got %d"
+                                       % ((<Norm>n).w.name, d, (<Norm>n).d))
         _need_dims(b.qkv, d, HD + KV)
         _need_dims(b.o, HD, d)
         if b.ffn_in is None or b.ffn_in.n_in != d:
@@ -426,6 +452,15 @@ cdef class Layers:
         if not self.pre_norm:
             norm.run(x, x, R)
 
+    cdef int _head_norms(self, Block blk, float *qkv, int64_t R, int64_t width) except -1:
+        """q_norm over every q head and k_norm over every k head of each row, in place."""
+        cdef int64_t r, H = self.H, Hkv = self.Hkv, D = self.D
+        with nogil:
+            for r in range(R):
+                blk.q_norm.run(qkv + r * width, qkv + r * width, H)
+                blk.k_norm.run(qkv + r * width + H * D, qkv + r * width + H * D, Hkv)
+        return 0
+
     cdef object _run(self, cnp.ndarray x, _Plan plan, _KVStore store, _KVStore cross):
         cdef int64_t R = x.shape[0], d = self.d, HD = self.H * self.D, nq, n, l, i, r
         cdef int64_t width = HD + 2 * self.Hkv * self.D
@@ -448,8 +483,13 @@ cdef class Layers:
             blk = self.blocks[l]
             # self-attention
             self._project(blk.norm1, blk.qkv, x, h, qkv)
-            _attend_rows(plan, store, l, <float *>_ptr(qkv), width, <float *>_ptr(att))
+            if blk.q_norm is not None:
+                self._head_norms(blk, <float *>_ptr(qkv), R, width)
+            _attend_rows(plan, store, l, <float *>_ptr(qkv), width, <float *>_ptr(att), self.windows[l])
             blk.o.apply(att, a)
+            if blk.post_attn is not None:
+                with nogil:
+                    blk.post_attn.run(ap, ap, R)
             if not par:       # (parallel residual: attention and FFN are both added at the end)
                 with nogil:
                     self._residual(xp, ap, NULL, blk.norm1, R)
@@ -475,6 +515,8 @@ cdef class Layers:
                     _act_rows(up, gp, NULL, R * n, kind)
             blk.ffn_out.apply(u, f)
             with nogil:
+                if blk.post_ffn is not None:
+                    blk.post_ffn.run(fp, fp, R)
                 if par:
                     self._residual(xp, ap, fp, blk.norm2, R)
                 else:

@@ -26,7 +26,9 @@ cdef class _Plan:
     cdef readonly bint explicit         # made by step_plan from explicit slots and ranges
     cdef kv_rope_style st
     cdef double theta
-    cdef float scale
+    cdef float scale, softcap
+    cdef readonly tuple windows         # the attention windows with their own key-range tables
+    cdef list wtab                      # per window: (rng, nr, nrmax), the last W keys of each row
     cdef int nt
     cdef int64_t seq                    # prefill: the sequence
     cdef list saved                     # transaction records of begin_* (see _Tx)
@@ -50,8 +52,20 @@ cdef RopeSpec _need_rope(rope):
     return rope
 
 
+cdef tuple _need_windows(windows):
+    """``windows``: None or distinct attention windows (integers >= 1), as a tuple."""
+    if windows is None:
+        return ()
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
+        raise KVSimdTypeError("windows must be None or a sequence of integers >= 1, got %r" % (windows,))
+    out = tuple(_need_int(w, "windows[%d]" % i) for i, w in enumerate(windows))
+    if any(w < 1 for w in out) or len(set(out)) != len(out):
+        raise KVSimdValueError("windows must be distinct integers >= 1, got %r" % (out,))
+    return out
+
+
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
-                     alibi_slopes):
+                     alibi_slopes, scale=None, softcap=None, windows=None):
     cdef _Plan p = _Plan.__new__(_Plan)
     p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
     p.gen = (<_KVStore>store)._gen
@@ -67,7 +81,12 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
             raise KVSimdValueError("rope is for head_dim %d, the cache has %d" % (rope.head_dim, D))
         p.theta, p.st, p.rd = rope.theta, rope.st, rope.rotary_dim
     p.alibi = None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy()
-    p.scale = 1.0 / sqrtf(<float>D)
+    p.scale = 1.0 / sqrtf(<float>D) if scale is None else _need_scale(scale, D)
+    p.softcap = _need_softcap(softcap)
+    if p.softcap:     # (the kernel's cap lands with its own commit)
+        raise KVSimdValueError("softcap is not supported yet, got %r" % (softcap,))
+    p.windows = _need_windows(windows)
+    p.wtab = []
     p.nt = _threads_now()
     p.seqs = _np.zeros(R, _np.int64)
     p.slots = _np.zeros(R, _np.int64)
@@ -80,25 +99,51 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     return p
 
 
-cdef int _plan_ranges(_Plan p, list per_row) except -1:
-    """per_row[r]: [(use_alt, t0, t1, query_pos)] -> the plan's [R, nrmax, 4] table, with
-    adjacent ranges of the same query merged (one kernel range)."""
+cdef tuple _range_table(_Plan p, list per_row):
+    """per_row[r]: [(use_alt, t0, t1, query_pos)] -> ([R, nrmax, 4] table, [R] counts, nrmax),
+    adjacent ranges of the same query merged (one kernel range); rows reading the sink query
+    are marked in p.two."""
     cdef int64_t r, i, R = p.R
-    p.nrmax = max([len(x) for x in per_row] + [1])
-    p.rng = _np.zeros((R, p.nrmax, 4), dtype=_np.int64)
+    nrmax = max([len(x) for x in per_row] + [1])
+    rng = _np.zeros((R, nrmax, 4), dtype=_np.int64)
+    nr = _np.zeros(R, dtype=_np.int64)
     for r in range(R):
         i = 0
         for use_s, t0, t1, qpos in per_row[r]:
             use_s = 1 if (use_s and p.do_rope and p.spos[r] != p.kpos[r]) else 0
             if use_s:
                 p.two[r] = 1
-            if i and p.rng[r, i - 1, 2] == t0 and p.rng[r, i - 1, 0] == use_s and p.rng[r, i - 1, 3] == qpos:
-                p.rng[r, i - 1, 2] = t1
+            if i and rng[r, i - 1, 2] == t0 and rng[r, i - 1, 0] == use_s and rng[r, i - 1, 3] == qpos:
+                rng[r, i - 1, 2] = t1
             else:
-                p.rng[r, i] = (use_s, t0, t1, qpos)
+                rng[r, i] = (use_s, t0, t1, qpos)
                 i += 1
-        p.nr[r] = i
+        nr[r] = i
+    return rng, nr, nrmax
+
+
+cdef int _plan_ranges(_Plan p, list per_row, list chrono=None) except -1:
+    """The plan's key ranges from per_row (see _range_table), and one table per attention window
+    of the plan: the last W keys of ``chrono`` (per row, the same ranges oldest key first)."""
+    p.rng, p.nr, p.nrmax = _range_table(p, per_row)
+    for W in p.windows:
+        p.wtab.append(_range_table(p, [_last_keys(x, W) for x in (chrono if chrono is not None else per_row)]))
     return 0
+
+
+cdef list _last_keys(list ranges, int64_t W):
+    """The ranges (oldest key first) cut to their last W keys."""
+    cdef int64_t left = W, t0, t1
+    out = []
+    for use_s, t0, t1, qpos in reversed(ranges):
+        if left <= 0:
+            break
+        if t1 - t0 > left:
+            t0 = t1 - left
+        out.append((use_s, t0, t1, qpos))
+        left -= t1 - t0
+    out.reverse()
+    return out
 
 
 cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
@@ -109,6 +154,10 @@ cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
     p.rng[:, 0, 2] = t1
     p.rng[:, 0, 3] = qpos
     p.nr = _np.ones(p.R, dtype=_np.int64)
+    for W in p.windows:      # the last W keys: slots max(0, t1 - W)..t1-1
+        rng = p.rng.copy()
+        rng[:, 0, 1] = _np.maximum(rng[:, 0, 2] - W, 0)
+        p.wtab.append((rng, p.nr, 1))
     return 0
 
 
@@ -126,9 +175,11 @@ cdef int _plan_tables(_Plan p) except -1:
     return 0
 
 
-cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t width, float *out) except -1:
+cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t width, float *out,
+                      int64_t window=0) except -1:
     """Self-attention of every row of ``plan`` for layer ``l``: rotate q/k (RoPE), store k/v at the
-    row's slot, then attend over the row's key ranges.  ``qkv``: R rows of ``width`` floats
+    row's slot, then attend over the row's key ranges (with ``window`` > 0: the last ``window``
+    keys of them, a table the plan made for that window).  ``qkv``: R rows of ``width`` floats
     ([q | k | v], heads contiguous), rotated in place; ``out``: R rows of plan.HD floats."""
     cdef kv_attn_params p
     cdef int64_t R = plan.R, Hkv = store.n_kv_heads, D = store.head_dim, C = store.capacity
@@ -146,8 +197,15 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef float *qsp = <float *>_ptr(plan.qs)
     cdef const int64_t *sqp = <const int64_t *>_ptr(plan.seqs)
     cdef const int64_t *slp = <const int64_t *>_ptr(plan.slots)
-    cdef const int64_t *rg = <const int64_t *>_ptr(plan.rng)
-    cdef const int64_t *nrp = <const int64_t *>_ptr(plan.nr)
+    rng, nr, nrmax = plan.rng, plan.nr, plan.nrmax
+    if window:
+        if window not in plan.windows:
+            raise KVSimdValueError("layer %d attends over a window of %d keys: the plan was made for windows %r"
+                                   % (l, window, plan.windows))
+        rng, nr, nrmax = plan.wtab[plan.windows.index(window)]
+    cdef const int64_t *rg = <const int64_t *>_ptr(rng)
+    cdef const int64_t *nrp = <const int64_t *>_ptr(nr)
+    cdef int64_t nrm = nrmax
     cdef const int64_t *twp = <const int64_t *>_ptr(plan.two)
     cdef const float *csp = <const float *>_ptr(plan.cs) if plan.do_rope else NULL
     cdef const float *alibi = <const float *>_ptr(plan.alibi) if plan.alibi is not None else NULL
@@ -191,7 +249,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
-                           rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
+                           rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
         if lb == plan.done:
             plan.done += 1
@@ -234,14 +292,17 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
     return 0
 
 
-def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, alibi_slopes, bint causal):
+def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, alibi_slopes, bint causal, scale=None,
+                softcap=None, windows=None):
     """The plan of a pass without a cache (an encoder, or the uncached decoder forward): the T
     rows' K/V go to a scratch float32 store reused by every layer; row t reads keys 0..t
     (causal) or all T."""
     if not 1 <= T <= KV_MAX_TOKENS:
         raise KVSimdValueError("T (rows of the pass) must be in 1..%d, got %d" % (KV_MAX_TOKENS, T))
     cdef _KVStore scratch = _KVStore(1, Hkv, D, T, dtype="float32")
-    cdef _Plan p = _new_plan(scratch, 2, T, H, Hkv, D, rope, alibi_slopes)
+    if windows and not causal:
+        raise KVSimdValueError("attention windows need a causal pass, got windows=%r" % (windows,))
+    cdef _Plan p = _new_plan(scratch, 2, T, H, Hkv, D, rope, alibi_slopes, scale, softcap, windows)
     cdef int64_t t
     p.one_layer = True
     p.slots[:] = _np.arange(T)

@@ -131,6 +131,16 @@ def _need_positions(a, str name, int64_t n, str nname="N"):
     return a
 
 
+def _need_softcap(softcap):
+    """An attention score cap: None or 0 (off), else a finite real > 0 that float32 can hold."""
+    if softcap is None:
+        return 0.0
+    c = _need_real(softcap, "softcap")
+    if not (_math.isfinite(c) and 0 <= c <= _FLT_MAX):
+        raise KVSimdValueError("softcap must be None, 0 (off) or a finite number > 0, got %r" % (c,))
+    return c
+
+
 def _need_scale(scale, int64_t D):
     """The attention scale: default 1/sqrt(D); else a finite real that float32 can hold."""
     if scale is None:

@@ -133,10 +133,12 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=
 #   pre-norm layer:   x += attn(norm1 x); [x += cross(norm_cross x)]; x += ffn(norm2 x)
 #        parallel:    x += attn(norm1 x) + ffn(norm2 x)
 #   post-norm layer:  x = norm1(x + attn x); [x = norm_cross(x + cross x)]; x = norm2(x + ffn x)
-#   logits = (final_norm x when cfg.final_norm) @ lm_head + lm_bias
-# Weights are [in, out]; attention is softmax(q.k / sqrt(head_dim) - slope * distance) over the
-# keys at or before the query (causal) or over all keys (encoder, cross-attention); RoPE rotates
-# q and k at their positions; rmsnorm has no bias.
+#   logits = (final_norm x when cfg.final_norm) @ lm_head + lm_bias  (-> c tanh(logits / c), c = final_softcap)
+#   post_norms: attn(h) and ffn(h) above are normed by post_norm1 / post_norm2 before the add
+# Weights are [in, out]; attention is softmax(q.k * attn_scale (default 1/sqrt(head_dim)) - slope *
+# distance) over the keys at or before the query (the last attn_windows[layer] of them when > 0)
+# or over all keys (encoder, cross-attention); qk_norm norms every q and k head before RoPE; RoPE
+# rotates q and k at their positions; rmsnorm has no bias.
 # Refused (KVSimdValueError), having no single rule in kvsimd today: parallel_residual with
 # post-norm (the decoder ignores the flag) or with cross-attention (prefill skips the
 # cross-attention, the compiled step adds it), and an encoder with rope / alibi positions or
@@ -257,28 +259,38 @@ def _heads(x, n, D):
     return x.reshape(x.shape[0], n, D).transpose(1, 0, 2)
 
 
-def _attention(q, k, v, positions=None, slopes=None):
+def _attention(q, k, v, positions=None, slopes=None, window=0, **kw):
     """Rows ``[T, H * D]`` of the attention of ``q [H, T, D]`` over ``k, v [Hkv, S, D]``: causal
-    (query i reads keys 0..i, at ``positions``) when ``positions`` is given, else over all keys."""
+    (query i reads keys 0..i, at ``positions``; with ``window`` > 0 only the last ``window`` of
+    them) when ``positions`` is given, else over all keys.  ``kw``: :func:`attend`'s scale."""
     H, T, D = q.shape
     out = np.empty((T, H * D))
     for i in range(T):
         if positions is None:
-            o = attend(q[:, i], k, v)
+            o = attend(q[:, i], k, v, **kw)
         else:
-            o = attend(q[:, i], k[:, :i + 1], v[:, :i + 1], alibi_slopes=slopes,
-                       key_positions=positions[:i + 1], query_position=positions[i])
+            j = max(0, i + 1 - window) if window else 0
+            o = attend(q[:, i], k[:, j:i + 1], v[:, j:i + 1], alibi_slopes=slopes,
+                       key_positions=positions[j:i + 1], query_position=positions[i], **kw)
         out[i] = o.reshape(-1)
     return out
 
 
-def _self_attention(cfg, a, h, positions):
+def _head_norm(cfg, nw, x):
+    """``cfg.norm`` of each head (``head_dim`` wide) of the rows ``x [n, T, D]``."""
+    return norm(cfg, nw, x)
+
+
+def _self_attention(cfg, a, h, positions, window=0, qk=None):
     """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
-    without position terms when ``positions`` is None (the encoder)."""
+    without position terms when ``positions`` is None (the encoder).  ``qk``: the norms of each
+    q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window."""
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
     v = _heads(_linear(h, a.wv, a.bv), Hkv, D)
+    if qk is not None:
+        q, k = _head_norm(cfg, qk[0], q), _head_norm(cfg, qk[1], k)
     slopes = None
     if positions is not None and cfg.position == "rope":
         rope = dict(theta=cfg.rope_theta, style=cfg.rope_style,
@@ -286,7 +298,8 @@ def _self_attention(cfg, a, h, positions):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    return _linear(_attention(q, k, v, positions, slopes), a.wo, a.bo)
+    scale = getattr(cfg, "attn_scale", None)
+    return _linear(_attention(q, k, v, positions, slopes, window, scale=scale), a.wo, a.bo)
 
 
 def _cross_attention(cfg, a, h, enc_out):
@@ -304,27 +317,35 @@ def _check_layer_rules(cfg, what, cross):
         raise KVSimdValueError("%s.parallel_residual=True with cross-attention is not defined" % what)
 
 
-def layer(cfg, lw, x, positions=None, enc_out=None):
+def layer(cfg, lw, x, positions=None, enc_out=None, window=0):
     """One float64 layer over the rows ``x [T, d_model]``.  ``positions`` (``[T]``) makes the
     self-attention causal at those positions (RoPE / ALiBi); None makes it bidirectional with no
-    position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it."""
+    position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it.
+    ``window`` > 0: each query reads its last ``window`` keys only.  With ``cfg.post_norms`` the
+    attention and FFN outputs are normed (post_norm1, post_norm2) before their residual adds."""
     x = np.asarray(x, dtype=np.float64)
     cross = enc_out is not None
     _check_layer_rules(cfg, "cfg", cross)
     pos = None if positions is None else np.asarray(positions, dtype=np.int64)
-
+    qk = (lw.q_norm, lw.k_norm) if getattr(cfg, "qk_norm", False) else None
+    post = getattr(cfg, "post_norms", False)
 
     def attn(h):
-        return _self_attention(cfg, lw.attn, h, pos)
+        a = _self_attention(cfg, lw.attn, h, pos, window, qk)
+        return norm(cfg, lw.post_norm1, a) if post else a
+
+    def ff(h):
+        f = ffn(cfg, lw.ffn, h)
+        return norm(cfg, lw.post_norm2, f) if post else f
 
     if cfg.pre_norm:
         a = attn(norm(cfg, lw.norm1, x))
         if cfg.parallel_residual:
-            return x + a + ffn(cfg, lw.ffn, norm(cfg, lw.norm2, x))
+            return x + a + ff(norm(cfg, lw.norm2, x))
         x = x + a
         if cross:
             x = x + _cross_attention(cfg, lw.cross, norm(cfg, lw.norm_cross, x), enc_out)
-        return x + ffn(cfg, lw.ffn, norm(cfg, lw.norm2, x))
+        return x + ff(norm(cfg, lw.norm2, x))
     x = norm(cfg, lw.norm1, x + attn(x))
     if cross:
         x = norm(cfg, lw.norm_cross, x + _cross_attention(cfg, lw.cross, x, enc_out))
@@ -415,9 +436,12 @@ def forward(model, tokens, src=None, positions=None):
     pos_table = model.pos_embed
     x = _embed(cfg, model.embed, pos_table, _norm_weights(cfg, "embed_norm", model.embed_norm, "embed_norm", "cfg"),
                t, pos, "tokens")
-    for lw in model.layers:
-        x = layer(cfg, lw, x, pos, enc_out)
+    windows = getattr(cfg, "attn_windows", None) or (0,) * len(model.layers)
+    for lw, w in zip(model.layers, windows):
+        x = layer(cfg, lw, x, pos, enc_out, int(w))
     fn = _norm_weights(cfg, "final_norm", model.final_norm, "final_norm", "cfg")
     if fn is not None:
         x = norm(cfg, fn, x)
-    return _linear(x, model.lm_head, getattr(model, "lm_bias", None))
+    logits = _linear(x, model.lm_head, getattr(model, "lm_bias", None))
+    cap = float(getattr(cfg, "final_softcap", 0.0) or 0.0)
+    return np.tanh(logits / cap) * cap if cap else logits

@@ -100,9 +100,10 @@ class _Weights:
     def b(self, n):
         return self.normal(n, std=0.1 * self.scale) if self.bias else None
 
-    def norm(self, cfg):
-        w = 1.0 + self.normal(cfg.d_model, std=0.1)
-        return self.nn.NormWeights(w, self.normal(cfg.d_model, std=0.1) if cfg.norm == "layernorm" else None)
+    def norm(self, cfg, width=None):
+        n = cfg.d_model if width is None else width
+        w = 1.0 + self.normal(n, std=0.1)
+        return self.nn.NormWeights(w, self.normal(n, std=0.1) if cfg.norm == "layernorm" else None)
 
     def attention(self, cfg, d_kv_in):
         d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -116,9 +117,14 @@ class _Weights:
             ffn = self.nn.FFNWeights(self.linear(d, F), self.linear(F, d), self.linear(d, F), None, self.b(d))
         else:
             ffn = self.nn.FFNWeights(self.linear(d, F), self.linear(F, d), None, self.b(F), self.b(d))
+        extra = {}
+        if cfg.qk_norm:
+            extra.update(q_norm=self.norm(cfg, cfg.head_dim), k_norm=self.norm(cfg, cfg.head_dim))
+        if cfg.post_norms:
+            extra.update(post_norm1=self.norm(cfg), post_norm2=self.norm(cfg))
         if d_source is None:
-            return self.nn.LayerWeights(attn, ffn, n1, n2)
-        return self.nn.LayerWeights(attn, ffn, n1, n2, self.attention(cfg, d_source), self.norm(cfg))
+            return self.nn.LayerWeights(attn, ffn, n1, n2, **extra)
+        return self.nn.LayerWeights(attn, ffn, n1, n2, self.attention(cfg, d_source), self.norm(cfg), **extra)
 
     def pos_table(self, cfg):
         """A learned table of position_offset + max_positions rows; None otherwise (the model fills

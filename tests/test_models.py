@@ -35,6 +35,25 @@ def causal_models():
         "gpt2": T.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
                              eos_token_id=2),
         "bloom": T.BloomConfig(vocab_size=V, hidden_size=48, n_layer=2, n_head=4),
+        # the families of the GGUF architectures (tests/test_families.py loads them from GGUF files)
+        "mistral-window": T.MistralConfig(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                                          max_position_embeddings=512),
+        "qwen2-window": T.Qwen2Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                      sliding_window=16, max_window_layers=1, max_position_embeddings=512),
+        "qwen3": T.Qwen3Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+        "phi3": T.Phi3Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+                             sliding_window=None, max_position_embeddings=512, pad_token_id=0),
+        "phi3-window": T.Phi3Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, sliding_window=16,
+                                    max_position_embeddings=512, pad_token_id=0),
+        "gemma2": T.Gemma2Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                 attn_logit_softcapping=None, final_logit_softcapping=3.0, sliding_window=16,
+                                 max_position_embeddings=512, pad_token_id=0),
     }
 
 

@@ -22,7 +22,8 @@ def families():
     return pytest.importorskip("test_models", reason="the family tests need torch and transformers")
 
 
-CAUSAL = ["llama", "qwen2-bias", "gpt_neox", "gpt_neox-sequential", "gpt2", "bloom"]
+CAUSAL = ["llama", "qwen2-bias", "gpt_neox", "gpt_neox-sequential", "gpt2", "bloom", "mistral-window", "qwen2-window",
+          "qwen3", "phi3", "phi3-window", "gemma2"]
 SEQ2SEQ = ["bart", "marian"]
 
 
@@ -144,6 +145,10 @@ GRID = [
      dict(pre_norm=False, position_offset=2, norm="layernorm", embed_norm=True, final_norm=False, bias=True,
           activation="gelu")),
     ("encdec-prenorm-sinusoidal-gated-gqa", True, 2, dict(position="sinusoidal", ffn_gated=True, embed_scale=2.0)),
+    ("qk_norm-post_norms-scale-window-final_softcap", False, 2,
+     dict(qk_norm=True, post_norms=True, attn_scale=0.6, attn_windows=(6, 0), final_softcap=1.5, ffn_gated=True)),
+    ("layernorm-qk_norm-windows-alibi", False, 2,
+     dict(norm="layernorm", qk_norm=True, position="alibi", attn_windows=(4, 7))),
 ]
 
 V = 53
@@ -171,6 +176,11 @@ def test_grid_covers_every_option():
         seen.setdefault("embed_scale", set()).add(c.embed_scale != 1.0)
         seen.setdefault("bias", set()).add(m.layers[0].attn.bq is not None)
         seen.setdefault("heads", set()).add(("mha", "gqa", "mqa")[(kv < 4) + (kv == 1)])
+        for field in ("qk_norm", "post_norms"):
+            seen.setdefault(field, set()).add(getattr(c, field))
+        seen.setdefault("attn_scale", set()).add(c.attn_scale is not None)
+        seen.setdefault("final_softcap", set()).add(c.final_softcap > 0)
+        seen.setdefault("attn_windows", set()).add(c.attn_windows is not None)
     assert seen.pop("norm") == {"rmsnorm", "layernorm"}
     assert seen.pop("activation") == {"silu", "gelu", "gelu_tanh", "relu"}
     assert seen.pop("position") == {"rope", "alibi", "learned", "sinusoidal"}
@@ -194,14 +204,18 @@ def test_decoder_matches_reference_option_grid(name, dtype, isa, rng):
         assert_matches_reference(m, toks, m.forward(toks))
 
 
-@pytest.mark.parametrize("policy, position", [("shift", "rope"), ("shift", "alibi"), ("reevaluate", "learned")])
-def test_streaming_window_matches_reference_of_the_kept_tokens(policy, position, rng):
+@pytest.mark.parametrize("policy, position, windows", [("shift", "rope", None), ("shift", "alibi", None),
+                                                       ("reevaluate", "learned", None), ("shift", "rope", (5,)),
+                                                       ("reevaluate", "rope", (4, 0))])
+def test_streaming_window_matches_reference_of_the_kept_tokens(policy, position, windows, rng):
     """StreamingLLM: after each discard (n_keep sinks, n_discard oldest window tokens dropped) a
     step's logits are those of the kept tokens at the compressed positions 0..L-1.  "shift" keeps
     the K/V the kept tokens got beside the discarded ones (rotated to their new positions): only the
-    first layer's are a function of the kept tokens alone, so its model has one layer."""
+    first layer's are a function of the kept tokens alone, so its model has one layer.  Layers with
+    an attention window read the last W of the kept tokens (sinks included while they are among them)."""
     n_layers = 1 if policy == "shift" else 2
-    d = random_decoder(V, 32, n_layers, 4, 2, 8, 40, seed=5, position=position, norm="layernorm")
+    d = random_decoder(V, 32, n_layers, 4, 2, 8, 40, seed=5, position=position, norm="layernorm",
+                       attn_windows=windows)
     cap, nk, nd = 12, 2, 3
     cache = d.new_cache(capacity=cap, n_keep=nk, policy=policy, n_discard=nd, dtype="float32")
     toks = rng.integers(0, V, 30)

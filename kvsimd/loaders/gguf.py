@@ -1,4 +1,4 @@
-"""Load Llama-architecture GGUF files (llama.cpp's format).
+"""Load GGUF files (llama.cpp's format) of the architectures in :data:`ARCHITECTURES`.
 
 The header, metadata and tensor directory are parsed here, every count, length and offset
 checked against the file's size before it is used (a damaged file is a :class:`GGUFError`, never
@@ -281,31 +281,37 @@ class GGUFFile:
             raise GGUFError("%s: tensor %s holds %d NaN/inf values (first at index %s)"
                             % (self.path, t.name, bad, index))
 
-    def stored(self, name, copy=False, activations="int8"):
+    def stored(self, name, copy=False, activations="int8", rows=None):
         """Matrix ``name`` as stored: a :class:`kvsimd.QMatrix` over its bytes in the map (or over
         a private copy of them with ``copy``), or, for a type kvsimd has no kernel for, over its
         float32 dequantization (``self.dequantized`` lists those).  NaN/inf is an error.
-        ``activations``: "int8" where the type and shape allow it (QMatrix's default), or "float32"."""
+        ``activations``: "int8" where the type and shape allow it (QMatrix's default), or "float32".
+        ``rows``: (r0, r1), rows r0..r1-1 only (a part of a fused projection: a view, no copy)."""
         from kvsimd._kvsimd import QMatrix
         t = self.tensors[name]
         if len(t.shape) != 2:
             raise GGUFError("%s: tensor %s has shape %s, expected a matrix" % (self.path, name, list(t.shape)))
+        r0, r1 = (0, t.shape[0]) if rows is None else rows
+        label = name if rows is None else "%s[%d:%d]" % (name, r0, r1)
         if t.qtype.name not in WEIGHT_TYPES:
-            w = self.read(name)
-            self.dequantized.append((name, t.qtype.name))
-            return QMatrix(w.view(np.uint8).reshape(t.shape[0], -1), "f32", t.shape, name=name)
+            w = np.ascontiguousarray(self.read(name)[r0:r1])
+            self.dequantized.append((label, t.qtype.name))
+            return QMatrix(w.view(np.uint8).reshape(r1 - r0, -1), "f32", w.shape, name=label)
+        row_bytes = t.nbytes // t.shape[0]
+        t = t._replace(name=label, shape=(r1 - r0, t.shape[1]), offset=t.offset + r0 * row_bytes,
+                       nbytes=(r1 - r0) * row_bytes)
         raw = self._raw(t, copy)
         self._need_finite(t, raw)
-        q = QMatrix(raw, t.qtype.name.lower(), t.shape, name=name,
+        q = QMatrix(raw, t.qtype.name.lower(), t.shape, name=label,
                     activations="float32" if activations == "float32" else None)
         if not copy and q.activations == "int8":
             self._release(t)
         return q
 
     def _release(self, t):
-        """Drop the map's pages of tensor t from the process (its products read the QMatrix's
-        repacked copy): they stay in the page cache, and a later read of the stored bytes
-        (``take``, ``raw``) maps them again.  Whole pages inside the tensor only."""
+        """Drop the map's pages of tensor (part) t from the process (its products read the
+        QMatrix's repacked copy): they stay in the page cache, and a later read of the stored
+        bytes (``take``, ``raw``) maps them again.  Whole pages inside the tensor only."""
         page = mmap.PAGESIZE
         start = -(-t.offset // page) * page
         end = (t.offset + t.nbytes) // page * page
@@ -391,47 +397,104 @@ def meta_list(gf, key, element, default=_REQUIRED):
     return default if v is None else v.value
 
 
-def config_from_gguf(gf):
-    """The checked :class:`ModelConfig` of a Llama-architecture GGUF file (its tokenizer metadata
-    checked too: token ids index the embedding)."""
-    p = gf.path
+# ------------------------------------------------------------------------------ architectures
+class Arch(NamedTuple):
+    """What one GGUF architecture needs beyond the Llama layout (llama.cpp's tensor names and
+    metadata keys, ``{arch}.`` prefixed).  Every field maps to a general option of ModelConfig or
+    of the tensor table; no family is special-cased anywhere else."""
+    rope_style: str = "neox"          # llama.cpp's converter permutes q/k rows only for llama ("gptj" pairs)
+    fused_qkv: bool = False           # blk.N.attn_qkv.weight: rows q | k | v
+    fused_gate_up: bool = False       # blk.N.ffn_up.weight: rows gate | up (no ffn_gate)
+    qk_norm: bool = False             # blk.N.attn_q_norm / attn_k_norm [head_dim]
+    post_norms: bool = False          # blk.N.post_attention_norm / post_ffw_norm
+    activation: str = "silu"
+    embed_scale_sqrt_d: bool = False  # embeddings times sqrt(d_model)
+    softcaps: bool = False            # {arch}.attn_logit_softcapping / final_logit_softcapping
+    window_every: int = 0             # {arch}.attention.sliding_window on layers i % n == 0 (1: all layers)
+
+
+ARCHITECTURES = {
+    "llama": Arch(rope_style="gptj"),        # Llama 1-3, SmolLM, Mistral (general.name says which)
+    "qwen2": Arch(),                         # q/k/v biases (optional tensors of every family)
+    "qwen3": Arch(qk_norm=True),
+    "phi3": Arch(fused_qkv=True, fused_gate_up=True, window_every=1),
+    "gemma2": Arch(post_norms=True, activation="gelu_tanh", embed_scale_sqrt_d=True, softcaps=True,
+                   window_every=2),
+}
+
+
+def _arch(gf):
     arch = meta_str(gf, "general.architecture")
-    if arch != "llama":
-        raise GGUFError("%s: architecture %r is not supported (supported: llama)" % (p, arch))
-    d = meta_int(gf, "llama.embedding_length")
-    H = meta_int(gf, "llama.attention.head_count")
-    Hkv = meta_int(gf, "llama.attention.head_count_kv", H)
+    if arch not in ARCHITECTURES:
+        raise GGUFError("%s: architecture %r is not supported (supported: %s)"
+                        % (gf.path, arch, ", ".join(ARCHITECTURES)))
+    return arch, ARCHITECTURES[arch]
+
+
+def _attention_scale(gf, a, arch, d, H, head_dim, n_layers):
+    """``{arch}.attention.scale`` when the file has it; else what llama.cpp uses for the family:
+    Gemma 2's 27B model (46 layers of 4608) scales by 1/sqrt(d_model / heads), every other model
+    by 1/sqrt(head_dim) (None)."""
+    scale = meta_float(gf, arch + ".attention.scale", None)
+    if scale is None and arch == "gemma2" and (n_layers, d) == (46, 4608):
+        scale = 1.0 / math.sqrt(d // H)
+    return scale
+
+
+def config_from_gguf(gf):
+    """The checked :class:`ModelConfig` of a GGUF file of a supported architecture (its tokenizer
+    metadata checked too: token ids index the embedding)."""
+    p = gf.path
+    arch, a = _arch(gf)
+    k = arch + "."
+    d = meta_int(gf, k + "embedding_length")
+    H = meta_int(gf, k + "attention.head_count")
+    Hkv = meta_int(gf, k + "attention.head_count_kv", H)
     if H % Hkv:
-        raise GGUFError("%s: metadata llama.attention.head_count=%d is not a multiple of "
-                        "llama.attention.head_count_kv=%d" % (p, H, Hkv))
-    if "llama.attention.key_length" not in gf.meta and d % H:
-        raise GGUFError("%s: metadata llama.embedding_length=%d is not a multiple of llama.attention.head_count=%d "
-                        "(and llama.attention.key_length is absent)" % (p, d, H))
-    head_dim = meta_int(gf, "llama.attention.key_length", d // H)
-    v_dim = meta_int(gf, "llama.attention.value_length", head_dim)
+        raise GGUFError("%s: metadata %sattention.head_count=%d is not a multiple of %sattention.head_count_kv=%d"
+                        % (p, k, H, k, Hkv))
+    if k + "attention.key_length" not in gf.meta and d % H:
+        raise GGUFError("%s: metadata %sembedding_length=%d is not a multiple of %sattention.head_count=%d "
+                        "(and %sattention.key_length is absent)" % (p, k, d, k, H, k))
+    head_dim = meta_int(gf, k + "attention.key_length", d // H)
+    v_dim = meta_int(gf, k + "attention.value_length", head_dim)
     if v_dim != head_dim:
-        raise GGUFError("%s: metadata llama.attention.value_length=%d differs from key_length=%d (not supported)"
-                        % (p, v_dim, head_dim))
-    rot = meta_int(gf, "llama.rope.dimension_count", head_dim)
+        raise GGUFError("%s: metadata %sattention.value_length=%d differs from key_length=%d (not supported)"
+                        % (p, k, v_dim, head_dim))
+    rot = meta_int(gf, k + "rope.dimension_count", head_dim)
     if rot % 2 or rot > head_dim:
-        raise GGUFError("%s: metadata llama.rope.dimension_count=%d: must be even and at most the head dimension %d"
-                        % (p, rot, head_dim))
-    n_layers = meta_int(gf, "llama.block_count")
+        raise GGUFError("%s: metadata %srope.dimension_count=%d: must be even and at most the head dimension %d"
+                        % (p, k, rot, head_dim))
+    n_layers = meta_int(gf, k + "block_count")
     if n_layers > len(gf.tensors):   # each layer has tensors: this bounds the table of expected shapes
-        raise GGUFError("%s: metadata llama.block_count=%d but the file holds only %d tensors"
-                        % (p, n_layers, len(gf.tensors)))
+        raise GGUFError("%s: metadata %sblock_count=%d but the file holds only %d tensors"
+                        % (p, k, n_layers, len(gf.tensors)))
     tok = tokenizer_spec(gf)
-    vocab = meta_int(gf, "llama.vocab_size", len(tok["tokens"]))
+    vocab = meta_int(gf, k + "vocab_size", len(tok["tokens"]))
     if vocab != len(tok["tokens"]):   # token ids index the embedding rows: both must agree
-        raise GGUFError("%s: metadata llama.vocab_size=%d but tokenizer.ggml.tokens has %d tokens"
-                        % (p, vocab, len(tok["tokens"])))
+        raise GGUFError("%s: metadata %svocab_size=%d but tokenizer.ggml.tokens has %d tokens"
+                        % (p, k, vocab, len(tok["tokens"])))
+    scaling = meta_str(gf, k + "rope.scaling.type", "none")
+    if scaling != "none":
+        raise GGUFError("%s: metadata %srope.scaling.type=%r is not supported (supported: none)" % (p, k, scaling))
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in gf.tensors:
+            raise GGUFError("%s: tensor %s (RoPE frequency factors) is not supported" % (p, name))
+    windows = None
+    window = meta_int(gf, k + "attention.sliding_window", 0, 0) if a.window_every else 0
+    if window:
+        windows = tuple(window if i % a.window_every == 0 else 0 for i in range(n_layers))
     fields = dict(
         vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=Hkv,
-        head_dim=head_dim, ffn_dim=meta_int(gf, "llama.feed_forward_length"), activation="silu", ffn_gated=True,
-        norm="rmsnorm", norm_eps=meta_float(gf, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        position="rope", rope_theta=meta_float(gf, "llama.rope.freq_base", 10000.0), rope_style="gptj",
-        rotary_dim=rot, max_positions=meta_int(gf, "llama.context_length", 4096),
-        bos_token_id=tok["bos_id"], eos_token_id=tok["eos_id"], family="llama-gguf")
+        head_dim=head_dim, ffn_dim=meta_int(gf, k + "feed_forward_length"), activation=a.activation, ffn_gated=True,
+        norm="rmsnorm", norm_eps=meta_float(gf, k + "attention.layer_norm_rms_epsilon", 1e-5),
+        position="rope", rope_theta=meta_float(gf, k + "rope.freq_base", 10000.0), rope_style=a.rope_style,
+        rotary_dim=rot, max_positions=meta_int(gf, k + "context_length", 4096),
+        embed_scale=math.sqrt(d) if a.embed_scale_sqrt_d else 1.0, qk_norm=a.qk_norm, post_norms=a.post_norms,
+        attn_scale=_attention_scale(gf, a, arch, d, H, head_dim, n_layers),
+        attn_softcap=meta_float(gf, k + "attn_logit_softcapping", 0.0) if a.softcaps else 0.0,
+        final_softcap=meta_float(gf, k + "final_logit_softcapping", 0.0) if a.softcaps else 0.0,
+        attn_windows=windows, bos_token_id=tok["bos_id"], eos_token_id=tok["eos_id"], family=arch + "-gguf")
     try:    # the config's own rules (e.g. RoPE theta as the kernels accept it), named as the file's
         return ModelConfig(**fields)
     except KVSimdError as e:
@@ -475,8 +538,14 @@ def tokenizer_spec(gf):
     return gf._tokenizer_spec
 
 
+def _arch_of(cfg):
+    return ARCHITECTURES[cfg.family[:-len("-gguf")]]
+
+
 def expected_tensors(cfg):
-    """name -> (NumPy-order shape, required) of every tensor a Llama GGUF may hold for ``cfg``."""
+    """name -> (NumPy-order shape, required) of every tensor a GGUF file of ``cfg``'s architecture
+    may hold (llama.cpp's names)."""
+    a = _arch_of(cfg)
     d, V, F, Dh = cfg.d_model, cfg.vocab_size, cfg.ffn_dim, cfg.head_dim
     q, kv = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
     table = {"token_embd.weight": ((V, d), True), "output_norm.weight": ((d,), True), "output.weight": ((V, d), False)}
@@ -484,11 +553,21 @@ def expected_tensors(cfg):
         p = "blk.%d." % i
         table.update({
             p + "attn_norm.weight": ((d,), True), p + "ffn_norm.weight": ((d,), True),
-            p + "attn_q.weight": ((q, d), True), p + "attn_k.weight": ((kv, d), True),
-            p + "attn_v.weight": ((kv, d), True), p + "attn_output.weight": ((d, q), True),
-            p + "attn_q.bias": ((q,), False), p + "attn_k.bias": ((kv,), False), p + "attn_v.bias": ((kv,), False),
-            p + "ffn_gate.weight": ((F, d), True), p + "ffn_up.weight": ((F, d), True),
-            p + "ffn_down.weight": ((d, F), True)})
+            p + "attn_output.weight": ((d, q), True), p + "ffn_down.weight": ((d, F), True)})
+        if a.fused_qkv:
+            table[p + "attn_qkv.weight"] = ((q + 2 * kv, d), True)
+        else:
+            table.update({p + "attn_q.weight": ((q, d), True), p + "attn_k.weight": ((kv, d), True),
+                          p + "attn_v.weight": ((kv, d), True), p + "attn_q.bias": ((q,), False),
+                          p + "attn_k.bias": ((kv,), False), p + "attn_v.bias": ((kv,), False)})
+        if a.fused_gate_up:
+            table[p + "ffn_up.weight"] = ((2 * F, d), True)
+        else:
+            table.update({p + "ffn_gate.weight": ((F, d), True), p + "ffn_up.weight": ((F, d), True)})
+        if a.qk_norm:
+            table.update({p + "attn_q_norm.weight": ((Dh,), True), p + "attn_k_norm.weight": ((Dh,), True)})
+        if a.post_norms:
+            table.update({p + "post_attention_norm.weight": ((d,), True), p + "post_ffw_norm.weight": ((d,), True)})
     return table
 
 
@@ -500,10 +579,11 @@ def check_gguf(gf):
     cfg = config_from_gguf(gf)
     spec = tokenizer_spec(gf)         # checked (and kept) by config_from_gguf
     table = expected_tensors(cfg)
+    arch = cfg.family[:-len("-gguf")]
     for name, t in gf.tensors.items():
         if name not in table:
-            raise GGUFError("%s: tensor %s is not part of a %d-layer llama model (not supported)"
-                            % (p, name, cfg.n_layers))
+            raise GGUFError("%s: tensor %s is not part of a %d-layer %s model (not supported)"
+                            % (p, name, cfg.n_layers, arch))
         if t.qtype.name not in SUPPORTED_TYPES:
             raise GGUFError("%s: tensor %s has type %s, not supported (supported: %s)"
                             % (p, name, t.qtype.name, ", ".join(SUPPORTED_TYPES)))
@@ -516,11 +596,33 @@ def check_gguf(gf):
     return cfg, spec
 
 
-def load_tensors(gf, copy=False, activations="int8"):
+def _splits(cfg):
+    """Fused matrices of the architecture -> their parts' (suffix, first row, end row)."""
+    a = _arch_of(cfg)
+    q, kv, F = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    out = {}
+    for i in range(cfg.n_layers):
+        p = "blk.%d." % i
+        if a.fused_qkv:
+            out[p + "attn_qkv.weight"] = (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))
+        if a.fused_gate_up:
+            out[p + "ffn_up.weight"] = (("gate", 0, F), ("up", F, 2 * F))
+    return out
+
+
+def load_tensors(gf, copy=False, activations="int8", splits=None):
     """name -> tensor: matrices as stored (:meth:`GGUFFile.stored`, ggml order ``[out, in]``),
-    vectors (norms, biases) as float32 arrays."""
-    return {name: gf.stored(name, copy, activations) if len(t.shape) == 2 else gf.read(name)
-            for name, t in gf.tensors.items()}
+    vectors (norms, biases) as float32 arrays.  ``splits``: fused matrix -> its parts (suffix,
+    r0, r1), loaded as ``name#suffix`` (views of the rows, no copy)."""
+    splits = splits or {}
+    out = {}
+    for name, t in gf.tensors.items():
+        if name in splits:
+            for suffix, r0, r1 in splits[name]:
+                out[name + "#" + suffix] = gf.stored(name, copy, activations, rows=(r0, r1))
+        else:
+            out[name] = gf.stored(name, copy, activations) if len(t.shape) == 2 else gf.read(name)
+    return out
 
 
 def decoder_kwargs_from_gguf(path, mmap=True, activations="int8"):
@@ -531,22 +633,33 @@ def decoder_kwargs_from_gguf(path, mmap=True, activations="int8"):
     gf = open_gguf(path)
     cfg, _ = check_gguf(gf)
     Tokenizer.from_gguf(gf)          # built (and kept on gf) before any tensor is read
+    a = _arch_of(cfg)
     try:
-        w = load_tensors(gf, copy=not mmap, activations=activations)
+        w = load_tensors(gf, copy=not mmap, activations=activations, splits=_splits(cfg))
     finally:
         gf.close()    # unmaps only when nothing views the map any more (mmap=False, or no matrix)
     if gf.dequantized:
         import warnings
         warnings.warn("%s: no kvsimd kernel for %s: dequantized to float32 at load (more memory, slower)"
                       % (path, ", ".join("%s (%s)" % nt for nt in gf.dequantized)), stacklevel=3)
+
+    def norm(name):
+        return NormWeights(w[name]) if name in w else None
+
     layers = []
     for i in range(cfg.n_layers):
         p = "blk.%d." % i
-        a = AttentionWeights(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"],
-                             w[p + "attn_output.weight"], w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
-                             w.get(p + "attn_v.bias"))
-        f = FFNWeights(w[p + "ffn_gate.weight"], w[p + "ffn_down.weight"], w[p + "ffn_up.weight"])
-        layers.append(LayerWeights(a, f, NormWeights(w[p + "attn_norm.weight"]), NormWeights(w[p + "ffn_norm.weight"])))
+        qkv = [w[p + "attn_qkv.weight#" + x] for x in "qkv"] if a.fused_qkv else \
+            [w[p + "attn_%s.weight" % x] for x in "qkv"]
+        gate, up = (w[p + "ffn_up.weight#gate"], w[p + "ffn_up.weight#up"]) if a.fused_gate_up else \
+            (w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"])
+        at = AttentionWeights(*qkv, w[p + "attn_output.weight"], w.get(p + "attn_q.bias"), w.get(p + "attn_k.bias"),
+                              w.get(p + "attn_v.bias"))
+        f = FFNWeights(gate, w[p + "ffn_down.weight"], up)
+        layers.append(LayerWeights(at, f, NormWeights(w[p + "attn_norm.weight"]), NormWeights(w[p + "ffn_norm.weight"]),
+                                   q_norm=norm(p + "attn_q_norm.weight"), k_norm=norm(p + "attn_k_norm.weight"),
+                                   post_norm1=norm(p + "post_attention_norm.weight"),
+                                   post_norm2=norm(p + "post_ffw_norm.weight")))
     embed = w["token_embd.weight"]
     head = w.get("output.weight", embed)    # tied embeddings: the same stored rows
     return dict(cfg=cfg, embed=embed, layers=layers, final_norm=NormWeights(w["output_norm.weight"]),
@@ -554,4 +667,5 @@ def decoder_kwargs_from_gguf(path, mmap=True, activations="int8"):
 
 
 __all__ = ["GGUFError", "GGUFFile", "open_gguf", "check_gguf", "config_from_gguf", "tokenizer_spec",
-           "expected_tensors", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError", "WEIGHT_TYPES"]
+           "expected_tensors", "load_tensors", "decoder_kwargs_from_gguf", "KVSimdValueError", "WEIGHT_TYPES",
+           "ARCHITECTURES"]

@@ -1,7 +1,7 @@
 """Import weights and configuration from loaded Hugging Face ``transformers`` models.
 
-Supported: Llama (and Mistral/Qwen2-style: GQA, SiLU-gated FFN, RMSNorm, NeoX RoPE, optional
-q/k/v bias), GPT-NeoX (partial rotary, parallel residual), GPT-2 (learned positions), BLOOM
+Supported: Llama and the families built like it (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2: GQA, gated
+FFN, RMSNorm, NeoX RoPE, and the options each adds: see :func:`_llama`), GPT-NeoX (partial rotary, parallel residual), GPT-2 (learned positions), BLOOM
 (ALiBi), BART and Marian (encoder-decoder; learned / sinusoidal positions).  torch is only
 touched to read tensors; it is never a runtime dependency of kvsimd.
 
@@ -83,37 +83,89 @@ def decoder_from_transformers(cls, model, weights="float32"):
     _need_model(model, "Decoder.from_transformers")
     need_format(weights)
     family = getattr(model.config, "model_type", type(model).__name__)
-    builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
+    builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
+                "gemma2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
     if family not in builders:
         raise KVSimdValueError("Decoder.from_transformers: model family %r is not supported (supported: %s)"
                                % (family, ", ".join(sorted(builders))))
     return store_weights(cls(**builders[family](model)), weights)
 
 
+def _windows(c):
+    """Per-layer attention windows of a config (0: every key), or None: ``layer_types`` where the
+    config has them (Gemma 2, Qwen2/3), else ``sliding_window`` on every layer (Mistral, Phi-3)."""
+    n, W = c.num_hidden_layers, getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise KVSimdValueError("layer types %s are not supported (supported: full_attention, sliding_attention)"
+                                   % ", ".join(map(repr, unknown)))
+        if "sliding_attention" not in types:
+            return None
+        if not W:
+            raise KVSimdValueError("the config has sliding_attention layers but sliding_window=%r" % (W,))
+        return tuple(int(W) if t == "sliding_attention" else 0 for t in types)
+    return (int(W),) * n if W else None
+
+
 def _llama(model):
+    """Llama-style decoders (RMSNorm, gated FFN, RoPE) and the options their families add:
+    Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused qkv and gate|up projections and partial
+    rotary dimension, Gemma 2's (1 + w) norms, norms after attention and FFN, scaled embeddings,
+    score and logit caps, query scale and sliding-window layers."""
     c, sd = model.config, _SD(model)
     H, Hkv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     Dh = getattr(c, "head_dim", None) or c.hidden_size // H
     theta, frac = _rope_params(c)
+    gemma = c.model_type == "gemma2"
+    act = getattr(c, "hidden_activation", None) if gemma else None
+    qk_norm = sd.has("model.layers.0.self_attn.q_norm.weight")
     cfg = ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
-                      n_kv_heads=Hkv, head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act),
+                      n_kv_heads=Hkv, head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(act or c.hidden_act),
                       ffn_gated=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, position="rope", rope_theta=theta,
                       rope_style="neox", rotary_dim=_rotary_dim(Dh, frac),
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
-                      eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None, family=c.model_type)
+                      eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None,
+                      qk_norm=qk_norm, post_norms=gemma, embed_scale=math.sqrt(c.hidden_size) if gemma else 1.0,
+                      attn_scale=c.query_pre_attn_scalar ** -0.5 if gemma else None,
+                      attn_softcap=(getattr(c, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
+                      final_softcap=(getattr(c, "final_logit_softcapping", None) or 0.0) if gemma else 0.0,
+                      attn_windows=_windows(c), family=c.model_type)
+    q, kv, F = H * Dh, Hkv * Dh, c.intermediate_size
+
+    def norm(key):        # Gemma's norms multiply by (1 + w), in float32 as transformers does
+        w = sd(key)
+        return NormWeights(w + np.float32(1.0) if gemma else w)
+
     layers = []
     for i in range(c.num_hidden_layers):
         p = "model.layers.%d." % i
-        a = AttentionWeights(sd(p + "self_attn.q_proj.weight", True), sd(p + "self_attn.k_proj.weight", True),
-                             sd(p + "self_attn.v_proj.weight", True), sd(p + "self_attn.o_proj.weight", True),
+        if sd.has(p + "self_attn.qkv_proj.weight"):      # Phi-3: rows q | k | v
+            w = sd(p + "self_attn.qkv_proj.weight")
+            wq, wk, wv = (np.ascontiguousarray(w[a:b].T) for a, b in ((0, q), (q, q + kv), (q + kv, q + 2 * kv)))
+        else:
+            wq, wk, wv = (sd(p + "self_attn.%s_proj.weight" % x, True) for x in "qkv")
+        a = AttentionWeights(wq, wk, wv, sd(p + "self_attn.o_proj.weight", True),
                              sd.opt(p + "self_attn.q_proj.bias"), sd.opt(p + "self_attn.k_proj.bias"),
                              sd.opt(p + "self_attn.v_proj.bias"), sd.opt(p + "self_attn.o_proj.bias"))
-        f = FFNWeights(sd(p + "mlp.gate_proj.weight", True), sd(p + "mlp.down_proj.weight", True),
-                       sd(p + "mlp.up_proj.weight", True))
-        layers.append(LayerWeights(a, f, NormWeights(sd(p + "input_layernorm.weight")),
-                                   NormWeights(sd(p + "post_attention_layernorm.weight"))))
+        if sd.has(p + "mlp.gate_up_proj.weight"):        # Phi-3: rows gate | up
+            w = sd(p + "mlp.gate_up_proj.weight")
+            gate, up = np.ascontiguousarray(w[:F].T), np.ascontiguousarray(w[F:].T)
+        else:
+            gate, up = sd(p + "mlp.gate_proj.weight", True), sd(p + "mlp.up_proj.weight", True)
+        f = FFNWeights(gate, sd(p + "mlp.down_proj.weight", True), up)
+        extra = {}
+        if qk_norm:
+            extra.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
+        if gemma:
+            extra.update(post_norm1=norm(p + "post_attention_layernorm.weight"),
+                         post_norm2=norm(p + "post_feedforward_layernorm.weight"))
+        layers.append(LayerWeights(a, f, norm(p + "input_layernorm.weight"),
+                                   norm(p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm")
+                                        + ".weight"), **extra))
     return dict(cfg=cfg, embed=sd("model.embed_tokens.weight"), layers=layers,
-                final_norm=NormWeights(sd("model.norm.weight")), lm_head=sd("lm_head.weight", True))
+                final_norm=norm("model.norm.weight"), lm_head=sd("lm_head.weight", True))
 
 
 def _neox(model):

@@ -63,6 +63,13 @@ class ModelConfig(_Tracked):
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     decoder_start_token_id: Optional[int] = None
+    # options of the families that need them (each general: any model may set them)
+    qk_norm: bool = False             # a norm of each q and k head (head_dim wide) before RoPE (Qwen3)
+    post_norms: bool = False          # norms of the attention and FFN outputs before their residual adds (Gemma 2)
+    attn_scale: Optional[float] = None    # scores are attn_scale * q.k (None: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0         # scores capped to c * tanh(s / c) before the softmax (0: off)
+    final_softcap: float = 0.0        # logits capped likewise (0: off)
+    attn_windows: Optional[tuple] = None  # per layer: its queries see their last W keys only (0: all keys)
     family: str = ""
 
     def __post_init__(self):
@@ -77,7 +84,8 @@ def _real(x, name):
     return _kvsimd._need_real(x, name)
 
 
-BOOL_FIELDS = ("ffn_gated", "pre_norm", "parallel_residual", "embed_norm", "final_norm", "cross_attention")
+BOOL_FIELDS = ("ffn_gated", "pre_norm", "parallel_residual", "embed_norm", "final_norm", "cross_attention", "qk_norm",
+               "post_norms")
 
 
 def check_config(cfg, what="config"):
@@ -99,13 +107,17 @@ def check_config(cfg, what="config"):
         # one rule per layer: GPT-NeoX's x + attn(ln1 x) + ffn(ln2 x) is a pre-norm, self-attention-only layer
         raise KVSimdValueError("%s.parallel_residual needs pre_norm=True and cross_attention=False, got pre_norm=%r, "
                                "cross_attention=%r" % (what, cfg.pre_norm, cfg.cross_attention))
+    if cfg.post_norms and not cfg.pre_norm:
+        raise KVSimdValueError("%s.post_norms needs pre_norm=True (norms on both sides of each sublayer)" % what)
     if cfg.n_heads % cfg.n_kv_heads:
         raise KVSimdValueError("n_heads=%d must be a multiple of n_kv_heads=%d" % (cfg.n_heads, cfg.n_kv_heads))
     for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
         if getattr(cfg, name) not in allowed:
             raise KVSimdValueError("%s.%s must be one of %s, got %r"
                                    % (what, name, ", ".join(allowed), getattr(cfg, name)))
-    reals = (("norm_eps", 0.0), ("embed_scale", None))
+    reals = (("norm_eps", 0.0), ("embed_scale", None), ("attn_softcap", 0.0), ("final_softcap", 0.0))
+    if cfg.attn_scale is not None:
+        reals += (("attn_scale", 0.0),)
     if cfg.position != "rope":        # with RoPE, theta follows the kernels' rule below
         reals += (("rope_theta", None),)
     for name, lo in reals:
@@ -113,6 +125,9 @@ def check_config(cfg, what="config"):
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
                                    % (what, name, "" if lo is None else " and >= 0", v))
+    if cfg.attn_scale is not None and cfg.attn_scale == 0:
+        raise KVSimdValueError("%s.attn_scale must be > 0 (or None), got 0" % what)
+    check_windows(cfg, what)
     if cfg.position == "rope":
         # the kernels' own rule for theta, style and rotary_dim (ops.apply_rope, KVCache.step_plan),
         # so a config accepted here is never refused by every prefill
@@ -124,3 +139,27 @@ def check_config(cfg, what="config"):
             arg, rest = re.match(r"(\w*)(.*)", str(e), re.S).groups()
             field = {"theta": "rope_theta", "style": "rope_style"}.get(arg, arg)
             raise type(e)("%s.%s%s" % (what, field, rest)) from None
+
+
+def check_windows(cfg, what="config"):
+    """``attn_windows``: None, or one integer >= 0 per layer (0: the layer sees every key)."""
+    w = cfg.attn_windows
+    if w is None:
+        return
+    if not isinstance(w, (tuple, list)) or len(w) != cfg.n_layers:
+        raise KVSimdValueError("%s.attn_windows must be None or %d integers (one per layer), got %r"
+                               % (what, cfg.n_layers, w))
+    for i, x in enumerate(w):
+        v = _kvsimd._need_int(x, "%s.attn_windows[%d]" % (what, i))
+        if v < 0:
+            raise KVSimdValueError("%s.attn_windows[%d] must be >= 0 (0: all keys), got %d" % (what, i, v))
+
+
+def layer_windows(cfg):
+    """The window of every layer (0: all keys)."""
+    return tuple(int(x) for x in cfg.attn_windows) if cfg.attn_windows is not None else (0,) * cfg.n_layers
+
+
+def attention_scale(cfg):
+    """The factor of q.k in the scores."""
+    return float(cfg.attn_scale) if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)

@@ -17,7 +17,7 @@ from kvsimd import _kvsimd
 from kvsimd import threads as _threads
 from kvsimd._kvsimd import CrossAttentionCache, KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
-from kvsimd.nn.config import F32, ModelConfig, check_config, weights_generation
+from kvsimd.nn.config import F32, ModelConfig, attention_scale, check_config, layer_windows, weights_generation
 from kvsimd.nn.generate import _short, _tokens_1d
 from kvsimd.observe import notify
 from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, alibi_slopes, check_layer, embed_rows, need_norm,
@@ -118,6 +118,10 @@ class _Stack:
             raise KVSimdValueError("prefill_chunk must be >= 1, got %d" % chunk)
         object.__setattr__(self, "slopes", alibi_slopes(cfg.n_heads) if cfg.position == "alibi" else None)
         object.__setattr__(self, "rope", _rope_spec(cfg))
+        # what every plan of this model carries besides positions: the scores' scale and cap, the
+        # attention windows of its layers
+        object.__setattr__(self, "_attn", dict(scale=attention_scale(cfg), softcap=cfg.attn_softcap or None,
+                                               windows=tuple(sorted(set(layer_windows(cfg)) - {0})) or None))
 
     def _cross_width(self):
         """Width of the encoder output the layers' cross-attention reads (None: no cross-attention)."""
@@ -181,7 +185,12 @@ class _Stack:
         p = self._packed
         if p.final_norm is not None:
             x = p.final_norm(x)
-        return p.lm_head(x)
+        logits = p.lm_head(x)
+        cap = self.cfg.final_softcap
+        if cap:
+            c = np.float32(cap)
+            logits = np.tanh(logits / c) * c
+        return logits
 
     def _fill_cross(self, cross, seq, enc_out):
         """Project ``enc_out [S, d_source]`` with every layer's cross-attention K/V weights into
@@ -222,7 +231,8 @@ class _Stack:
                 return x if finish is None else finish(x)
 
     def _prefill_chunk(self, t, cache: KVCache, seq, cross=None):
-        plan = cache.begin_prefill(seq, t, rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads)
+        plan = cache.begin_prefill(seq, t, rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads,
+                                   **self._attn)
         x = self._embed(t, plan.embed_positions)
         self._packed.layers.run(x, plan, cross)
         cache.end_prefill(plan)
@@ -239,7 +249,7 @@ class _Stack:
                 raise KVSimdValueError("step needs one token per sequence: cache batch is %d, got %d tokens"
                                        % (cache.batch, t.size))
             with _threads.blas_scope():
-                kw: dict = dict(rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads)
+                kw: dict = dict(rope=self.rope, alibi_slopes=self.slopes, n_heads=self.cfg.n_heads, **self._attn)
                 plan = cache.begin_step(t, **kw)
                 if plan.refill:     # "reevaluate": the cache emptied these sequences; prefill what it keeps
                     for b, kept in plan.refill.items():
@@ -262,7 +272,8 @@ class _Stack:
             cross = CrossAttentionCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, enc_out.shape[0], dtype="float32")
             self._fill_cross(cross, 0, enc_out)
         with _threads.blas_scope():
-            plan = _kvsimd._local_plan(T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.rope, self.slopes, True)
+            plan = _kvsimd._local_plan(T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.rope, self.slopes, True,
+                                       **self._attn)
             x = self._embed(t, plan.embed_positions)
             self._packed.layers.run(x, plan, cross)
             notify(self, "positions", "decoder", T)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
-from kvsimd.nn.config import F32, _Tracked
+from kvsimd.nn.config import F32, _Tracked, layer_windows
 
 
 def alibi_slopes(n_heads):
@@ -178,6 +178,10 @@ class LayerWeights(_Tracked):
     norm2: NormWeights                  # FFN
     cross: Optional[AttentionWeights] = None
     norm_cross: Optional[NormWeights] = None
+    q_norm: Optional[NormWeights] = None    # of each q head, [head_dim] (cfg.qk_norm)
+    k_norm: Optional[NormWeights] = None    # of each k head
+    post_norm1: Optional[NormWeights] = None    # of the attention output (cfg.post_norms)
+    post_norm2: Optional[NormWeights] = None    # of the FFN output
 
 
 # ------------------------------------------------------------------------------ validation
@@ -242,6 +246,13 @@ def check_layer(cfg, lw, name, d_source=None):
     d, H, Hkv, Dh, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     need_norm(lw.norm1, name + ".norm1", d)
     need_norm(lw.norm2, name + ".norm2", d)
+    for flag, parts, width in (("qk_norm", ("q_norm", "k_norm"), Dh), ("post_norms", ("post_norm1", "post_norm2"), d)):
+        for part in parts:
+            nw = getattr(lw, part)
+            if getattr(cfg, flag):
+                need_norm(nw, "%s.%s" % (name, part), width)
+            elif nw is not None:
+                raise KVSimdValueError("%s.%s is set but the config has %s=False" % (name, part, flag))
     _need_attention(lw.attn, name + ".attn", d, d, H, Hkv, Dh, True)
     if d_source is not None:
         need_norm(lw.norm_cross, name + ".norm_cross", d)
@@ -264,9 +275,9 @@ def check_layer(cfg, lw, name, d_source=None):
 
 
 # ------------------------------------------------------------------------------ packing
-def _norm(cfg, nw, name):
-    return None if nw is None else _kvsimd.Norm(nw.w, nw.b, cfg.norm == "rmsnorm", cfg.norm_eps, cfg.d_model,
-                                                name=name)
+def _norm(cfg, nw, name, width=None):
+    return None if nw is None else _kvsimd.Norm(nw.w, nw.b, cfg.norm == "rmsnorm", cfg.norm_eps,
+                                                cfg.d_model if width is None else width, name=name)
 
 
 def pack_layers(cfg, layers, name="layers", d_source=None):
@@ -288,10 +299,14 @@ def pack_layers(cfg, layers, name="layers", d_source=None):
             None if c is None or d_source is None else _norm(cfg, lw.norm_cross, p + ".norm_cross"),
             None if c is None or d_source is None else _kvsimd.Linear(c.wq, c.bq, name=p + ".cross.wq"),
             None if c is None or d_source is None else _kvsimd.Linear(c.wo, c.bo, name=p + ".cross.wo"),
-            None if c is None or d_source is None else _kvsimd.Linear(c.wkv, c.bkv, name=p + ".cross.wkv")))
+            None if c is None or d_source is None else _kvsimd.Linear(c.wkv, c.bkv, name=p + ".cross.wkv"),
+            q_norm=_norm(cfg, lw.q_norm, p + ".q_norm", cfg.head_dim),
+            k_norm=_norm(cfg, lw.k_norm, p + ".k_norm", cfg.head_dim),
+            post_attn=_norm(cfg, lw.post_norm1, p + ".post_norm1"), post_ffn=_norm(cfg, lw.post_norm2, p + ".post_norm2")))
     return _kvsimd.Layers(blocks, d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                           head_dim=cfg.head_dim, activation=cfg.activation, gated=cfg.ffn_gated,
-                          pre_norm=cfg.pre_norm, parallel_residual=cfg.parallel_residual)
+                          pre_norm=cfg.pre_norm, parallel_residual=cfg.parallel_residual,
+                          windows=layer_windows(cfg))
 
 
 # ------------------------------------------------------------------------------ storing float weights
