@@ -49,6 +49,7 @@ class _Stack:
     # set by validation (object.__setattr__: not weight assignments)
     rope: Optional[RopeSpec]
     slopes: Optional[np.ndarray]
+    _attn: dict           # the plans' scale, softcap and windows (see _validate)
     _packed: "_Packed"
 
     def __init__(self, cfg: ModelConfig, embed, layers: List[LayerWeights], final_norm: Optional[NormWeights],

@@ -1,0 +1,115 @@
+"""GGUF files of every supported architecture (tests/gguf_families.py: tiny random transformers
+models written as llama.cpp lays them out), loaded by kvsimd and by transformers (``gguf_file=``)
+from the same bytes: prompt logits within the model bounds of tests/test_models.py and greedy
+tokens identical, with float32 and float16 caches and F32, Q8_0 and Q4_K matrices."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the model tests need the test extra: torch==2.13.0")
+transformers = pytest.importorskip("transformers", reason="the model tests need the test extra: transformers")
+
+import gguf_families as gf  # noqa: E402
+from kvsimd import Decoder  # noqa: E402
+from kvsimd.loaders.gguf import ARCHITECTURES, GGUFError  # noqa: E402
+from kvsimd.testing import INT8_ACTIVATION_BOUND, assert_matches_reference  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+FAMILIES = list(gf.hf_configs())
+QTYPES = ["F32", "Q8_0", "Q4_K"]
+TOL = {"float32": 1e-4, "float16": 2e-2}      # as tests/test_models.py (same model sizes, same reasoning)
+_FILES = {}
+
+
+def family_file(tmp_dir, family, qtype):
+    """(path, transformers model loaded from it, kvsimd Decoder with float32 activations), made once."""
+    key = (family, qtype)
+    if key not in _FILES:
+        arch, name, cfg = gf.hf_configs()[family]
+        torch.manual_seed(sum(map(ord, family)))
+        src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        path = os.path.join(tmp_dir, "%s-%s.gguf" % (family, qtype))
+        gf.write(path, arch, name, src, qtype)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir, gguf_file=os.path.basename(path),
+                                                                   dtype=torch.float32).eval()
+        _FILES[key] = (path, theirs, Decoder.from_gguf(path, activations="float32"))
+    return _FILES[key]
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("families"))
+
+
+def hf_logits(m, toks):
+    with torch.no_grad():
+        return m(torch.tensor(np.asarray(toks)[None])).logits[0].double().numpy()
+
+
+def rel(a, b):
+    return np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()
+
+
+def hf_greedy(m, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        past, inp = None, torch.tensor([seq])
+        for _ in range(n):
+            out = m(inp, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            seq.append(int(out.logits[0, -1].argmax()))
+            inp = torch.tensor([[seq[-1]]])
+    return seq[len(prompt):]
+
+
+def test_every_architecture_is_tested():
+    assert {gf.hf_configs()[f][0] for f in FAMILIES} == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gguf_logits_and_greedy_tokens_match_transformers(tmp_dir, family, qtype, dtype, rng):
+    path, theirs, ours = family_file(tmp_dir, family, qtype)
+    assert ours.cfg.family == gf.hf_configs()[family][0] + "-gguf"
+    toks = rng.integers(3, gf.VOCAB, 24)
+    ref = hf_logits(theirs, toks)
+    cache = ours.new_cache(capacity=64, dtype=dtype)
+    errs = [rel(ours.prefill(toks[:14], cache=cache, all_logits=True), ref[:14])]
+    errs += [rel(ours.step([t], cache=cache)[0], ref[i]) for i, t in enumerate(toks[14:], 14)]
+    assert max(errs) <= TOL[dtype], (family, qtype, dtype, max(errs))
+    prompt = list(rng.integers(3, gf.VOCAB, 9))
+    got = list(ours.generate(prompt, max_new_tokens=32, cache_dtype=dtype, stop_tokens=()))
+    want = hf_greedy(theirs, prompt, 32)
+    if dtype == "float32":
+        assert got == want
+    elif got != want:       # fp16 K/V: the first difference must be a near tie of transformers' own logits
+        i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+        last = hf_logits(theirs, prompt + want[:i])[-1]
+        gap = (last[want[i]] - last[got[i]]) / np.abs(last).max()
+        assert 0 <= gap <= TOL[dtype], (family, qtype, i, gap)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_int8_activations_within_their_bound(tmp_dir, family, rng):
+    """The default load (int8 activations for Q8_0/Q4_K matrices) against the float64 reference
+    of the same stored weights rounded as the kernel rounds x."""
+    path, _, _ = family_file(tmp_dir, family, "Q8_0")
+    d = Decoder.from_gguf(path)
+    toks = rng.integers(3, gf.VOCAB, 20)
+    assert_matches_reference(d, toks, d.forward(toks), bound=INT8_ACTIVATION_BOUND)
+
+
+def test_unsupported_architecture_is_one_line_listing_the_supported(tmp_dir):
+    path, _, _ = family_file(tmp_dir, "qwen2", "F32")
+    data = bytearray(open(path, "rb").read())
+    i = data.index(b"qwen2")          # general.architecture's value, the first "qwen2" in the file
+    data[i:i + 5] = b"mamba"
+    bad = os.path.join(tmp_dir, "mamba.gguf")
+    open(bad, "wb").write(bytes(data))
+    with pytest.raises(GGUFError) as e:
+        Decoder.from_gguf(bad)
+    msg = str(e.value)
+    assert "\n" not in msg and "architecture 'mamba' is not supported" in msg
+    assert "supported: " + ", ".join(ARCHITECTURES) in msg
