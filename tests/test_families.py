@@ -113,3 +113,40 @@ def test_unsupported_architecture_is_one_line_listing_the_supported(tmp_dir):
     msg = str(e.value)
     assert "\n" not in msg and "architecture 'mamba' is not supported" in msg
     assert "supported: " + ", ".join(ARCHITECTURES) in msg
+
+
+# ------------------------------------------------------------------------------ infinite generation
+NEW = ["mistral-window", "qwen2-window", "qwen3", "phi3", "phi3-window", "gemma2"]
+
+
+@pytest.mark.parametrize("policy", ["shift", "sink_query", "reevaluate"])
+@pytest.mark.parametrize("family", NEW)
+def test_streaming_past_the_cache_window_matches_transformers_on_the_kept_tokens(family, policy, rng):
+    """Every policy of a RoPE model, past the cache's window (capacity 12, 2 sinks) with layer
+    windows of 6 keys: each step's logits are transformers' logits of the kept tokens (at positions
+    0..L-1).  "shift" and "sink_query" keep K/V computed beside the dropped tokens, which only the
+    first layer's do not depend on: their models have one layer."""
+    import copy
+    import test_models as tm
+    cfg = copy.deepcopy(tm.causal_models()[family])
+    cfg.num_hidden_layers = 2 if policy == "reevaluate" else 1
+    if getattr(cfg, "sliding_window", None):
+        cfg.sliding_window = 6
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
+        if family == "qwen2-window":      # its one windowed layer is layer 1: make the first one windowed
+            cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    torch.manual_seed(3)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    d = Decoder.from_transformers(m)
+    cap, nk, nd = 12, 2, 3
+    cache = d.new_cache(capacity=cap, n_keep=nk, policy=policy, n_discard=nd, dtype="float32")
+    toks = rng.integers(0, tm.V, 34)
+    kept = list(toks[:5])
+    d.prefill(kept, cache=cache)
+    for t in toks[5:]:
+        if len(kept) == cap:
+            kept = kept[:nk] + kept[nk + (1 if policy == "sink_query" else nd):]
+        kept.append(t)
+        got = d.step([t], cache=cache)[0]
+        assert rel(got, tm.hf_logits(m, kept)[-1]) <= TOL["float32"], (family, policy, len(kept))
