@@ -49,7 +49,7 @@ def parser():
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
     g.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
-    g.add_argument("--model", default="smollm2", help="'smollm2' or a path to a Llama-architecture .gguf file")
+    g.add_argument("--model", default="smollm2", help="'smollm2' or a path to a .gguf file (architectures: llama, qwen2, qwen3, phi3, gemma2)")
     g.add_argument("--max-new-tokens", type=_integer(1), default=128)
     g.add_argument("--temperature", type=_number(0, 1e6), default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_integer(0), default=0, help="0 = no limit")

@@ -150,3 +150,19 @@ def test_streaming_past_the_cache_window_matches_transformers_on_the_kept_tokens
         kept.append(t)
         got = d.step([t], cache=cache)[0]
         assert rel(got, tm.hf_logits(m, kept)[-1]) <= TOL["float32"], (family, policy, len(kept))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_generates_with_every_architecture(tmp_dir, family):
+    """`python -m kvsimd generate --model FILE.gguf` prints the text the API generates."""
+    import subprocess
+    import sys
+    path, _, _ = family_file(tmp_dir, family, "Q8_0")
+    m = Decoder.from_gguf(path)
+    tok = m.tokenizer
+    ids = tok.encode("abc de")
+    want = tok.decode(list(m.generate(ids, max_new_tokens=8, stop_tokens=[] if tok.eos_id is None else [tok.eos_id])))
+    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", path, "--max-new-tokens", "8",
+                        "abc de"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == want and want
