@@ -47,6 +47,8 @@ CASES = {
     "phi3-user-defined": dict(kind="llama", family="phi3", user_defined=["<tool>", "</tool>"]),
 }
 LLAMA_CASES = [c for c, a in CASES.items() if a["kind"] == "llama"]
+# the tokens matched whole in the text, before any other tokenization (llama.cpp's special tokens)
+SPECIAL_TYPES = (ggufmodels.CONTROL, ggufmodels.USER_DEFINED, ggufmodels.UNKNOWN)
 
 
 def space_prefix(args):
@@ -88,8 +90,7 @@ class Built:
         self.ours, self.ref, self.info, self.path = ours, ref, info, path
 
     def specials(self):
-        return [t for t, ty in zip(self.info.tokens, self.info.types) if ty in (ggufmodels.CONTROL,
-                                                                                ggufmodels.USER_DEFINED)]
+        return [t for t, ty in zip(self.info.tokens, self.info.types) if ty in SPECIAL_TYPES]
 
     def texts(self):
         """TEXTS, and text around every control and user-defined token of the vocabulary."""
@@ -194,14 +195,13 @@ def test_transformers_llama_builder_agrees_on_plain_text(built):
 
 # ------------------------------------------------------------------------------ against llama.cpp's algorithm
 def llama_cpp_spm(text, tokens, scores, types, add_space_prefix):
-    """llama.cpp's SentencePiece tokenization: the text is cut at control and user-defined tokens
-    (longest first); a stretch of text that starts the text or follows such a token gets a space in
+    """llama.cpp's SentencePiece tokenization: the text is cut at control, user-defined and unknown
+    tokens (longest first); a stretch of text that starts the text or follows such a token gets a space in
     front when add_space_prefix; spaces become U+2581; then the characters are joined pairwise, each
     time the adjacent pair whose join is the vocabulary token of the highest score (leftmost of
     equals); a character left that is not a token becomes its UTF-8 byte tokens <0xAB>."""
     index = {t: i for i, t in enumerate(tokens)}
-    specials = sorted((t for t, ty in zip(tokens, types) if ty in (ggufmodels.CONTROL, ggufmodels.USER_DEFINED)),
-                      key=len, reverse=True)
+    specials = sorted((t for t, ty in zip(tokens, types) if ty in SPECIAL_TYPES), key=len, reverse=True)
     parts, raw, i = [], "", 0
     while i < len(text):
         s = next((s for s in specials if text.startswith(s, i)), None)
@@ -271,7 +271,7 @@ ALPHABET = sorted(set(ggufmodels.CORPUS) | set(" \n\t\u00e9\u00fc\u4e2d\U0001F64
 
 
 @given(st.lists(st.one_of(st.text(alphabet=ALPHABET, max_size=12),
-                          st.sampled_from(["[INST]", "[/INST]", "<s>", "</s>", "  ", "\u2581"])), max_size=8))
+                          st.sampled_from(["[INST]", "[/INST]", "<s>", "</s>", "<unk>", "  ", "\u2581"])), max_size=8))
 def test_llama_kind_follows_llama_cpp_on_any_text(built, parts):
     text = "".join(parts)
     for case in ("mistral", "mistral-no-space-prefix"):

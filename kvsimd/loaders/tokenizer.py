@@ -10,8 +10,8 @@ Two kinds of GGUF tokenizer (``tokenizer.ggml.model``), built as llama.cpp token
   is put before the text and after every special token, and decoding drops the one at the start;
   a character that is not a piece is spelled by its UTF-8 bytes (the ``<0xAB>`` tokens).
 
-Control tokens (type 3) are special tokens, user-defined ones (type 4) are matched whole in the
-text but decoded even with ``skip_special``.  The chat template is rendered with jinja2 in its
+Control and unknown tokens (types 3, 2) are special tokens, user-defined ones (type 4) are matched
+whole in the text too but decoded even with ``skip_special``.  The chat template is rendered with jinja2 in its
 immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _build(spec):
         tk.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if spec["add_space_prefix"] \
             else spaces
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, ty in zip(tokens, types) if ty == CONTROL])
+                           for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
     tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return tk
 
