@@ -1,9 +1,9 @@
 """Tiny GGUF tokenizers of each model family, for test files written with ``gguf.GGUFWriter``.
 
-:func:`add_tokenizer` writes a tokenizer's metadata into a writer: a vocabulary of a few hundred
-pieces learnt here by plain BPE from :data:`CORPUS` (deterministic), the family's special tokens
-and a chat template in the family's format.  The writer's architecture and model tensors are the
-caller's; the embedding has ``len(info.tokens)`` rows.
+:func:`add_tokenizer` writes a tokenizer's metadata (:func:`tokenizer_metadata`) into a writer:
+a vocabulary of a few hundred pieces learnt here by plain BPE from :data:`CORPUS` (deterministic),
+the family's special tokens and a chat template in the family's format.  The writer's architecture
+and model tensors are the caller's; the embedding has ``len(info.tokens)`` rows.
 
 - kind "gpt2" (qwen2, qwen3): byte-level BPE, the 256 byte characters, merges, ``tokenizer.ggml.pre``.
 - kind "llama" (mistral, llama2, phi3, gemma2): SentencePiece-style, laid out as llama.cpp's
@@ -136,16 +136,25 @@ def _pieces_unique(merges):
     return out
 
 
-def add_tokenizer(writer, kind, family=None, n_merges=300, add_space_prefix=None, pre=None, chat_template=None,
-                  add_bos=None, add_eos=None, user_defined=None, byte_tokens=True, meta=None, corpus=CORPUS):
-    """Write a small tokenizer of ``kind`` ("gpt2" or "llama") and ``family`` (qwen2, qwen3 for gpt2;
-    mistral, llama2, phi3, gemma2 for llama) into ``writer`` (a ``gguf.GGUFWriter``); the other
+def add_tokenizer(writer, kind, family=None, **options):
+    """Write a small tokenizer of ``kind`` ("gpt2" or "llama") and ``family`` into ``writer`` (a
+    ``gguf.GGUFWriter``); ``options`` as :func:`tokenizer_metadata`'s.  Returns a :class:`TokenizerInfo`."""
+    kv, info = tokenizer_metadata(kind, family, **options)
+    for key, v in kv.items():
+        writer.add_key_value(key, *v)
+    return info
+
+
+def tokenizer_metadata(kind, family=None, n_merges=300, add_space_prefix=None, pre=None, chat_template=None,
+                       add_bos=None, add_eos=None, user_defined=None, byte_tokens=True, meta=None, corpus=CORPUS):
+    """The metadata of a small tokenizer of ``kind`` ("gpt2" or "llama") and ``family`` (qwen2, qwen3
+    for gpt2; mistral, llama2, phi3, gemma2 for llama), as key -> (value, ``gguf.GGUFValueType``)
+    (what ``GGUFWriter.add_key_value`` takes), and its :class:`TokenizerInfo`; the other
     arguments override the family's defaults (``pre``: gpt2 only; ``add_space_prefix``: llama only,
     None leaves the key out for gpt2, and writes the family's value for llama; ``byte_tokens``: llama
     only, False leaves out the ``<0xAB>`` tokens, so a character not in the vocabulary is unknown).
     ``meta``: key -> (value, ``gguf.GGUFValueType``) written instead (None: the key left out), e.g.
-    to write malformed metadata.  Returns a :class:`TokenizerInfo` (of the vocabulary as learnt,
-    before ``meta``)."""
+    to write malformed metadata (the :class:`TokenizerInfo` is the vocabulary as learnt, before ``meta``)."""
     family = family or DEFAULT_FAMILY[kind]
     fam = FAMILIES[family]
     if fam["kind"] != kind:
@@ -167,10 +176,11 @@ def add_tokenizer(writer, kind, family=None, n_merges=300, add_space_prefix=None
         chars = sorted({c for w in words for c in w} - set(pieces))
         byte_tokens = ["<0x%02X>" % b for b in range(256)] if byte_tokens else []
         tokens = fam["before"] + byte_tokens + pieces + chars + fam["after"] + user
-        types = ([UNKNOWN if t == fam["ids"].get("unk") else CONTROL for t in fam["before"]] + [BYTE] * len(byte_tokens) +
-                 [NORMAL] * (len(pieces) + len(chars)) + [CONTROL] * len(fam["after"]) + [USER_DEFINED] * len(user))
-        scores = ([0.0] * (len(fam["before"]) + len(byte_tokens)) + [-float(i) for i in range(len(pieces) + len(chars))] +
-                  [0.0] * (len(fam["after"]) + len(user)))
+        types = ([UNKNOWN if t == fam["ids"].get("unk") else CONTROL for t in fam["before"]] +
+                 [BYTE] * len(byte_tokens) + [NORMAL] * (len(pieces) + len(chars)) +
+                 [CONTROL] * len(fam["after"]) + [USER_DEFINED] * len(user))
+        scores = ([0.0] * (len(fam["before"]) + len(byte_tokens)) +
+                  [-float(i) for i in range(len(pieces) + len(chars))] + [0.0] * (len(fam["after"]) + len(user)))
     ids = {k: tokens.index(v) for k, v in fam["ids"].items()}
     template = fam["template"] if chat_template is None else chat_template
     K = "tokenizer.ggml."
@@ -195,8 +205,6 @@ def add_tokenizer(writer, kind, family=None, n_merges=300, add_space_prefix=None
             kv.pop(key, None)
         else:
             kv[key] = v
-    for key, v in kv.items():
-        writer.add_key_value(key, *v)
-    return TokenizerInfo(kind, family, tokens, types, scores,
-                         ["%s %s" % m for m in merges] if kind == "gpt2" else [], ids.get("bos"),
-                         ids.get("eos"), ids.get("unk"), ids.get("pad"), template)
+    return kv, TokenizerInfo(kind, family, tokens, types, scores,
+                             ["%s %s" % m for m in merges] if kind == "gpt2" else [], ids.get("bos"),
+                             ids.get("eos"), ids.get("unk"), ids.get("pad"), template)

@@ -311,17 +311,14 @@ def test_llama_file_without_ids_or_flags_gets_llama_cpp_defaults(tmp_path):
 def test_llama_kind_ignores_pre(tmp_path):
     """llama.cpp's SentencePiece tokenizer has no pre-tokenizer: whatever ``pre`` says is ignored."""
     path = str(tmp_path / "pre.gguf")
-    write_tokenizer_file(path, "llama", kind="llama", family="mistral", meta={"tokenizer.ggml.pre": ("default", V.STRING)})
-    assert Tokenizer.from_gguf(path).decode(Tokenizer.from_gguf(path).encode("fine")) == "<s> fine"
+    write_tokenizer_file(path, "llama", kind="llama", family="mistral",
+                         meta={"tokenizer.ggml.pre": ("default", V.STRING)})
+    tok = Tokenizer.from_gguf(path)
+    assert tok.decode(tok.encode("fine")) == "<s> fine" and tok.decode(tok.encode("fine"), skip_special=True) == "fine"
 
 
-class _Sink:
-    def add_key_value(self, *args):
-        pass
-
-
-N_LLAMA = len(ggufmodels.add_tokenizer(_Sink(), "llama").tokens)
-N_GPT2 = len(ggufmodels.add_tokenizer(_Sink(), "gpt2").tokens)
+N_LLAMA = len(ggufmodels.tokenizer_metadata("llama")[1].tokens)
+N_GPT2 = len(ggufmodels.tokenizer_metadata("gpt2")[1].tokens)
 SCORES = [-float(i) for i in range(N_LLAMA)]
 BAD = {
     "unknown kind": ("llama", {"tokenizer.ggml.model": ("bert", V.STRING)},
@@ -370,3 +367,21 @@ def test_malformed_tokenizer_metadata_is_a_gguf_error(tmp_path, case):
     with pytest.raises(GGUFError, match=message) as e:
         Tokenizer.from_gguf(path)
     assert path in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3"])
+def test_a_model_file_with_each_kind_of_tokenizer_loads(tmp_path, family):
+    """A whole (tiny, llama-architecture) model with the family's tokenizer: the config takes the
+    file's bos/eos ids and the decoder's tokenizer is the one above."""
+    from test_gguf import write_llama_gguf
+    from kvsimd import Decoder
+    kind = ggufmodels.FAMILIES[family]["kind"]
+    kv, info = ggufmodels.tokenizer_metadata(kind, family)
+    drop = {k: None for k in ("tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id")}   # test_gguf's toy ones
+    path = str(tmp_path / "m.gguf")
+    write_llama_gguf(path, vocab=len(info.tokens), meta=dict(drop, **kv))
+    m = Decoder.from_gguf(path)
+    assert (m.cfg.bos_token_id, m.cfg.eos_token_id) == (info.bos_id, info.eos_id)
+    ids = m.tokenizer.encode("Hello world")
+    assert m.tokenizer.decode(ids, skip_special=True) == "Hello world"
+    assert len(list(m.generate(ids, max_new_tokens=3))) == 3

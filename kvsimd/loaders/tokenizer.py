@@ -10,9 +10,10 @@ Two kinds of GGUF tokenizer (``tokenizer.ggml.model``), built as llama.cpp token
   is put before the text and after every special token, and decoding drops the one at the start;
   a character that is not a piece is spelled by its UTF-8 bytes (the ``<0xAB>`` tokens).
 
-Control and unknown tokens (types 3, 2) are special tokens, user-defined ones (type 4) are matched
-whole in the text too but decoded even with ``skip_special``.  The chat template is rendered with jinja2 in its
-immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
+Control and unknown tokens (types 3, 2) are special tokens; user-defined ones (type 4) are matched
+whole in the text too, but decoded even with ``skip_special``.  Decoding joins the tokens' bytes
+(:meth:`Tokenizer.token_bytes`) and reads them as UTF-8.  The chat template is rendered with jinja2
+in its immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
 """
 from __future__ import annotations
 
@@ -89,14 +90,15 @@ def _build(spec):
             else spaces
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return tk
 
 
 def _gpt2_bytes():
     """GPT-2's spelling of bytes as characters, reversed: character -> byte.  Printable Latin-1
     bytes are spelled as themselves, the other 68 bytes as U+0100, U+0101, ... in byte order."""
-    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xFF and b != 0xAD]
+    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or (0xA1 <= b <= 0xFF and b != 0xAD)]
     others = [b for b in range(256) if b not in printable]
     table = {chr(b): b for b in printable}
     table.update({chr(0x100 + k): b for k, b in enumerate(others)})
