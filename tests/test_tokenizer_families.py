@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import gguf
 import ggufmodels
 from kvsimd.loaders.gguf import GGUFError, tokenizer_spec, open_gguf
 from kvsimd.loaders.tokenizer import Tokenizer
 
-gguf = pytest.importorskip("gguf")
 V = gguf.GGUFValueType
 
 TEXTS = [
@@ -253,8 +253,9 @@ def test_llama_kind_follows_llama_cpp(built, case):
 
 
 def test_merges_follow_the_scores_not_the_order_of_the_pieces(built):
-    """Scores shuffled among the pieces: merges rank by score as llama.cpp's do (transformers' gemma
-    builder ranks them by position in the file, which the scores of real Gemma files do not follow)."""
+    """Scores shuffled among the pieces: merges rank by score as llama.cpp's do, and as transformers'
+    phi3 builder's do (its gemma builder ranks them by position in the file, which the scores of
+    real Gemma files do not follow)."""
     info = built("mistral").info
     rng = np.random.default_rng(7)
     scores = list(info.scores)
@@ -264,7 +265,19 @@ def test_merges_follow_the_scores_not_the_order_of_the_pieces(built):
     b = built("mistral", meta={"tokenizer.ggml.scores": (scores, V.ARRAY)})
     b.info = b.info._replace(scores=scores)
     assert not mismatches((t, b.ours.encode(t, add_bos=False), spm_reference(b, t)) for t in b.texts())
+    assert not mismatches((t, b.ours.encode(t, add_bos=False), b.ref(t, add_special_tokens=False).input_ids)
+                          for t in b.texts())
     assert any(b.ours.encode(t) != built("mistral").ours.encode(t) for t in TEXTS)
+
+
+def test_user_defined_whitespace_tokens_follow_llama_cpp(built):
+    """Runs of spaces or tabs that a Gemma-style file marks user-defined are matched whole in the
+    text, as llama.cpp matches them (transformers' gemma builder respells "  " as two U+2581 and
+    tokenizes it as text instead)."""
+    b = built("gemma2", user_defined=["<start_of_turn>", "<end_of_turn>", "  ", "    ", "\t\t"])
+    texts = b.texts() + ["a  b    c\t\td", "   x", "\t\t\t"]
+    assert not mismatches((t, b.ours.encode(t, add_bos=False), spm_reference(b, t)) for t in texts)
+    assert b.ours.decode(b.ours.encode("a  b    c\t\td", add_bos=False)) == "a  b    c\t\td"
 
 
 ALPHABET = sorted(set(ggufmodels.CORPUS) | set(" \n\t\u00e9\u00fc\u4e2d\U0001F642"))
