@@ -501,15 +501,28 @@ def config_from_gguf(gf):
         raise GGUFError("%s: the metadata gives an unusable config: %s" % (p, e)) from None
 
 
+# tokenizer.ggml.model -> what it is; llama.cpp's defaults for a "llama" file that leaves an id out
+TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece-style BPE"}
+_LLAMA_DEFAULT_IDS = {"unknown": 0, "bos": 1, "eos": 2}
+
+
 def tokenizer_spec(gf):
-    """The checked tokenizer metadata: a dict of tokens, merges, types, bos/eos ids, template, add_bos."""
+    """The checked tokenizer metadata: a dict of kind, tokens, merges (gpt2), scores (llama), types,
+    the pre-tokenizer name (gpt2), bos/eos/unk/pad ids, add_bos/add_eos/add_space_prefix, template.
+
+    A "llama" file that leaves out an id or flag gets llama.cpp's defaults: unknown 0, bos 1, eos 2,
+    add_bos and add_space_prefix true.  A gpt2 file's ``tokenizer.ggml.pre`` must be one of
+    :data:`kvsimd.loaders.tokenizer.PRE_TOKENIZERS` (absent: GPT-2's split): an unknown one is an
+    error, not a silent fall back to another split that would give the model ids it was not trained on."""
+    from kvsimd.loaders.tokenizer import PRE_TOKENIZERS
     if getattr(gf, "_tokenizer_spec", None) is not None:
         return gf._tokenizer_spec
     p = gf.path
     kind = meta_str(gf, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError("%s: metadata tokenizer.ggml.model=%r is not supported (supported: 'gpt2', byte-level BPE)"
-                        % (p, kind))
+    if kind not in TOKENIZER_KINDS:
+        raise GGUFError("%s: metadata tokenizer.ggml.model=%r is not supported (supported: %s)"
+                        % (p, kind, ", ".join("%r (%s)" % kv for kv in TOKENIZER_KINDS.items())))
+    llama = kind == "llama"
     tokens = meta_list(gf, "tokenizer.ggml.tokens", "STRING")
     if not tokens:
         raise GGUFError("%s: metadata tokenizer.ggml.tokens is empty" % p)
@@ -530,11 +543,32 @@ def tokenizer_spec(gf):
         types = [1] * n
     elif len(types) != n:
         raise GGUFError("%s: metadata tokenizer.ggml.token_type has %d entries for %d tokens" % (p, len(types), n))
-    gf._tokenizer_spec = dict(tokens=tokens, merges=merges, types=[int(t) for t in types],
-                              bos_id=meta_int(gf, "tokenizer.ggml.bos_token_id", None, 0, n - 1),
-                              eos_id=meta_int(gf, "tokenizer.ggml.eos_token_id", None, 0, n - 1),
-                              chat_template=meta_str(gf, "tokenizer.chat_template", None),
-                              add_bos=meta_bool(gf, "tokenizer.ggml.add_bos_token", False))
+    scores = _meta(gf, "tokenizer.ggml.scores", _REQUIRED if llama else None, {"ARRAY[FLOAT32]", "ARRAY[FLOAT64]"},
+                   "an array of floats")
+    if scores is not None:
+        scores = scores.value
+        if len(scores) != n:
+            raise GGUFError("%s: metadata tokenizer.ggml.scores has %d entries for %d tokens" % (p, len(scores), n))
+        bad = np.flatnonzero(~np.isfinite(scores))
+        if bad.size:
+            raise GGUFError("%s: metadata tokenizer.ggml.scores[%d]=%r: must be finite"
+                            % (p, bad[0], float(scores[bad[0]])))
+        scores = scores.tolist()
+    pre = meta_str(gf, "tokenizer.ggml.pre", None)
+    if not llama and pre is not None and pre not in PRE_TOKENIZERS:   # llama.cpp ignores it for "llama"
+        raise GGUFError("%s: metadata tokenizer.ggml.pre=%r is not supported for tokenizer.ggml.model='gpt2' "
+                        "(supported: %s)" % (p, pre, ", ".join(map(repr, PRE_TOKENIZERS))))
+    ids = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        default = _LLAMA_DEFAULT_IDS.get(name) if llama else None
+        ids[name] = meta_int(gf, "tokenizer.ggml.%s_token_id" % name,
+                             default if default is not None and default < n else None, 0, n - 1)
+    gf._tokenizer_spec = dict(kind=kind, tokens=tokens, merges=merges, types=[int(t) for t in types],
+                              scores=scores, pre=pre, bos_id=ids["bos"], eos_id=ids["eos"], unk_id=ids["unknown"],
+                              pad_id=ids["padding"], chat_template=meta_str(gf, "tokenizer.chat_template", None),
+                              add_bos=meta_bool(gf, "tokenizer.ggml.add_bos_token", llama),
+                              add_eos=meta_bool(gf, "tokenizer.ggml.add_eos_token", False),
+                              add_space_prefix=meta_bool(gf, "tokenizer.ggml.add_space_prefix", llama))
     return gf._tokenizer_spec
 
 

@@ -1,8 +1,19 @@
 """Tokenizer from a GGUF file's own metadata, through the ``tokenizers`` library.
 
-GGUF stores a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) as its token list and merge
-list; control tokens (type 3) are the special tokens.  The chat template is rendered with
-jinja2 in its immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
+Two kinds of GGUF tokenizer (``tokenizer.ggml.model``), built as llama.cpp tokenizes them:
+
+- "gpt2": byte-level BPE from the token and merge lists; the text is first split by the regex
+  ``tokenizer.ggml.pre`` names (:data:`PRE_TOKENIZERS`).
+- "llama": SentencePiece-style BPE (Llama-2, Mistral, Phi-3, Gemma).  The file has no merges: two
+  pieces merge when their concatenation is a piece, the highest-scoring such piece first
+  (:func:`sentencepiece_merges`).  Spaces are spelled "\u2581"; with ``add_space_prefix`` a space
+  is put before the text and after every special token, and decoding drops the one at the start;
+  a character that is not a piece is spelled by its UTF-8 bytes (the ``<0xAB>`` tokens).
+
+Control and unknown tokens (types 3, 2) are special tokens; user-defined ones (type 4) are matched
+whole in the text too, but decoded even with ``skip_special``.  Decoding joins the tokens' bytes
+(:meth:`Tokenizer.token_bytes`) and reads them as UTF-8.  The chat template is rendered with jinja2
+in its immutable sandbox, with every size bounded (see CHAT_TEMPLATE_MAX_CHARS).
 """
 from __future__ import annotations
 
@@ -12,21 +23,128 @@ import numpy as np
 
 from kvsimd.errors import KVSimdError, KVSimdTypeError, KVSimdValueError
 
+UNKNOWN = 2
 CONTROL = 3
 USER_DEFINED = 4
+BYTE = 6
+SPACE = "\u2581"    # SentencePiece's visible space
+
+
+def _split_regex(digits):
+    """The split of Qwen2 and Llama-3 byte-level BPE, which differ only in the digits per chunk."""
+    return (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + digits +
+            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+#: ``tokenizer.ggml.pre`` of a "gpt2" file -> the regex that splits the text before byte-level BPE
+#: (None: GPT-2's own split, which ``ByteLevel`` has built in; also the split of a file without
+#: the key).  "smollm" splits every digit apart in llama.cpp: SmolLM2's vocabulary has no piece
+#: of two digits or of a space and a digit, so GPT-2's split gives the same ids.
+PRE_TOKENIZERS = {
+    "gpt2": None, "smollm": None,
+    "qwen2": _split_regex(""), "deepseek-r1-qwen": _split_regex(""),        # Qwen2, Qwen2.5, Qwen3
+    "llama-bpe": _split_regex("{1,3}"), "llama3": _split_regex("{1,3}"),   # Llama-3
+}
+
+
+def sentencepiece_merges(tokens, scores, types):
+    """BPE merges equivalent to llama.cpp's SentencePiece tokenizer: it repeatedly joins the two
+    adjacent pieces whose concatenation is the highest-scoring piece, so every split of a piece
+    into two pieces is a merge ranked by the joined piece's score (ties: the lower token id).
+    Control, byte and unknown tokens are never joined or joined to."""
+    skip = (UNKNOWN, CONTROL, BYTE)
+    pieces = {t for t, ty in zip(tokens, types) if ty not in skip}
+    ranked = []
+    for i, t in enumerate(tokens):
+        if types[i] in skip:
+            continue
+        for k in range(1, len(t)):
+            if t[:k] in pieces and t[k:] in pieces:
+                ranked.append((-scores[i], i, k))
+    ranked.sort()
+    return [(tokens[i][:k], tokens[i][k:]) for _, i, k in ranked]
+
+
+def _build(spec):
+    """The ``tokenizers`` pipeline that encodes for a checked :func:`kvsimd.loaders.gguf.tokenizer_spec`
+    (decoding is :meth:`Tokenizer.token_bytes`)."""
+    from tokenizers import AddedToken, Regex, Tokenizer as TK, models, normalizers, pre_tokenizers
+    tokens, types = spec["tokens"], spec["types"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if spec["kind"] == "gpt2":
+        tk = TK(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in spec["merges"]], fuse_unk=False,
+                           byte_fallback=False))
+        split = PRE_TOKENIZERS.get(spec["pre"] or "gpt2")
+        if split is None:
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                        pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)])
+    else:   # "llama": each stretch of text between special tokens is one word, as in llama.cpp
+        unk = tokens[spec["unk_id"]] if spec["unk_id"] is not None else None
+        tk = TK(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, spec["scores"], types), unk_token=unk,
+                           fuse_unk=True, byte_fallback=True))
+        spaces = normalizers.Replace(" ", SPACE)
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if spec["add_space_prefix"] \
+            else spaces
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tk
+
+
+def _gpt2_bytes():
+    """GPT-2's spelling of bytes as characters, reversed: character -> byte.  Printable Latin-1
+    bytes are spelled as themselves, the other 68 bytes as U+0100, U+0101, ... in byte order."""
+    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or (0xA1 <= b <= 0xFF and b != 0xAD)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + k): b for k, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF = _gpt2_bytes()
+
+
+def _token_bytes(kind, token, ty):
+    """The bytes a token stands for: "gpt2": its characters mapped back to bytes (a token with a
+    character outside that alphabet, e.g. a special token, as its UTF-8); "llama": a byte token
+    <0xAB> its byte, a piece its text with U+2581 as a space, a special token its text."""
+    if kind == "gpt2":
+        try:
+            return bytes([_BYTE_OF[c] for c in token])
+        except KeyError:
+            return token.encode("utf-8")
+    if ty == BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return bytes([int(token[3:5], 16)])
+        except ValueError:
+            pass
+    if ty in (CONTROL, USER_DEFINED, UNKNOWN):
+        return token.encode("utf-8")
+    return token.replace(SPACE, " ").encode("utf-8")
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer: ``encode``, ``decode``, streaming decode and the chat template."""
+    """A GGUF file's tokenizer (from :meth:`from_gguf`): ``encode``, ``decode``, streaming decode
+    and the chat template.  ``tk`` is the ``tokenizers`` pipeline that encodes; ``spec`` the
+    checked metadata (:func:`kvsimd.loaders.gguf.tokenizer_spec`)."""
 
-    def __init__(self, tk, bos_id=None, eos_id=None, chat_template=None, add_bos=False):
+    def __init__(self, tk, spec):
         self.tk = tk
-        self.bos_id = bos_id
-        self.eos_id = eos_id
-        self.chat_template = chat_template
-        self.add_bos = add_bos
-        self._n = tk.get_vocab_size(with_added_tokens=True)
-        self._template = _compile_template(chat_template) if chat_template else None
+        self.kind = spec["kind"]
+        self.bos_id, self.eos_id = spec["bos_id"], spec["eos_id"]
+        self.unk_id, self.pad_id = spec["unk_id"], spec["pad_id"]
+        self.chat_template = spec["chat_template"]
+        self.add_bos, self.add_eos = spec["add_bos"], spec["add_eos"]
+        # decoding drops the space encoding put before the text
+        self.strip_space = self.kind == "llama" and spec["add_space_prefix"]
+        self._tokens, self._types = spec["tokens"], spec["types"]
+        self._bytes = [None] * len(self._tokens)     # each token's bytes, when first decoded
+        self._n = len(self._tokens)
+        self._template = _compile_template(self.chat_template) if self.chat_template else None
 
     @classmethod
     def from_gguf(cls, gf):
@@ -37,26 +155,29 @@ class Tokenizer:
             gf = open_gguf(gf)
         if getattr(gf, "_tokenizer", None) is not None:
             return gf._tokenizer
-        from tokenizers import AddedToken, Tokenizer as TK, decoders, models, pre_tokenizers
-
         spec = tokenizer_spec(gf)
-        tokens = spec["tokens"]
         try:
-            vocab = {t: i for i, t in enumerate(tokens)}
-            pairs = [tuple(m.split(" ", 1)) for m in spec["merges"]]
-            tk = TK(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-            tk.decoder = decoders.ByteLevel()
-            tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                   for t, ty in zip(tokens, spec["types"]) if ty in (CONTROL, USER_DEFINED)])
+            tk = _build(spec)
         except Exception as e:  # the tokenizers library rejects e.g. a merge of tokens not in the vocabulary
             raise GGUFError("%s: the tokenizer metadata (tokenizer.ggml.tokens/merges/token_type) is not a valid "
                             "BPE tokenizer: %s" % (gf.path, e)) from None
         try:
-            gf._tokenizer = cls(tk, spec["bos_id"], spec["eos_id"], spec["chat_template"], spec["add_bos"])
+            gf._tokenizer = cls(tk, spec)
         except KVSimdValueError as e:
             raise GGUFError("%s: metadata tokenizer.chat_template: %s" % (gf.path, e)) from None
         return gf._tokenizer
+
+    def token_bytes(self, token_id, skip_special=False):
+        """The bytes token ``token_id`` stands for (its text for a special token, nothing for a
+        control or unknown token with ``skip_special``)."""
+        i = self.token_id(token_id)
+        ty = self._types[i]
+        if skip_special and ty in (CONTROL, UNKNOWN):
+            return b""
+        b = self._bytes[i]
+        if b is None:
+            b = self._bytes[i] = _token_bytes(self.kind, self._tokens[i], ty)
+        return b
 
     @property
     def vocab_size(self):
@@ -68,7 +189,9 @@ class Tokenizer:
             raise KVSimdValueError("token id must be an integer in [0, %d), got %r" % (self._n, token_id))
         return int(token_id)
 
-    def encode(self, text, add_bos=None):
+    def encode(self, text, add_bos=None, add_eos=None):
+        """Token ids of ``text`` (special tokens written in it are matched); BOS first and EOS last
+        when ``add_bos``/``add_eos`` (default: the file's flags) and the file has those ids."""
         if not isinstance(text, str):
             raise KVSimdTypeError("text must be a str, got %s" % type(text).__name__)
         try:
@@ -80,12 +203,20 @@ class Tokenizer:
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
+            ids = ids + [self.eos_id]
         return ids
 
     def decode(self, ids, skip_special=False):
+        """The text of ``ids``: their bytes as UTF-8, a byte that starts no valid character as U+FFFD."""
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise KVSimdTypeError("ids must be a sequence of token ids, got %s" % type(ids).__name__)
-        return self.tk.decode([self.token_id(t) for t in ids], skip_special_tokens=skip_special)
+        data = b"".join([self.token_bytes(t, skip_special) for t in ids])
+        return self._lead(data.decode("utf-8", "replace"))
+
+    def _lead(self, text):
+        """``text`` that starts a sequence, without the space prefix encoding put there."""
+        return text[1:] if self.strip_space and text[:1] == " " else text
 
     def stream(self, skip_special=False):
         """A streaming detokenizer for one sequence (see :class:`TextStream`): ``step(id)`` returns
@@ -99,8 +230,8 @@ class Tokenizer:
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise KVSimdTypeError("messages must be a list of dicts like {'role': 'user', 'content': '...'}, got %r"
                                   % (messages,))
-        bos = self.tk.id_to_token(self.bos_id) if self.bos_id is not None else ""
-        eos = self.tk.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        bos = self._tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self._tokens[self.eos_id] if self.eos_id is not None else ""
         try:
             return _render(self._template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=bos, eos_token=eos)
@@ -316,11 +447,12 @@ class TextStream:
     """Incremental decoding of one sequence of token ids.
 
     ``step(id)`` returns the new text, or ``''`` while the bytes so far end inside a multi-byte
-    UTF-8 character (a character split over several byte-level tokens is held back until it is
-    complete, never printed as U+FFFD halves).  At the end of a sequence ``flush()`` returns what
-    is still held back (an incomplete character as U+FFFD, as ``decode`` gives it) and starts a new
+    UTF-8 character (a character split over several tokens is held back until it is complete,
+    never printed as U+FFFD halves).  At the end of a sequence ``flush()`` returns what is still
+    held back (an incomplete character as U+FFFD, as ``decode`` gives it) and starts a new
     sequence; ``reset()`` starts a new sequence dropping it.  The concatenation of every ``step``
-    and the final ``flush`` equals ``tokenizer.decode(ids)``.
+    and the final ``flush`` equals ``tokenizer.decode(ids)``: both decode the same bytes, one
+    with Python's incremental UTF-8 decoder.
     """
 
     def __init__(self, tokenizer, skip_special=False):
@@ -329,19 +461,20 @@ class TextStream:
         self.reset()
 
     def reset(self):
-        from tokenizers.decoders import DecodeStream
-        self._ds = DecodeStream(skip_special_tokens=self._skip)
-        self._pending = []      # ids fed since the last text returned
+        import codecs
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._start = True      # no text returned yet: the space prefix is still to drop
 
     def step(self, token_id):
-        token_id = self._tok.token_id(token_id)
-        self._pending.append(token_id)
-        text = self._ds.step(self._tok.tk, token_id) or ""
-        if text:
-            self._pending = []
-        return text
+        return self._first(self._utf8.decode(self._tok.token_bytes(token_id, self._skip)))
 
     def flush(self):
-        text = self._tok.decode(self._pending, skip_special=self._skip) if self._pending else ""
+        text = self._first(self._utf8.decode(b"", final=True))
         self.reset()
+        return text
+
+    def _first(self, text):
+        if text and self._start:
+            self._start = False
+            return self._tok._lead(text)
         return text
