@@ -12,30 +12,51 @@ import numpy as np
 import gguf
 
 T = gguf.GGUFValueType
-VOCAB = 320
 D, FFN, LAYERS = 256, 512, 2
+# each family's tokenizer as its real files have it (tests/ggufmodels.py: kind, family)
+TOKENIZERS = {"llama": ("llama", "llama2"), "mistral": ("llama", "mistral"), "qwen2": ("gpt2", "qwen2"),
+              "qwen3": ("gpt2", "qwen3"), "phi3": ("llama", "phi3"), "gemma2": ("llama", "gemma2")}
+_TOK = {}
+
+
+def tokenizer(family):
+    """(metadata, TokenizerInfo) of ``family``'s tokenizer (made once)."""
+    if family not in _TOK:
+        import ggufmodels
+        _TOK[family] = ggufmodels.tokenizer_metadata(*TOKENIZERS[family])
+    return _TOK[family]
+
+
+def vocab(family):
+    return len(tokenizer(family)[1].tokens)
 
 
 def hf_configs():
     """name -> (GGUF architecture, general.name, transformers config)."""
     import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                  max_position_embeddings=1024, initializer_range=0.05, bos_token_id=1, eos_token_id=2)
+    return {f: (arch, name, cls(**kw, **_common(f))) for f, (arch, name, cls, kw) in _families(tf).items()}
+
+
+def _common(family):
+    info = tokenizer(family)[1]
+    return dict(vocab_size=vocab(family), hidden_size=D, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                max_position_embeddings=1024, initializer_range=0.05, bos_token_id=info.bos_id,
+                eos_token_id=info.eos_id, pad_token_id=info.pad_id if info.pad_id is not None else 0)
+
+
+def _families(tf):
     return {
-        "llama": ("llama", "tiny-llama", tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
-                                                        rope_theta=10000.0, **common)),
-        "mistral": ("llama", "tiny-mistral", tf.MistralConfig(num_attention_heads=4, num_key_value_heads=1,
-                                                              rope_theta=1e6, **common)),
-        "qwen2": ("qwen2", "tiny-qwen2", tf.Qwen2Config(num_attention_heads=4, num_key_value_heads=2,
-                                                        rope_theta=1e6, **common)),
-        "qwen3": ("qwen3", "tiny-qwen3", tf.Qwen3Config(num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                                                        rope_theta=1e6, **common)),
-        "phi3": ("phi3", "tiny-phi3", tf.Phi3Config(num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
-                                                    **common)),
-        "gemma2": ("gemma2", "tiny-gemma2", tf.Gemma2Config(num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-                                                            query_pre_attn_scalar=256, sliding_window=8,
-                                                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                                            pad_token_id=0, **common)),
+        "llama": ("llama", "tiny-llama", tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+        "mistral": ("llama", "tiny-mistral", tf.MistralConfig,
+                    dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=1e6)),
+        "qwen2": ("qwen2", "tiny-qwen2", tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                              rope_theta=1e6)),
+        "qwen3": ("qwen3", "tiny-qwen3", tf.Qwen3Config, dict(num_attention_heads=2, num_key_value_heads=1,
+                                                              head_dim=128, rope_theta=1e6)),
+        "phi3": ("phi3", "tiny-phi3", tf.Phi3Config, dict(num_attention_heads=4, num_key_value_heads=4)),
+        "gemma2": ("gemma2", "tiny-gemma2", tf.Gemma2Config,
+                   dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
     }
 
 
@@ -106,15 +127,6 @@ def metadata(arch, name, c):
     return m
 
 
-def toy_tokenizer(vocab=VOCAB):
-    """A byte-free toy vocabulary (gpt2 kind): enough for token ids; tests/test_tokenizer_families.py
-    tests the real tokenizer kinds."""
-    return {"tokenizer.ggml.model": ("gpt2", T.STRING),
-            "tokenizer.ggml.tokens": ([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab)], T.ARRAY),
-            "tokenizer.ggml.token_type": ([1] * vocab, T.ARRAY), "tokenizer.ggml.bos_token_id": (1, T.UINT32),
-            "tokenizer.ggml.eos_token_id": (2, T.UINT32), "tokenizer.ggml.padding_token_id": (0, T.UINT32)}
-
-
 def _encode(x, qtype):
     """(data, raw_dtype) for GGUFWriter.add_tensor of float32 ``x`` stored as ``qtype``."""
     q = getattr(gguf.GGMLQuantizationType, qtype)
@@ -128,11 +140,12 @@ def _encode(x, qtype):
     return gguf.quants.quantize(x, q), q
 
 
-def write(path, arch, name, model, qtype="F32", tokenizer=None):
-    """Write ``model`` (a transformers causal LM of ``arch``) as a GGUF file: matrices as ``qtype``
-    (the token embedding too), vectors as F32."""
+def write(path, family, model, qtype="F32"):
+    """Write ``model`` (a transformers causal LM of ``family``, see hf_configs) as a GGUF file with
+    its family's tokenizer: matrices as ``qtype`` (the token embedding too), vectors as F32."""
+    arch, name, _ = hf_configs()[family]
     w = gguf.GGUFWriter(path, arch)
-    for key, (value, vtype) in {**metadata(arch, name, model.config), **(tokenizer or toy_tokenizer())}.items():
+    for key, (value, vtype) in {**metadata(arch, name, model.config), **tokenizer(family)[0]}.items():
         if key == "general.name":
             w.add_name(value)
         else:

@@ -30,7 +30,7 @@ def family_file(tmp_dir, family, qtype):
         torch.manual_seed(sum(map(ord, family)))
         src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
         path = os.path.join(tmp_dir, "%s-%s.gguf" % (family, qtype))
-        gf.write(path, arch, name, src, qtype)
+        gf.write(path, family, src, qtype)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir, gguf_file=os.path.basename(path),
                                                                    dtype=torch.float32).eval()
         _FILES[key] = (path, theirs, Decoder.from_gguf(path, activations="float32"))
@@ -73,13 +73,13 @@ def test_every_architecture_is_tested():
 def test_gguf_logits_and_greedy_tokens_match_transformers(tmp_dir, family, qtype, dtype, rng):
     path, theirs, ours = family_file(tmp_dir, family, qtype)
     assert ours.cfg.family == gf.hf_configs()[family][0] + "-gguf"
-    toks = rng.integers(3, gf.VOCAB, 24)
+    toks = rng.integers(3, gf.vocab(family), 24)
     ref = hf_logits(theirs, toks)
     cache = ours.new_cache(capacity=64, dtype=dtype)
     errs = [rel(ours.prefill(toks[:14], cache=cache, all_logits=True), ref[:14])]
     errs += [rel(ours.step([t], cache=cache)[0], ref[i]) for i, t in enumerate(toks[14:], 14)]
     assert max(errs) <= TOL[dtype], (family, qtype, dtype, max(errs))
-    prompt = list(rng.integers(3, gf.VOCAB, 9))
+    prompt = list(rng.integers(3, gf.vocab(family), 9))
     got = list(ours.generate(prompt, max_new_tokens=32, cache_dtype=dtype, stop_tokens=()))
     want = hf_greedy(theirs, prompt, 32)
     if dtype == "float32":
@@ -97,7 +97,7 @@ def test_gguf_int8_activations_within_their_bound(tmp_dir, family, rng):
     of the same stored weights rounded as the kernel rounds x."""
     path, _, _ = family_file(tmp_dir, family, "Q8_0")
     d = Decoder.from_gguf(path)
-    toks = rng.integers(3, gf.VOCAB, 20)
+    toks = rng.integers(3, gf.vocab(family), 20)
     assert_matches_reference(d, toks, d.forward(toks), bound=INT8_ACTIVATION_BOUND)
 
 
@@ -152,17 +152,22 @@ def test_streaming_past_the_cache_window_matches_transformers_on_the_kept_tokens
         assert rel(got, tm.hf_logits(m, kept)[-1]) <= TOL["float32"], (family, policy, len(kept))
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cli_generates_with_every_architecture(tmp_dir, family):
-    """`python -m kvsimd generate --model FILE.gguf` prints the text the API generates."""
+def test_cli_generates_with_every_architecture(tmp_dir, family, chat):
+    """`python -m kvsimd generate --model FILE.gguf [--chat]` prints the text the API generates
+    from the prompt (wrapped in the file's chat template)."""
     import subprocess
     import sys
     path, _, _ = family_file(tmp_dir, family, "Q8_0")
     m = Decoder.from_gguf(path)
     tok = m.tokenizer
-    ids = tok.encode("abc de")
-    want = tok.decode(list(m.generate(ids, max_new_tokens=8, stop_tokens=[] if tok.eos_id is None else [tok.eos_id])))
-    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", path, "--max-new-tokens", "8",
-                        "abc de"], capture_output=True, text=True, timeout=300)
+    prompt = "The king is dead."
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    assert (text != prompt) == chat
+    gen = m.generate(tok.encode(text), max_new_tokens=8, stop_tokens=[] if tok.eos_id is None else [tok.eos_id])
+    want = tok.decode(list(gen))
+    r = subprocess.run([sys.executable, "-m", "kvsimd", "generate", "--model", path, "--max-new-tokens", "8"]
+                       + ["--chat"] * chat + [prompt], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.rstrip("\n") == want and want
+    assert r.stdout.rstrip("\n") == want
