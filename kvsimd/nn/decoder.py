@@ -41,15 +41,16 @@ class Decoder(_Stack):
 
     @classmethod
     def from_transformers(cls, model, weights="float32"):
-        """Import a loaded Hugging Face causal LM (Llama/Mistral/Qwen2, GPT-NeoX, GPT-2, BLOOM).
-        ``weights``: how the matrices are kept: "float32" (arrays, BLAS), or stored as "float16",
+        """Import a loaded Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2,
+        GPT-NeoX, GPT-2, BLOOM).  ``weights``: how the matrices are kept: "float32" (arrays, BLAS), or stored as "float16",
         "bfloat16" or "q8_0" (quantized at import; multiplied by kvsimd's kernels)."""
         from kvsimd.loaders.hf import decoder_from_transformers
         return decoder_from_transformers(cls, model, weights)
 
     @classmethod
     def from_gguf(cls, path, *, mmap=True, activations="int8"):
-        """Load a Llama-architecture GGUF file, its weights kept as the file stores them (F32, F16,
+        """Load a GGUF file of architecture llama, qwen2, qwen3, phi3 or gemma2
+        (``kvsimd.loaders.gguf.ARCHITECTURES``), its weights kept as the file stores them (F32, F16,
         BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: multiplied in place by kvsimd's kernels; Q5_0,
         Q5_1, Q2_K, Q3_K dequantized to float32 with a warning).  ``mmap=True``: the weights are
         views of the memory-mapped file (load costs no copy; the file must stay as it is while the
