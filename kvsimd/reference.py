@@ -7,7 +7,9 @@ use them to check kvsimd on their own data.  Inputs of any float dtype are widen
 The second half is a whole transformer in float64 (:func:`forward`, :func:`encode`,
 :func:`layer`), the oracle of kvsimd's compiled layers.  It reads a model by duck typing
 (``model.cfg``, ``model.embed``, ``model.layers``...) and imports nothing of kvsimd but its
-errors, so no library path depends on it and it does not depend on where the model classes live."""
+errors and, for a config with ``rope_scaling``, the one function of the scaling formulas
+(``kvsimd.nn.config.rope_frequencies``, itself checked against transformers), so no library path
+depends on it and it does not depend on where the model classes live."""
 from __future__ import annotations
 
 import math
@@ -289,7 +291,9 @@ def _self_attention(cfg, a, h, positions):
     v = _heads(_linear(h, a.wv, a.bv), Hkv, D)
     slopes = None
     if positions is not None and cfg.position == "rope":
-        rope = dict(theta=cfg.rope_theta, style=cfg.rope_style,
+        from kvsimd.nn.config import rope_frequencies   # the scaling formulas (checked against transformers)
+        inv, att = rope_frequencies(cfg)
+        rope = dict(theta=cfg.rope_theta, style=cfg.rope_style, inv_freq=inv, attn_factor=att,
                     rotary_dim=cfg.head_dim if cfg.rotary_dim is None else cfg.rotary_dim)
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
