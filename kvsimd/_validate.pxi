@@ -255,6 +255,8 @@ cdef int _check_status(kv_status rc, str what) except -1:
 def _rope_freqs(inv_freq, int64_t R):
     """Explicit RoPE inverse frequencies: R real numbers, each finite and in (0, 1e200] (every
     angle stays finite), as a read-only float64 copy."""
+    if isinstance(inv_freq, _np.ma.MaskedArray):
+        raise KVSimdTypeError("inv_freq is a numpy.ma.MaskedArray: kvsimd would ignore its mask")
     if isinstance(inv_freq, _np.ndarray):
         a = inv_freq
     elif isinstance(inv_freq, (list, tuple)):

@@ -333,6 +333,7 @@ BAD_INV = [
     (np.array([1.0, 0.5, -0.5, 0.1]), KVSimdValueError, r"inv_freq\[2\]=-0.5 must be"),
     ([1.0, 0.5, 0.1, 1e300], KVSimdValueError, r"inv_freq\[3\]=1e\+300 must be"),
     (np.zeros(4, complex), KVSimdTypeError, "got dtype complex128"),
+    (np.ma.masked_array(np.ones(4), [0, 1, 0, 0]), KVSimdTypeError, "inv_freq is a numpy.ma.MaskedArray"),
 ]
 BAD_FACTOR = [(0.0, KVSimdValueError), (-1.0, KVSimdValueError), (float("nan"), KVSimdValueError),
               (float("inf"), KVSimdValueError), (1e39, KVSimdValueError), (True, KVSimdTypeError),

@@ -225,6 +225,8 @@ def _scaling_params(cfg, what):
     ff = sc.get("freq_factors")
     if ff is not None:
         key, R = name + "['freq_factors']", cfg.rotary_dim // 2
+        if isinstance(ff, np.ma.MaskedArray):
+            raise KVSimdTypeError("%s is a numpy.ma.MaskedArray: kvsimd would ignore its mask" % key)
         if isinstance(ff, (str, bytes)) or not isinstance(ff, (list, tuple, np.ndarray)):
             raise KVSimdTypeError("%s must be a sequence of rotary_dim/2=%d reals, got %s"
                                   % (key, R, type(ff).__name__))
