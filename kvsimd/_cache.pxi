@@ -674,7 +674,8 @@ cdef class KVCache(_KVStore):
 
     cdef int _discard_shift(self, int64_t b, RopeSpec rope) except -1:
         """Drop the n_discard oldest window tokens of sequence b and rotate the kept keys back
-        by as many positions (with ALiBi only their positions move)."""
+        by as many positions (with ALiBi only their positions move).  The rotation is the
+        delta's alone (kv_shift_keys): a scaled spec's attention factor is in the keys once."""
         cdef int64_t nk = self.n_keep, nd = self.n_discard, W = self.capacity - nk
         if self._tx is not None:
             self._tx.save_row(b)
@@ -710,19 +711,21 @@ cdef class KVCache(_KVStore):
             kp = kv_cache_block(&self.c, layer, 0, s)
             with nogil:
                 rc = kv_shift_keys(kp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta,
-                                   rope.theta, rope.st, rope.rotary_dim, t0, t1)
+                                   rope.inv, rope.st, rope.rotary_dim, t0, t1)
             _check_status(rc, "shift_range")
         return 0
 
-    def shift_range(self, seq, t0, t1, delta, theta, style, rotary_dim):
+    def shift_range(self, seq, t0, t1, delta, theta, style, rotary_dim, *, inv_freq=None):
         """Rotate the keys of slots t0..t1-1 of every layer by ``delta`` positions (shift-RoPE-K);
-        ``rotary_dim`` None means head_dim.  Same RoPE parameter rules as ops.shift_keys."""
+        ``rotary_dim`` None means head_dim.  Same RoPE parameter rules as ops.shift_keys (the
+        frequencies ``inv_freq``, no attention factor)."""
         with self._claim():
             s = self._seq(seq)
             c0, c1 = _need_int(t0, "t0"), _need_int(t1, "t1")
             if not 0 <= c0 <= c1 <= self.capacity:
                 raise KVSimdValueError("slot range t0..t1 = %d..%d outside 0..%d" % (c0, c1, self.capacity))
-            self._shift(s, c0, c1, _need_pos(delta, "delta"), RopeSpec(theta, style, rotary_dim, self.head_dim))
+            self._shift(s, c0, c1, _need_pos(delta, "delta"), RopeSpec(theta, style, rotary_dim, self.head_dim,
+                                                                       inv_freq))
             self._changed()
 
 

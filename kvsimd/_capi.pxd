@@ -130,16 +130,17 @@ cdef extern from "kvsimd.h" nogil:
     int kv_get_num_threads() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
-                            const int64_t *positions, double theta, kv_rope_style style,
+                            const int64_t *positions, const double *inv, double scale, kv_rope_style style,
                             int64_t rotary_dim) noexcept
     kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
-                            double theta, kv_rope_style style, int64_t rotary_dim, int64_t start,
+                            const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
                             int64_t stop) noexcept
     void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs,
                         kv_rope_style style, int64_t rotary_dim, int64_t t0, int64_t t1) noexcept
     void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) noexcept
     void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) noexcept
-    void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim) noexcept
+    void kv_rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim) noexcept
+    void kv_rope_table(float *cs, double units, const double *inv, int64_t R, double scale) noexcept
     uint64_t kv_bench_read(const void *buf, size_t bytes) noexcept
     void kv_bench_copy(void *dst, const void *src, size_t bytes) noexcept
     void kv_bench_write(void *dst, size_t bytes) noexcept

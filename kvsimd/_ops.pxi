@@ -79,22 +79,26 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     return out
 
 
-def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
+def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, attn_factor=1.0):
     """Rotate ``x`` (float32 or float16 ``[H, N, D]``) in place by RoPE at ``positions`` (int64 ``[N]``).
 
     ``style="gptj"`` pairs ``(x[2i], x[2i+1])``; ``style="neox"`` pairs ``(x[i], x[i + rotary_dim/2])``.
     Only the first ``rotary_dim`` dims (even, default D) rotate; pair i turns by
-    ``position * theta ** (-2i / rotary_dim)``, the angle computed in double precision from the
-    integer position.  fp16 results are rounded as :func:`kvsimd.bounds.rope_bound` states (once on
-    the scalar and avx2 rows, each component twice on avx512fp16)."""
+    ``position * inv_freq[i]``, the angle computed in double precision from the integer position;
+    ``inv_freq`` (rotary_dim/2 positive reals, e.g. from kvsimd.nn.config.rope_frequencies)
+    defaults to ``theta ** (-2i / rotary_dim)``.  The rotated pairs are multiplied by
+    ``attn_factor`` (YaRN's attention factor; default 1).  fp16 results are rounded as
+    :func:`kvsimd.bounds.rope_bound` states (once on the scalar and avx2 rows, each component
+    twice on avx512fp16)."""
     _need_array(x, "x", _KV_DTYPES, 3, "[H, N, D]", writeable=True)
     cdef int64_t H = x.shape[0], N = x.shape[1], D = x.shape[2]
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("x is empty (shape %s)" % (x.shape,))
     _need_positions(positions, "positions", N)
     _need_no_overlap(x, "x", (("positions", positions),))
-    cdef RopeSpec spec = RopeSpec(theta, style, rotary_dim, D)
-    cdef double th = spec.theta
+    cdef RopeSpec spec = RopeSpec(theta, style, rotary_dim, D, inv_freq, attn_factor)
+    cdef const double *inv = spec.inv
+    cdef double sc = spec.attn_factor
     cdef kv_rope_style cst = spec.st
     cdef int64_t crd = spec.rotary_dim
     cdef kv_dtype dt = KV_F16 if x.dtype == _F16 else KV_F32
@@ -102,35 +106,37 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
     cdef const int64_t *pp = <const int64_t *>_ptr(positions)
     cdef kv_status s
     with nogil:
-        s = kv_apply_rope(xp, dt, H, N, D, pp, th, cst, crd)
+        s = kv_apply_rope(xp, dt, H, N, D, pp, inv, sc, cst, crd)
     _check_status(s, "apply_rope")
 
 
-def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
+def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None):
     """Rotate an already-RoPE'd cache ``k`` (float16 or float32 ``[Hkv, N, D]``) in place, as if
     tokens ``start..stop-1`` had moved by the integer ``delta`` positions (negative after a discard).
 
-    Same pairing and frequencies as :func:`apply_rope`; the angle comes from the integer delta in
-    double precision and each call adds at most one :func:`kvsimd.bounds.rope_bound` of rounding, so ``apply_rope`` at p then
-    ``shift_keys(delta)`` equals ``apply_rope`` at ``p + delta`` up to rounding."""
+    Same pairing and frequencies (``inv_freq``) as :func:`apply_rope`, and no attention factor:
+    a key rotated with one already carries it, and the shift only turns it.  The angle comes from
+    the integer delta in double precision and each call adds at most one
+    :func:`kvsimd.bounds.rope_bound` of rounding, so ``apply_rope`` at p then ``shift_keys(delta)``
+    equals ``apply_rope`` at ``p + delta`` up to rounding."""
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]", writeable=True)
     cdef int64_t H = k.shape[0], N = k.shape[1], D = k.shape[2]
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("k is empty (shape %s)" % (k.shape,))
-    cdef RopeSpec spec = RopeSpec(theta, style, rotary_dim, D)
+    cdef RopeSpec spec = RopeSpec(theta, style, rotary_dim, D, inv_freq)
     d = _need_pos(delta, "delta")
     t0 = _need_int(start, "start")
     t1 = N if stop is None else _need_int(stop, "stop")
     if not (0 <= t0 <= t1 <= N):
         raise KVSimdPositionError("need 0 <= start <= stop <= N=%d, got start=%d stop=%d" % (N, t0, t1))
-    cdef double th = spec.theta
+    cdef const double *inv = spec.inv
     cdef kv_rope_style cst = spec.st
     cdef int64_t crd = spec.rotary_dim, cd = d, c0 = t0, c1 = t1
     cdef kv_dtype dt = KV_F16 if k.dtype == _F16 else KV_F32
     cdef void *kp = _ptr(k)
     cdef kv_status s
     with nogil:
-        s = kv_shift_keys(kp, dt, H, N, D, cd, th, cst, crd, c0, c1)
+        s = kv_shift_keys(kp, dt, H, N, D, cd, inv, cst, crd, c0, c1)
     _check_status(s, "shift_keys")
 
 

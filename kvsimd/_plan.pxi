@@ -25,7 +25,7 @@ cdef class _Plan:
     cdef bint do_rope, one_layer
     cdef readonly bint explicit         # made by step_plan from explicit slots and ranges
     cdef kv_rope_style st
-    cdef double theta
+    cdef RopeSpec rope                  # its frequencies and attention factor make the tables
     cdef float scale, softcap
     cdef readonly tuple windows         # the attention windows with their own key-range tables
     cdef list wtab                      # per window: (rng, nr, nrmax), the last W keys of each row
@@ -79,7 +79,7 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     if p.do_rope:
         if rope.head_dim != D:
             raise KVSimdValueError("rope is for head_dim %d, the cache has %d" % (rope.head_dim, D))
-        p.theta, p.st, p.rd = rope.theta, rope.st, rope.rotary_dim
+        p.rope, p.st, p.rd = rope, rope.st, rope.rotary_dim
     p.alibi = None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy()
     p.scale = 1.0 / sqrtf(<float>D) if scale is None else _need_scale(scale, D)
     p.softcap = _need_softcap(softcap)
@@ -162,14 +162,17 @@ cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
 
 
 cdef int _plan_tables(_Plan p) except -1:
-    """RoPE tables of every row's positions ([r][key position | sink position]) and the scratch."""
+    """RoPE tables of every row's positions ([r][key position | sink position]) and the scratch;
+    both with the spec's attention factor (each rotates a fresh q or k once)."""
     cdef int64_t r
     if p.do_rope:
         p.cs = _np.zeros((p.R, 2, p.rd), dtype=_np.float32)
         for r in range(p.R):
-            kv_rope_table(<float *>_ptr(p.cs) + 2 * r * p.rd, <double>p.kpos[r], p.theta, p.rd // 2, p.rd)
+            kv_rope_table(<float *>_ptr(p.cs) + 2 * r * p.rd, <double>p.kpos[r], p.rope.inv, p.rd // 2,
+                          p.rope.attn_factor)
             if p.two[r]:
-                kv_rope_table(<float *>_ptr(p.cs) + (2 * r + 1) * p.rd, <double>p.spos[r], p.theta, p.rd // 2, p.rd)
+                kv_rope_table(<float *>_ptr(p.cs) + (2 * r + 1) * p.rd, <double>p.spos[r], p.rope.inv, p.rd // 2,
+                              p.rope.attn_factor)
     p.qs = _np.empty((<object>p.R, <object>p.HD) if p.two.any() else (1, 1), dtype=_np.float32)
     p.ws = (<_KVStore>p.owner)._scratch(p.H, p.nt)     # the store's workspace, reused step after step
     return 0

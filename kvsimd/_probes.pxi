@@ -76,14 +76,14 @@ def _attn_workspace_bytes(H, Hkv, D):
     return n
 
 
-def _rope_table(units, theta, R, rotary_dim):
+def _rope_table(units, theta, R, rotary_dim, inv_freq=None, attn_factor=1.0):
     """The (cos, sin) float32 pairs ops.c hands the rotation kernel for ``units`` positions."""
     u = _need_real(units, "units")
     if not _math.isfinite(u):
         raise KVSimdValueError("units must be finite, got %r" % (u,))
     cdef int64_t rd = _need_int(rotary_dim, "rotary_dim", 2, KV_MAX_HEAD_DIM)
-    th, _, rd = _rope_params(theta, "gptj", rd, KV_MAX_HEAD_DIM)
+    cdef RopeSpec spec = RopeSpec(theta, "gptj", rd, rd, inv_freq, attn_factor)
     cdef int64_t r = _need_int(R, "R", 0, rd // 2)
     cs = _np.empty(2 * r, dtype=_np.float32)
-    kv_rope_table(<float *>_ptr(cs), u, th, r, rd)
+    kv_rope_table(<float *>_ptr(cs), u, spec.inv, r, spec.attn_factor)
     return cs

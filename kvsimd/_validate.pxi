@@ -20,6 +20,7 @@ _I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
 _MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kpos cannot overflow int64
 _FLT_MAX = 3.4028234663852886e38
 _MIN_THETA = 1e-200       # every angle |position| * theta**-1 stays finite
+_MAX_INV_FREQ = 1e200     # the same for explicit inverse frequencies
 _MAX_HEADS = 1 << 16      # query heads per attention call (bounds workspace sizes)
 
 
@@ -261,30 +262,111 @@ cdef int _check_status(kv_status rc, str what) except -1:
     raise exc("%s: %s (C status %d)" % (what, meaning, rc))
 
 
+def _rope_freqs(inv_freq, int64_t R):
+    """Explicit RoPE inverse frequencies: R real numbers, each finite and in (0, 1e200] (every
+    angle stays finite), as a read-only float64 copy."""
+    if isinstance(inv_freq, _np.ma.MaskedArray):
+        raise KVSimdTypeError("inv_freq is a numpy.ma.MaskedArray: kvsimd would ignore its mask")
+    if isinstance(inv_freq, _np.ndarray):
+        a = inv_freq
+    elif isinstance(inv_freq, (list, tuple)):
+        try:
+            a = _np.array(inv_freq)
+        except (TypeError, ValueError):
+            raise KVSimdTypeError("inv_freq must be a 1-D sequence of real numbers, got %r" % (inv_freq,)) from None
+    else:
+        raise KVSimdTypeError("inv_freq must be a numpy array, list or tuple of rotary_dim/2=%d real numbers, got %s"
+                              % (R, type(inv_freq).__name__))
+    if a.dtype.kind not in "iuf":
+        raise KVSimdTypeError("inv_freq must hold real numbers, got dtype %s" % a.dtype)
+    if a.shape != (R,):
+        raise KVSimdValueError("inv_freq must have rotary_dim/2=%d entries, got shape %s" % (R, a.shape))
+    a = _np.array(a, dtype=_np.float64, order="C")
+    bad = ~(_np.isfinite(a) & (a > 0) & (a <= _MAX_INV_FREQ))
+    if bad.any():
+        i = int(_np.argmax(bad))
+        raise KVSimdValueError("inv_freq[%d]=%r must be finite and in (0, %g]" % (i, float(a[i]), _MAX_INV_FREQ))
+    a.flags.writeable = False
+    return a
+
+
+def _need_attn_factor(x):
+    """RoPE's attention factor (cos and sin are multiplied by it): positive, finite, within float32."""
+    f = _need_real(x, "attn_factor")
+    if not (0.0 < f <= _FLT_MAX):
+        raise KVSimdValueError("attn_factor must be positive, finite and within float32 range, got %r" % (f,))
+    return f
+
+
 cdef class RopeSpec:
     """Validated RoPE parameters for rows of ``head_dim``: ``theta``, ``style`` ("gptj" pairs
-    adjacent values, "neox" the two halves) and ``rotary_dim`` (None: head_dim).  The one RoPE
-    check of kvsimd: ops.apply_rope / shift_keys, prefill, decode steps and the shift policy."""
-    cdef readonly double theta
+    adjacent values, "neox" the two halves) and ``rotary_dim`` (None: head_dim).  Scaled RoPE
+    (linear, llama3, YaRN: see kvsimd.nn.config.rope_frequencies) gives ``inv_freq``, the
+    rotary_dim/2 inverse frequencies (default ``theta ** (-2i / rotary_dim)``), and
+    ``attn_factor``, which multiplies cos and sin (so q.k by its square; default 1).  The one
+    RoPE check of kvsimd: ops.apply_rope / shift_keys, prefill, decode steps and the shift
+    policy.  A shift rotates by the delta's angles alone: the factor is in a key once."""
+    cdef readonly double theta, attn_factor
     cdef readonly int64_t rotary_dim, head_dim
     cdef kv_rope_style st
+    cdef object _inv          # float64 [rotary_dim/2], read-only: the frequencies C reads
+    cdef bint _given          # _inv came from the caller (else from theta)
+    cdef const double *inv    # _inv's data
 
-    def __cinit__(self, theta, style, rotary_dim, head_dim):
+    def __cinit__(self, theta, style, rotary_dim, head_dim, inv_freq=None, attn_factor=1.0):
         D = _need_int(head_dim, "head_dim")
         _need_head_dim(D)
         self.theta, self.st, self.rotary_dim = _rope_params(theta, style, rotary_dim, D)
         self.head_dim = D
+        cdef int64_t R = self.rotary_dim // 2
+        self._given = inv_freq is not None
+        if self._given:
+            self._inv = _rope_freqs(inv_freq, R)
+        else:
+            self._inv = _np.empty(R, dtype=_np.float64)
+            kv_rope_inv_freq(<double *>_ptr(self._inv), self.theta, R, self.rotary_dim)
+            self._inv.flags.writeable = False
+        self.inv = <const double *>_ptr(self._inv)
+        self.attn_factor = _need_attn_factor(attn_factor)
 
     @property
     def style(self):
         return "gptj" if self.st == KV_ROPE_GPTJ else "neox"
 
+    @property
+    def inv_freq(self):
+        """The inverse frequencies given (read-only float64 array), or None (from theta)."""
+        return self._inv if self._given else None
+
+    @property
+    def frequencies(self):
+        """The inverse frequencies the kernels use (read-only float64 [rotary_dim/2])."""
+        return self._inv
+
+    def _key(self):
+        return (self.theta, self.style, self.rotary_dim, self.head_dim, self.attn_factor,
+                self._inv.tobytes() if self._given else None)
+
+    def __eq__(self, other):
+        if not isinstance(other, RopeSpec):
+            return NotImplemented
+        return self._key() == (<RopeSpec>other)._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
     def __repr__(self):
-        return "RopeSpec(theta=%r, style=%r, rotary_dim=%d, head_dim=%d)" % (self.theta, self.style, self.rotary_dim,
-                                                                              self.head_dim)
+        extra = ""
+        if self._given:
+            extra += ", inv_freq=(%s,)" % ", ".join(map(repr, self._inv.tolist()))
+        if self.attn_factor != 1.0:
+            extra += ", attn_factor=%r" % self.attn_factor
+        return "RopeSpec(theta=%r, style=%r, rotary_dim=%d, head_dim=%d%s)" % (self.theta, self.style,
+                                                                                self.rotary_dim, self.head_dim, extra)
 
     def __reduce__(self):
-        return RopeSpec, (self.theta, self.style, self.rotary_dim, self.head_dim)
+        return RopeSpec, (self.theta, self.style, self.rotary_dim, self.head_dim,
+                          tuple(self._inv.tolist()) if self._given else None, self.attn_factor)
 
 
 cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,

@@ -73,7 +73,7 @@ def pair_norm(x, style: str, rotary_dim: int):
     return n
 
 
-def rope_bound(isa: str, dtype, pair, out, calls: int = 1):
+def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
     """Per-component bound on ``|result - exact|`` after ``calls`` successive rotations
     (``apply_rope`` / ``shift_keys``) of one tensor on ISA row ``isa``.
 
@@ -81,11 +81,16 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1):
     magnitude is used).  The last call contributes ``a |out| + b |pair| + c``; every earlier
     call's error vector is rotated by the later ones, which moves it between the two
     components of its pair, so it contributes its pair-norm ``a |pair| + sqrt(2) (b |pair| + c)``.
-    A rotation keeps |pair| up to the errors so far (a factor 1 + 2^-8 covers up to 8 calls)."""
+    A rotation keeps |pair| up to the errors so far (a factor 1 + 2^-8 covers up to 8 calls).
+    ``factor``: the attention factor of a scaled RoPE (``apply_rope(attn_factor=...)``), which
+    scales the (cos, sin) multiplier and so the pairs every product rounds: |pair| counts
+    ``max(1, factor)`` times."""
     a, b, c = rope_coefficients(isa, dtype)
     if not 1 <= calls <= 8:
         raise KVSimdValueError("calls must be in 1..8, got %r" % (calls,))
-    pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0)
+    if not (np.isfinite(factor) and factor > 0):
+        raise KVSimdValueError("factor must be finite and > 0, got %r" % (factor,))
+    pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0) * max(1.0, float(factor))
     last = a * np.abs(np.asarray(out, np.float64)) + b * pair + c
     return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
 

@@ -4,7 +4,8 @@
   streaming policies of infinite generation; a forward pass is ``begin_prefill`` / ``begin_step``
   -> the layers -> ``end_prefill`` / ``end_step`` inside ``transaction()``.
 - :class:`CrossAttentionCache`: the projected encoder output of an encoder-decoder.
-- :class:`RopeSpec`: validated RoPE parameters, the one check used by every RoPE path.
+- :class:`RopeSpec`: validated RoPE parameters (with a scaled RoPE's frequencies and attention
+  factor), the one check used by every RoPE path.
 """
 from kvsimd._kvsimd import POLICIES, CrossAttentionCache, KVCache, RopeSpec
 

@@ -20,7 +20,8 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
   ``<= u * |out| + 2**-20 * |pair| + 2**-25``.  float16 on the avx512fp16 path: the
   (cos, sin) multiplier split into fp16 hi + lo, ``x * lo`` by VFMULCPH then ``x * hi`` plus
   that by VFMADDCPH, which rounds each component twice:
-  ``<= u * (|pair| + |out|) + 2**-18 * |pair| + 2**-23`` per call.
+  ``<= u * (|pair| + |out|) + 2**-18 * |pair| + 2**-23`` per call.  With an attention factor
+  above 1 (``apply_rope(attn_factor=...)``), ``|pair|`` counts that many times.
 * Rounding errors of successive calls add up: a token rotated k times carries up to k times
   the per-call bound.  A cache design must bound how many rotations any cached token sees.
 * ``to_float16`` / ``to_float32``: bit-identical to NumPy's casts, NaN payloads included.

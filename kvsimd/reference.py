@@ -7,7 +7,9 @@ use them to check kvsimd on their own data.  Inputs of any float dtype are widen
 The second half is a whole transformer in float64 (:func:`forward`, :func:`encode`,
 :func:`layer`), the oracle of kvsimd's compiled layers.  It reads a model by duck typing
 (``model.cfg``, ``model.embed``, ``model.layers``...) and imports nothing of kvsimd but its
-errors, so no library path depends on it and it does not depend on where the model classes live."""
+errors and, for a config with ``rope_scaling``, the one function of the scaling formulas
+(``kvsimd.nn.config.rope_frequencies``, itself checked against transformers), so no library path
+depends on it and it does not depend on where the model classes live."""
 from __future__ import annotations
 
 import math
@@ -82,21 +84,26 @@ def attend(q, k, v, **kw):
     return np.einsum("hn,hnd->hd", p, np.repeat(v, p.shape[0] // v.shape[0], axis=0))
 
 
-def rope_angles(positions, *, theta=10000.0, rotary_dim):
-    """Angles ``[N, rotary_dim/2]``: ``position * theta ** (-2i / rotary_dim)`` in float64."""
+def rope_angles(positions, *, theta=10000.0, rotary_dim, inv_freq=None):
+    """Angles ``[N, rotary_dim/2]``: ``position * inv_freq[i]`` in float64, ``inv_freq``
+    defaulting to ``theta ** (-2i / rotary_dim)``."""
     pos = np.asarray(positions, dtype=np.float64)
-    i = np.arange(rotary_dim // 2, dtype=np.float64)
-    inv = float(theta) ** (-2.0 * i / rotary_dim)
+    if inv_freq is None:
+        i = np.arange(rotary_dim // 2, dtype=np.float64)
+        inv = float(theta) ** (-2.0 * i / rotary_dim)
+    else:
+        inv = np.asarray(inv_freq, dtype=np.float64)
     return pos[:, None] * inv[None, :]
 
 
-def rotate_pairs(x, angles, *, style="gptj", rotary_dim=None):
-    """Rotate the pairs of ``x [H, N, D]`` by ``angles [N, R]``; returns a new float64 array."""
+def rotate_pairs(x, angles, *, style="gptj", rotary_dim=None, scale=1.0):
+    """Rotate the pairs of ``x [H, N, D]`` by ``angles [N, R]`` and multiply them by ``scale``;
+    returns a new float64 array."""
     x = np.array(x, dtype=np.float64)
     D = x.shape[-1]
     rd = D if rotary_dim is None else rotary_dim
     R = rd // 2
-    c, s = np.cos(angles)[None], np.sin(angles)[None]
+    c, s = np.cos(angles)[None] * scale, np.sin(angles)[None] * scale
     if style == "gptj":
         a, b = x[..., 0:rd:2].copy(), x[..., 1:rd:2].copy()
         x[..., 0:rd:2] = a * c - b * s
@@ -110,18 +117,21 @@ def rotate_pairs(x, angles, *, style="gptj", rotary_dim=None):
     return x
 
 
-def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
-    """float64 RoPE of ``x [H, N, D]`` at ``positions [N]``; returns a new array."""
+def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, attn_factor=1.0):
+    """float64 RoPE of ``x [H, N, D]`` at ``positions [N]`` (pairs multiplied by ``attn_factor``);
+    returns a new array."""
     rd = np.shape(x)[-1] if rotary_dim is None else rotary_dim
-    return rotate_pairs(x, rope_angles(positions, theta=theta, rotary_dim=rd), style=style, rotary_dim=rd)
+    return rotate_pairs(x, rope_angles(positions, theta=theta, rotary_dim=rd, inv_freq=inv_freq), style=style,
+                        rotary_dim=rd, scale=attn_factor)
 
 
-def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
-    """float64 rotation of tokens ``start..stop-1`` of ``k [Hkv, N, D]`` by ``delta`` positions."""
+def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None):
+    """float64 rotation of tokens ``start..stop-1`` of ``k [Hkv, N, D]`` by ``delta`` positions
+    (the rotation alone: no attention factor)."""
     k = np.array(k, dtype=np.float64)
     stop = k.shape[1] if stop is None else stop
     rd = k.shape[-1] if rotary_dim is None else rotary_dim
-    ang = rope_angles(np.full(stop - start, delta), theta=theta, rotary_dim=rd)
+    ang = rope_angles(np.full(stop - start, delta), theta=theta, rotary_dim=rd, inv_freq=inv_freq)
     k[:, start:stop] = rotate_pairs(k[:, start:stop], ang, style=style, rotary_dim=rd)
     return k
 
@@ -293,7 +303,9 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None):
         q, k = _head_norm(cfg, qk[0], q), _head_norm(cfg, qk[1], k)
     slopes = None
     if positions is not None and cfg.position == "rope":
-        rope = dict(theta=cfg.rope_theta, style=cfg.rope_style,
+        from kvsimd.nn.config import rope_frequencies   # the scaling formulas (checked against transformers)
+        inv, att = rope_frequencies(cfg)
+        rope = dict(theta=cfg.rope_theta, style=cfg.rope_style, inv_freq=inv, attn_factor=att,
                     rotary_dim=cfg.head_dim if cfg.rotary_dim is None else cfg.rotary_dim)
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":

@@ -184,7 +184,7 @@ def random_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim,
                    bias=False, **options):
     """A tiny :class:`kvsimd.Decoder` with random weights, built without torch (tests, benchmarks,
     experiments).  ``options`` are :class:`kvsimd.ModelConfig` fields (``norm``, ``activation``,
-    ``ffn_gated``, ``position``, ``rope_style``, ``rotary_dim``, ``pre_norm``,
+    ``ffn_gated``, ``position``, ``rope_style``, ``rotary_dim``, ``rope_scaling``, ``pre_norm``,
     ``parallel_residual``, ``embed_norm``, ``final_norm``, ``embed_scale``, ...);
     ``bias=True`` gives every linear layer (and the LM head) a bias; layernorms always have one.
     Weights are drawn by ``numpy.random.default_rng(seed)`` (same seed, same model) with

@@ -246,10 +246,15 @@ void kv_set_num_threads(int n);
 int kv_get_num_threads(void);
 size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads); /* what kv_attend needs */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads);
-kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
-                        const int64_t *positions, double theta, kv_rope_style style, int64_t rotary_dim);
+/* RoPE of x [H, N, D] at positions[t]: pair r turns by positions[t] * inv[r] (inv: rotary_dim / 2
+   inverse frequencies, from kv_rope_inv_freq or a scaled spec), and is multiplied by `scale`
+   (the attention factor of YaRN-style scaling; 1 otherwise). */
+kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const int64_t *positions,
+                        const double *inv, double scale, kv_rope_style style, int64_t rotary_dim);
+/* Rows start..stop-1 of an already rotated k turned by delta * inv[r], with no scale: the
+   attention factor is in the key once, from kv_apply_rope or the step that stored it. */
 kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
-                        double theta, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
+                        const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
 /* Rows t0..t1-1 of x [H, N, D] rotated in place by one shared table cs (from kv_rope_table):
    what a decode step uses to rotate q and k with angles computed once for every layer. */
 void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs, kv_rope_style style,
@@ -283,8 +288,11 @@ kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int
 void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs);
 void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
-/* (cos, sin) of angle * theta^(-2r/rotary_dim) for r < R, computed in double, stored as float. */
-void kv_rope_table(float *cs, double angle_units, double theta, int64_t R, int64_t rotary_dim);
+/* inv[r] = theta^(-2r / rotary_dim) for r < R (in double). */
+void kv_rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim);
+/* The one RoPE table: (cos, sin) * scale of units * inv[r] for r < R, computed in double, stored
+   as float pairs (what the rotate kernel reads). */
+void kv_rope_table(float *cs, double units, const double *inv, int64_t R, double scale);
 
 /* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][d], 64-byte aligned. */
 typedef struct kv_cache {

@@ -1,8 +1,9 @@
 /* ops.c - C entry points over the active dispatch row.
  *
  * The angles of RoPE and of the K-cache shift are computed here, in double precision from
- * integer positions (libm is fine here; kernels never call it), and handed to the kernel as
- * (cos, sin) float pairs.  Callers validate their arguments (the Python boundary does).
+ * integer positions and the caller's inverse frequencies (libm is fine here; kernels never call
+ * it), and handed to the kernel as (cos, sin) float pairs.  Callers validate their arguments
+ * (the Python boundary does).
  */
 #include <float.h>
 #include <math.h>
@@ -250,52 +251,46 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
 }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 
-/* inv[r] = theta^(-2r / rotary_dim) */
-static void rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim)
+/* inv[r] = theta^(-2r / rotary_dim): the frequencies of a spec that gives none of its own */
+void kv_rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim)
 {
     for (int64_t r = 0; r < R; r++)
         inv[r] = pow(theta, -(double)(2 * r) / (double)rotary_dim);
 }
 
-static void rope_row(float *cs, double units, const double *inv, int64_t R)
+/* The one table builder: (cos, sin) * scale of units * inv[r], in double, stored as float. */
+void kv_rope_table(float *cs, double units, const double *inv, int64_t R, double scale)
 {
     for (int64_t r = 0; r < R; r++) {
         const double a = units * inv[r];
-        cs[2 * r] = (float)cos(a);
-        cs[2 * r + 1] = (float)sin(a);
+        cs[2 * r] = (float)(cos(a) * scale);
+        cs[2 * r + 1] = (float)(sin(a) * scale);
     }
-}
-
-void kv_rope_table(float *cs, double units, double theta, int64_t R, int64_t rotary_dim)
-{
-    double inv[KV_MAX_HEAD_DIM / 2];
-    rope_inv_freq(inv, theta, R, rotary_dim);
-    rope_row(cs, units, inv, R);
 }
 
 #define KV_ROPE_CHUNK 16 /* tokens whose angles are computed per kernel call */
 
 kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const int64_t *positions,
-                        double theta, kv_rope_style style, int64_t rotary_dim)
+                        const double *inv, double scale, kv_rope_style style, int64_t rotary_dim)
 {
     if (rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > D || D > KV_MAX_HEAD_DIM)
         return KV_ERR_ARG;
     const int64_t R = rotary_dim / 2;
-    double inv[KV_MAX_HEAD_DIM / 2];
     float cs[KV_ROPE_CHUNK * KV_MAX_HEAD_DIM];
-    rope_inv_freq(inv, theta, R, rotary_dim);
     const kv_kernels *row = kv_active();
     for (int64_t t0 = 0; t0 < N; t0 += KV_ROPE_CHUNK) {
         const int64_t t1 = t0 + KV_ROPE_CHUNK < N ? t0 + KV_ROPE_CHUNK : N;
         for (int64_t t = t0; t < t1; t++)
-            rope_row(cs + (t - t0) * 2 * R, (double)positions[t], inv, R);
+            kv_rope_table(cs + (t - t0) * 2 * R, (double)positions[t], inv, R, scale);
         kv_rot_params p = {x, cs, H, D, R, N, t0, t1, 2 * R, dtype, style};
         row->rotate(&p);
     }
     return KV_OK;
 }
 
-kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta, double theta,
+/* A key rotated at p (its attention factor applied then) is moved to p + delta by the rotation
+   of delta alone: scale 1, or the factor would be applied again at every shift. */
+kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta, const double *inv,
                         kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop)
 {
     if (rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > D || D > KV_MAX_HEAD_DIM)
@@ -304,7 +299,7 @@ kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t
         return KV_ERR_POSITION;
     const int64_t R = rotary_dim / 2;
     float cs[KV_MAX_HEAD_DIM];
-    kv_rope_table(cs, (double)delta, theta, R, rotary_dim);
+    kv_rope_table(cs, (double)delta, inv, R, 1.0);
     kv_rotate_rows(k, dtype, Hkv, N, D, cs, style, rotary_dim, start, stop);
     return KV_OK;
 }

@@ -210,14 +210,16 @@ class EmulatedRow:
         g.call(self._fn("rotate"), g.put(prm))
         x[...] = np.frombuffer(self._read_guarded(xa, x.nbytes), x.dtype).reshape(x.shape)
 
-    def apply_rope(self, x, positions, *, theta=10000.0, style="gptj", rotary_dim=None):
+    def apply_rope(self, x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None,
+                   attn_factor=1.0):
         rd = x.shape[-1] if rotary_dim is None else rotary_dim
-        cs = np.concatenate([ext._rope_table(float(p), theta, rd // 2, rd) for p in positions])
+        cs = np.concatenate([ext._rope_table(float(p), theta, rd // 2, rd, inv_freq, attn_factor) for p in positions])
         self._rotate(x, cs, rd, style, rd)
 
-    def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, start=0, stop=None):
+    def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0,
+                   stop=None):
         rd = k.shape[-1] if rotary_dim is None else rotary_dim
-        self._rotate(k, ext._rope_table(float(delta), theta, rd // 2, rd), 0, style, rd, start, stop)
+        self._rotate(k, ext._rope_table(float(delta), theta, rd // 2, rd, inv_freq), 0, style, rd, start, stop)
 
     def _convert(self, name, src, dtype):
         g = self.guest

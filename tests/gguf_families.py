@@ -120,11 +120,37 @@ def metadata(arch, name, c):
     if Dh != c.hidden_size // H:
         m[a + "attention.key_length"] = (Dh, T.UINT32)
         m[a + "attention.value_length"] = (Dh, T.UINT32)
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    kind = rp.get("rope_type", "default")
+    if kind in ("linear", "yarn"):              # llama.cpp's keys (llama3 is the rope_freqs tensor)
+        m[a + "rope.scaling.type"] = (kind, T.STRING)
+        m[a + "rope.scaling.factor"] = (float(rp["factor"]), T.FLOAT32)
+    if kind == "yarn":
+        m[a + "rope.scaling.original_context_length"] = (rp["original_max_position_embeddings"], T.UINT32)
     if arch == "gemma2":
         m[a + "attention.sliding_window"] = (c.sliding_window, T.UINT32)
         m[a + "attn_logit_softcapping"] = (float(c.attn_logit_softcapping), T.FLOAT32)
         m[a + "final_logit_softcapping"] = (float(c.final_logit_softcapping), T.FLOAT32)
     return m
+
+
+def rope_freqs(c):
+    """llama.cpp converter's rope_freqs tensor of a llama3-scaled config (None otherwise): per
+    frequency 1 where the wavelength is below original / high_freq_factor, factor above original /
+    low_freq_factor, and 1 / ((1 - s) / factor + s) between."""
+    import math
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    if rp.get("rope_type") != "llama3":
+        return None
+    Dh = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    f, lo, hi, orig = (rp[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings"))
+    out = []
+    for b in rp["rope_theta"] ** (-np.arange(0, Dh, 2) / Dh):
+        w = 2 * math.pi / b
+        s = (orig / w - lo) / (hi - lo)
+        out.append(1.0 if w < orig / hi else f if w > orig / lo else 1 / ((1 - s) / f + s))
+    return np.array(out, dtype=np.float32)
 
 
 def _encode(x, qtype):
@@ -150,7 +176,10 @@ def write(path, family, model, qtype="F32"):
             w.add_name(value)
         else:
             w.add_key_value(key, value, vtype)
-    for tname, x in gguf_tensors(arch, model).items():
+    tensors = gguf_tensors(arch, model)
+    if rope_freqs(model.config) is not None:
+        tensors["rope_freqs.weight"] = rope_freqs(model.config)
+    for tname, x in tensors.items():
         x = np.ascontiguousarray(x, dtype=np.float32)
         data, raw = _encode(x, qtype if x.ndim == 2 else "F32")
         w.add_tensor(tname, data, raw_dtype=raw)

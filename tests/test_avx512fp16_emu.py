@@ -123,6 +123,24 @@ def test_native_rotation_equals_emulated(guest, rng, style, delta):
 
 
 @pytest.mark.skipif(not NATIVE_FP16, reason="CPU lacks AVX512-FP16")
+@pytest.mark.parametrize("style", ["gptj", "neox"])
+def test_native_scaled_rotation_equals_emulated(guest, rng, style):
+    """The same with explicit frequencies and an attention factor (scaled RoPE)."""
+    emu_row = EmulatedRow("avx512fp16", guest)
+    for H, N, D, rd in ROT_SHAPES:
+        x = rng.standard_normal((H, N, D)).astype(np.float16)
+        pos = rng.integers(0, 2**31, N, dtype=np.int64)
+        kw = dict(style=style, rotary_dim=rd, inv_freq=rng.uniform(1e-4, 1.0, rd // 2))
+        emu, native = x.copy(), x.copy()
+        emu_row.apply_rope(emu, pos, attn_factor=1.17, **kw)
+        emu_row.shift_keys(emu, -5, **kw)
+        with use_isa("avx512fp16"):
+            ops.apply_rope(native, pos, attn_factor=1.17, **kw)
+            ops.shift_keys(native, -5, **kw)
+        assert np.array_equal(emu.view(np.uint16), native.view(np.uint16)), (H, N, D, rd)
+
+
+@pytest.mark.skipif(not NATIVE_FP16, reason="CPU lacks AVX512-FP16")
 @pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_native_attention_equals_emulated(guest, rng, H, Hkv, N, D, dtype):

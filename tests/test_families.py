@@ -171,3 +171,59 @@ def test_cli_generates_with_every_architecture(tmp_dir, family, chat):
                        + ["--chat"] * chat + [prompt], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == want
+
+
+# ------------------------------------------------------------------------------ RoPE scaling in GGUF files
+@pytest.mark.parametrize("name", ["llama-linear", "llama-llama3", "llama-yarn"])
+def test_gguf_rope_scaling_matches_transformers_past_the_original_context(tmp_dir, name, rng):
+    """Scaled RoPE as llama.cpp's files carry it (rope.scaling.type linear / yarn with factor and
+    original context; Llama 3.1's adjustment as the rope_freqs tensor), loaded by kvsimd, against
+    the transformers model the file was written from, past the original context (64)."""
+    rope = {"llama-linear": dict(rope_type="linear", factor=4.0),
+            "llama-llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64),
+            "llama-yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)}[name]
+    fam = "llama"
+    cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
+                                   rope_parameters=dict(rope_theta=10000.0, **rope), **gf._common(fam))
+    torch.manual_seed(5)
+    src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    path = os.path.join(tmp_dir, name + ".gguf")
+    gf.write(path, fam, src)
+    ours = Decoder.from_gguf(path, activations="float32")
+    sc = ours.cfg.rope_scaling
+    assert sc["type"] == {"llama-llama3": "default"}.get(name, name.split("-")[1])
+    assert ("freq_factors" in sc) == (name == "llama-llama3")
+    toks = rng.integers(3, gf.vocab(fam), 100)
+    cache = ours.new_cache(capacity=128, dtype="float32")
+    got = np.concatenate([ours.prefill(toks[:70], cache=cache, all_logits=True)]
+                         + [ours.step([t], cache=cache) for t in toks[70:]])
+    assert rel(got, hf_logits(src, toks)) <= TOL["float32"]
+
+
+def test_gguf_rope_scaling_outside_these_families_is_refused(tmp_dir):
+    import gguf
+    src = transformers.AutoModelForCausalLM.from_config(gf.hf_configs()["llama"][2]).eval()
+    for key, value, vtype, msg in [
+            ("llama.rope.scaling.type", "longrope", gguf.GGUFValueType.STRING,
+             r"rope\.scaling\.type='longrope' is not supported \(supported: none, linear, yarn"),
+            ("llama.rope.scaling.attn_factor", 0.5, gguf.GGUFValueType.FLOAT32,
+             r"rope\.scaling\.attn_factor=0\.5 is not supported")]:
+        path = os.path.join(tmp_dir, "bad-scaling.gguf")
+        real = gf.metadata
+
+        def meta(*a, **kw):
+            m = real(*a, **kw)
+            m[key] = (value, vtype)
+            if key.endswith("attn_factor"):
+                m["llama.rope.scaling.type"] = ("yarn", gguf.GGUFValueType.STRING)
+                m["llama.rope.scaling.factor"] = (2.0, gguf.GGUFValueType.FLOAT32)
+                m["llama.rope.scaling.original_context_length"] = (64, gguf.GGUFValueType.UINT32)
+            return m
+        gf.metadata = meta
+        try:
+            gf.write(path, "llama", src)
+        finally:
+            gf.metadata = real
+        with pytest.raises(GGUFError, match=msg):
+            Decoder.from_gguf(path)

@@ -195,6 +195,22 @@ def _fuzz_attend(data):
     return 0
 
 
+def _inv_freq(data, rd, D):
+    """Scaled RoPE's frequencies: mostly None (theta's); else rotary_dim/2 positive reals, or a
+    broken array (length, values, dtype, masked...), a list with special values, a string."""
+    k = data.draw(st.integers(0, 9))
+    n = max((rd if isinstance(rd, int) and not isinstance(rd, bool) and 0 < rd < 10 ** 4 else D) // 2, 0)
+    if k <= 5:
+        return None
+    if k <= 7:
+        return np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1))).uniform(1e-6, 2.0, n)
+    if k == 8:
+        return _array(data, (data.draw(st.sampled_from([n, n, n + 1, max(n - 1, 0)])),), "float64")
+    if data.draw(st.booleans()):
+        return [data.draw(st.one_of(REALS, st.just([1.0]))) for _ in range(n)]
+    return data.draw(st.sampled_from(["abc", 1.0, {"a": 1}, (), [[1.0, 2.0]], np.zeros((n, 1))]))
+
+
 def _fuzz_rope(data):
     from kvsimd import ops, reference
     H, N, D = (_dim(data, data.draw(st.sampled_from(g))) for g in [(1, 2, 3), (1, 5, 17), (2, 4, 8, 16, 18, 64)])
@@ -203,6 +219,7 @@ def _fuzz_rope(data):
     style = data.draw(st.sampled_from(["gptj", "neox"] * 3 + ["llama", None, ["gptj"]]))
     rd = data.draw(st.sampled_from([None, D, D - D % 4])) if data.draw(st.integers(0, 3)) else \
         data.draw(st.one_of(INTS, st.sampled_from([2.0, "4"])))
+    inv = _inv_freq(data, rd, D)
     before = np.array(x, copy=True) if isinstance(x, np.ndarray) else None
     if data.draw(st.booleans()):
         pos_kind = data.draw(st.sampled_from(["arange"] * 4 + ["extreme", "bad", "overlap"]))
@@ -215,17 +232,20 @@ def _fuzz_rope(data):
             pos = x.reshape(-1).view(np.uint8)[:8 * N].view(np.int64)
         else:
             pos = _array(data, (N,), "int64")
-        refused = _call(lambda: ops.apply_rope(x, pos, theta=theta, style=style, rotary_dim=rd))
+        af = data.draw(st.floats(0.5, 2.0)) if data.draw(st.integers(0, 5)) else data.draw(REALS)
+        refused = _call(lambda: ops.apply_rope(x, pos, theta=theta, style=style, rotary_dim=rd, inv_freq=inv,
+                                               attn_factor=af))
         if not refused and _plain(x) and x.dtype == np.float32 and np.abs(before).max(initial=0) < 1e3 and \
                 pos_kind == "arange":
             want = reference.apply_rope(before.astype(np.float64), np.asarray(pos), theta=theta, style=style,
-                                        rotary_dim=rd)
+                                        rotary_dim=rd, inv_freq=inv, attn_factor=af)
             np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(before).max())))
     else:
         delta = data.draw(st.one_of(st.integers(-100, 100), INTS))
         start = data.draw(st.one_of(st.just(0), st.just(0), st.integers(0, N), INTS))
         stop = data.draw(st.one_of(st.none(), st.none(), st.integers(0, N), INTS))
-        refused = _call(lambda: ops.shift_keys(x, delta, theta=theta, style=style, rotary_dim=rd, start=start, stop=stop))
+        refused = _call(lambda: ops.shift_keys(x, delta, theta=theta, style=style, rotary_dim=rd, inv_freq=inv,
+                                               start=start, stop=stop))
     if refused and before is not None:
         np.testing.assert_array_equal(np.asarray(x), before)
     return refused
@@ -334,7 +354,8 @@ def _fuzz_cache(data):
             r = _call(lambda: c.shift_range(seq, data.draw(INTS), data.draw(INTS), data.draw(INTS),
                                             data.draw(st.one_of(st.just(1e4), REALS)),
                                             data.draw(st.sampled_from(["gptj", "neox", "bad", None])),
-                                            data.draw(st.one_of(st.just(D - D % 2), INTS, st.none()))))
+                                            data.draw(st.one_of(st.just(D - D % 2), INTS, st.none())),
+                                            inv_freq=_inv_freq(data, D - D % 2, D)))
         elif op == "reset":
             r = _call(lambda: c.reset(data.draw(st.one_of(st.none(), st.integers(0, B - 1), INTS))))
         else:
@@ -363,7 +384,9 @@ def _fuzz_private(data):
     if which == "read":
         return _call(lambda: _kvsimd._bench_read(a))
     if which == "rope_table":
-        return _call(lambda: _kvsimd._rope_table(data.draw(REALS), data.draw(REALS), data.draw(INTS), data.draw(INTS)))
+        rd = data.draw(INTS)
+        return _call(lambda: _kvsimd._rope_table(data.draw(REALS), data.draw(REALS), data.draw(INTS), rd,
+                                                 _inv_freq(data, rd, 8), data.draw(st.one_of(st.just(1.0), REALS))))
     if which == "ws":
         return _call(lambda: _kvsimd._attn_workspace_bytes(data.draw(INTS), data.draw(INTS), data.draw(INTS)))
     if which == "peak":

@@ -441,6 +441,47 @@ def _attention_scale(gf, a, arch, d, H, head_dim, n_layers):
     return scale
 
 
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def _rope_scaling(gf, k, rot):
+    """``ModelConfig.rope_scaling`` from a file's RoPE metadata: ``{arch}.rope.scaling.type`` none,
+    linear (``.factor``) or yarn (``.factor``, ``.original_context_length``, optional
+    ``.yarn_beta_fast`` / ``.yarn_beta_slow``), and the ``rope_freqs`` tensor (per-pair divisors of
+    the frequencies: how llama.cpp's converter stores Llama 3.1's adjustment).  What these
+    families' files carry; anything else (Phi-3's long/short factors, yarn's attention-factor and
+    log-multiplier variants) is refused naming it."""
+    p = gf.path
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in gf.tensors:
+            raise GGUFError("%s: tensor %s (Phi-3 \"longrope\" scaling) is not supported (supported RoPE scaling: "
+                            "%s, and the rope_freqs tensor)" % (p, name, ", ".join(ROPE_SCALING_TYPES)))
+    kind = meta_str(gf, k + "rope.scaling.type", "none")
+    if kind not in ROPE_SCALING_TYPES:
+        raise GGUFError("%s: metadata %srope.scaling.type=%r is not supported (supported: %s, and the rope_freqs "
+                        "tensor)" % (p, k, kind, ", ".join(ROPE_SCALING_TYPES)))
+    for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
+        v = gf.get(k + key)
+        if v is not None and v != neutral:     # llama.cpp's variants beyond what these families' files use
+            raise GGUFError("%s: metadata %s%s=%r is not supported (only %r)" % (p, k, key, v, neutral))
+    sc = {"type": "default" if kind == "none" else kind}
+    if kind in ("linear", "yarn"):
+        sc["factor"] = meta_float(gf, k + "rope.scaling.factor")
+    if kind == "yarn":
+        sc["original_max_position_embeddings"] = meta_int(gf, k + "rope.scaling.original_context_length")
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            v = meta_float(gf, k + "rope.scaling." + key, None)
+            if v is not None:
+                sc[name] = v
+    t = gf.tensors.get("rope_freqs.weight")
+    if t is not None:
+        if t.shape != (rot // 2,):
+            raise GGUFError("%s: tensor rope_freqs.weight has shape %s, expected [%d] (rope.dimension_count / 2)"
+                            % (p, list(t.shape), rot // 2))
+        sc["freq_factors"] = tuple(float(x) for x in gf.read("rope_freqs.weight"))
+    return None if sc == {"type": "default"} else sc
+
+
 def config_from_gguf(gf):
     """The checked :class:`ModelConfig` of a GGUF file of a supported architecture (its tokenizer
     metadata checked too: token ids index the embedding)."""
@@ -474,12 +515,7 @@ def config_from_gguf(gf):
     if vocab != len(tok["tokens"]):   # token ids index the embedding rows: both must agree
         raise GGUFError("%s: metadata %svocab_size=%d but tokenizer.ggml.tokens has %d tokens"
                         % (p, k, vocab, len(tok["tokens"])))
-    scaling = meta_str(gf, k + "rope.scaling.type", "none")
-    if scaling != "none":
-        raise GGUFError("%s: metadata %srope.scaling.type=%r is not supported (supported: none)" % (p, k, scaling))
-    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
-        if name in gf.tensors:
-            raise GGUFError("%s: tensor %s (RoPE frequency factors) is not supported" % (p, name))
+    scaling = _rope_scaling(gf, k, rot)
     windows = None
     window = meta_int(gf, k + "attention.sliding_window", 0, 0) if a.window_every else 0
     if window:
@@ -489,7 +525,7 @@ def config_from_gguf(gf):
         head_dim=head_dim, ffn_dim=meta_int(gf, k + "feed_forward_length"), activation=a.activation, ffn_gated=True,
         norm="rmsnorm", norm_eps=meta_float(gf, k + "attention.layer_norm_rms_epsilon", 1e-5),
         position="rope", rope_theta=meta_float(gf, k + "rope.freq_base", 10000.0), rope_style=a.rope_style,
-        rotary_dim=rot, max_positions=meta_int(gf, k + "context_length", 4096),
+        rotary_dim=rot, rope_scaling=scaling, max_positions=meta_int(gf, k + "context_length", 4096),
         embed_scale=math.sqrt(d) if a.embed_scale_sqrt_d else 1.0, qk_norm=a.qk_norm, post_norms=a.post_norms,
         attn_scale=_attention_scale(gf, a, arch, d, H, head_dim, n_layers),
         attn_softcap=meta_float(gf, k + "attn_logit_softcapping", 0.0) if a.softcaps else 0.0,
@@ -582,7 +618,8 @@ def expected_tensors(cfg):
     a = _arch_of(cfg)
     d, V, F, Dh = cfg.d_model, cfg.vocab_size, cfg.ffn_dim, cfg.head_dim
     q, kv = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
-    table = {"token_embd.weight": ((V, d), True), "output_norm.weight": ((d,), True), "output.weight": ((V, d), False)}
+    table = {"token_embd.weight": ((V, d), True), "output_norm.weight": ((d,), True), "output.weight": ((V, d), False),
+             "rope_freqs.weight": ((cfg.rotary_dim // 2,), False)}
     for i in range(cfg.n_layers):
         p = "blk.%d." % i
         table.update({
@@ -651,6 +688,8 @@ def load_tensors(gf, copy=False, activations="int8", splits=None):
     splits = splits or {}
     out = {}
     for name, t in gf.tensors.items():
+        if name == "rope_freqs.weight":     # read into the config (rope_scaling)
+            continue
         if name in splits:
             for suffix, r0, r1 in splits[name]:
                 out[name + "#" + suffix] = gf.stored(name, copy, activations, rows=(r0, r1))

@@ -1,9 +1,10 @@
 """Import weights and configuration from loaded Hugging Face ``transformers`` models.
 
 Supported: Llama and the families built like it (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2: GQA, gated
-FFN, RMSNorm, NeoX RoPE, and the options each adds: see :func:`_llama`), GPT-NeoX (partial rotary, parallel residual), GPT-2 (learned positions), BLOOM
-(ALiBi), BART and Marian (encoder-decoder; learned / sinusoidal positions).  torch is only
-touched to read tensors; it is never a runtime dependency of kvsimd.
+FFN, RMSNorm, NeoX RoPE, and the options each adds: see :func:`_llama`), GPT-NeoX (partial rotary,
+parallel residual), GPT-2 (learned positions), BLOOM (ALiBi), BART and Marian (encoder-decoder;
+learned / sinusoidal positions); RoPE scaling linear, llama3 or yarn.  torch is only touched to
+read tensors; it is never a runtime dependency of kvsimd.
 
 RoPE pairing: transformers stores Q/K rows for NeoX-style ``rotate_half``, and kvsimd keeps
 that layout and rotates with ``style="neox"`` (GGUF files permute the rows for GPT-J-style
@@ -16,7 +17,7 @@ import math
 import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
-from kvsimd.nn.config import F32, ModelConfig
+from kvsimd.nn.config import F32, ROPE_SCALING, ModelConfig
 from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights, need_format, store_weights
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -54,13 +55,34 @@ class _SD:
 
 
 def _rope_params(cfg):
-    p = getattr(cfg, "rope_parameters", None) or {}
-    theta = p.get("rope_theta", getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None) or 10000.0)
-    rtype = p.get("rope_type", (getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default"))
-    if rtype not in (None, "default"):
-        raise KVSimdValueError("RoPE scaling %r is not supported" % rtype)
+    """(theta, partial rotary fraction, ModelConfig.rope_scaling) of a transformers config: its
+    ``rope_parameters`` (transformers 5.x) or ``rope_scaling`` (4.x, theta beside it).  RoPE
+    types other than default, linear, llama3 and yarn are refused."""
+    p = dict(getattr(cfg, "rope_scaling", None) or {})
+    p.update(getattr(cfg, "rope_parameters", None) or {})
+    theta = p.get("rope_theta") or getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None) or 10000.0
     frac = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or getattr(cfg, "rotary_pct", 1.0))
-    return float(theta), float(frac)
+    rtype = p.get("rope_type") or p.get("type") or "default"
+    if rtype == "default":
+        return float(theta), float(frac), None
+    supported = [t for t in ROPE_SCALING if t != "default"]
+    if rtype not in supported:
+        raise KVSimdValueError("RoPE scaling %r is not supported (supported: default, %s)" % (rtype, ", ".join(supported)))
+    required, optional = ROPE_SCALING[rtype]
+    # transformers' own defaults: a missing original length is max_position_embeddings, a
+    # missing yarn factor the ratio of the two, a zero beta the paper's value
+    scaling = {"type": rtype}
+    scaling.update((k, p[k]) for k in required + optional if p.get(k) is not None)
+    if rtype == "yarn":
+        for k in ("beta_fast", "beta_slow"):
+            if k in scaling and not scaling[k]:
+                del scaling[k]
+    if "original_max_position_embeddings" in required and "original_max_position_embeddings" not in scaling:
+        scaling["original_max_position_embeddings"] = (getattr(cfg, "original_max_position_embeddings", None)
+                                                       or cfg.max_position_embeddings)
+    if rtype == "yarn" and "factor" not in scaling:
+        scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(theta), float(frac), scaling
 
 
 def _rotary_dim(Dh, frac):
@@ -117,14 +139,14 @@ def _llama(model):
     c, sd = model.config, _SD(model)
     H, Hkv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     Dh = getattr(c, "head_dim", None) or c.hidden_size // H
-    theta, frac = _rope_params(c)
+    theta, frac, scaling = _rope_params(c)
     gemma = c.model_type == "gemma2"
     act = getattr(c, "hidden_activation", None) if gemma else None
     qk_norm = sd.has("model.layers.0.self_attn.q_norm.weight")
     cfg = ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
                       n_kv_heads=Hkv, head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(act or c.hidden_act),
                       ffn_gated=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, position="rope", rope_theta=theta,
-                      rope_style="neox", rotary_dim=_rotary_dim(Dh, frac),
+                      rope_style="neox", rotary_dim=_rotary_dim(Dh, frac), rope_scaling=scaling,
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
                       eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None,
                       qk_norm=qk_norm, post_norms=gemma, embed_scale=math.sqrt(c.hidden_size) if gemma else 1.0,
@@ -172,11 +194,11 @@ def _neox(model):
     c, sd = model.config, _SD(model)
     H, d = c.num_attention_heads, c.hidden_size
     Dh = d // H
-    theta, frac = _rope_params(c)
+    theta, frac, scaling = _rope_params(c)
     cfg = ModelConfig(vocab_size=c.vocab_size, d_model=d, n_layers=c.num_hidden_layers, n_heads=H, n_kv_heads=H,
                       head_dim=Dh, ffn_dim=c.intermediate_size, activation=_act(c.hidden_act), norm="layernorm",
                       norm_eps=c.layer_norm_eps, parallel_residual=c.use_parallel_residual, position="rope",
-                      rope_theta=theta, rope_style="neox", rotary_dim=_rotary_dim(Dh, frac),
+                      rope_theta=theta, rope_style="neox", rotary_dim=_rotary_dim(Dh, frac), rope_scaling=scaling,
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
                       eos_token_id=c.eos_token_id, family="gpt_neox")
     layers = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -17,6 +17,17 @@ F32: type = np.float32
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "alibi", "learned", "sinusoidal")
+# RoPE scaling: type -> (required parameters, optional ones), under transformers' names; every
+# type may also have "freq_factors" (rotary_dim/2 divisors of the frequencies: GGUF's rope_freqs).
+ROPE_SCALING = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")),
+}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": 0.0,
+                  "mscale_all_dim": 0.0, "truncate": True}
 
 # Every assignment to a weights object or a ModelConfig bumps this counter, so a model can tell
 # cheaply (one integer compare per call) whether it must validate its weights again.
@@ -32,6 +43,31 @@ class _Tracked:
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
         _generation[0] += 1
+
+
+class _ReadOnlyDict(dict):
+    """ModelConfig.rope_scaling as stored: a copy that refuses in-place edits (a model re-validates
+    when a config field is assigned, and would not see them)."""
+
+    def _refuse(self, *args, **kw):
+        raise KVSimdTypeError("ModelConfig.rope_scaling is read-only: assign a new dict")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return _ReadOnlyDict, (dict(self),)
+
+
+def _frozen_scaling(value):
+    if not isinstance(value, dict):
+        return value          # None, or refused by check_config
+    d = dict(value)
+    ff = d.get("freq_factors")
+    if isinstance(ff, np.ndarray):
+        d["freq_factors"] = tuple(ff.tolist()) if ff.ndim == 1 else ff.tolist()
+    elif isinstance(ff, list):
+        d["freq_factors"] = tuple(ff)
+    return _ReadOnlyDict(d)
 
 
 @dataclass
@@ -71,6 +107,12 @@ class ModelConfig(_Tracked):
     final_softcap: float = 0.0        # logits capped likewise (0: off)
     attn_windows: Optional[tuple] = None  # per layer: its queries see their last W keys only (0: all keys)
     family: str = ""
+    # None, or {"type": one of ROPE_SCALING, its parameters under transformers' names, optional
+    # "freq_factors"}: see rope_frequencies.  Stored as a read-only copy.
+    rope_scaling: Optional[Dict[str, Any]] = None
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, _frozen_scaling(value) if name == "rope_scaling" else value)
 
     def __post_init__(self):
         if self.rotary_dim is None and isinstance(self.head_dim, (int, np.integer)):
@@ -139,6 +181,146 @@ def check_config(cfg, what="config"):
             arg, rest = re.match(r"(\w*)(.*)", str(e), re.S).groups()
             field = {"theta": "rope_theta", "style": "rope_style"}.get(arg, arg)
             raise type(e)("%s.%s%s" % (what, field, rest)) from None
+        inv, att = rope_frequencies(cfg, what)
+        if inv is not None:
+            try:      # the kernels' rule for explicit frequencies and the attention factor
+                _kvsimd.RopeSpec(cfg.rope_theta, cfg.rope_style, cfg.rotary_dim, cfg.head_dim, inv, att)
+            except KVSimdError as e:
+                raise type(e)("%s.rope_scaling gives RoPE the kernels refuse: %s" % (what, e)) from None
+    elif cfg.rope_scaling is not None:
+        raise KVSimdValueError("%s.rope_scaling applies to RoPE positions; position is %r" % (what, cfg.position))
+
+
+def _scaling_params(cfg, what):
+    """cfg.rope_scaling checked: None, or (type, parameters with the type's defaults, freq_factors
+    as float64 [rotary_dim/2] or None); a bad one raises a KVSimdError naming the key."""
+    sc = cfg.rope_scaling
+    if sc is None:
+        return None
+    name = what + ".rope_scaling"
+    if not isinstance(sc, dict):
+        raise KVSimdTypeError("%s must be None or a dict, got %s" % (name, type(sc).__name__))
+    kind = sc.get("type")
+    if not isinstance(kind, str) or kind not in ROPE_SCALING:
+        raise KVSimdValueError("%s['type'] must be one of %s, got %r" % (name, ", ".join(ROPE_SCALING), kind))
+    required, optional = ROPE_SCALING[kind]
+    allowed = ("type",) + required + optional + ("freq_factors",)
+    unknown = sorted(str(k) for k in sc if k not in allowed)
+    if unknown:
+        raise KVSimdValueError("%s has unknown key %s for type %r (its keys: %s)"
+                               % (name, ", ".join(map(repr, unknown)), kind, ", ".join(allowed)))
+    missing = [k for k in required if k not in sc]
+    if missing:
+        raise KVSimdValueError("%s['%s'] is missing: type %r needs %s" % (name, missing[0], kind, ", ".join(required)))
+    p = dict(_YARN_DEFAULTS) if kind == "yarn" else {}
+    for k in required + optional:
+        if k not in sc:
+            continue
+        v, key = sc[k], "%s['%s']" % (name, k)
+        if k == "truncate":
+            if not isinstance(v, (bool, np.bool_)):
+                raise KVSimdTypeError("%s must be a bool, got %r" % (key, v))
+            p[k] = bool(v)
+        elif k == "original_max_position_embeddings":
+            p[k] = _kvsimd._need_int(v, key, 1)
+        else:
+            x = _real(v, key)
+            if k.startswith("mscale"):
+                if not (math.isfinite(x) and x >= 0):
+                    raise KVSimdValueError("%s must be finite and >= 0, got %r" % (key, x))
+            elif not (math.isfinite(x) and x > 0):
+                raise KVSimdValueError("%s must be finite and > 0, got %r" % (key, x))
+            p[k] = x
+    if kind == "llama3" and not p["high_freq_factor"] > p["low_freq_factor"]:
+        raise KVSimdValueError("%s['high_freq_factor']=%r must be greater than low_freq_factor=%r"
+                               % (name, p["high_freq_factor"], p["low_freq_factor"]))
+    if kind == "yarn" and _real(cfg.rope_theta, what + ".rope_theta") == 1.0:
+        raise KVSimdValueError("%s.rope_theta=1 is refused with yarn scaling (its correction range divides by "
+                               "log(theta))" % what)
+    ff = sc.get("freq_factors")
+    if ff is not None:
+        key, R = name + "['freq_factors']", cfg.rotary_dim // 2
+        if isinstance(ff, np.ma.MaskedArray):
+            raise KVSimdTypeError("%s is a numpy.ma.MaskedArray: kvsimd would ignore its mask" % key)
+        if isinstance(ff, (str, bytes)) or not isinstance(ff, (list, tuple, np.ndarray)):
+            raise KVSimdTypeError("%s must be a sequence of rotary_dim/2=%d reals, got %s"
+                                  % (key, R, type(ff).__name__))
+        try:
+            a = np.array(ff)
+        except (TypeError, ValueError):
+            raise KVSimdTypeError("%s must be a 1-D sequence of reals, got %r" % (key, ff)) from None
+        if a.dtype.kind not in "iuf":
+            raise KVSimdTypeError("%s must hold real numbers, got dtype %s" % (key, a.dtype))
+        if a.shape != (R,):
+            raise KVSimdValueError("%s must have rotary_dim/2=%d entries, got shape %s" % (key, R, a.shape))
+        ff = a.astype(np.float64)
+        bad = ~(np.isfinite(ff) & (ff > 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise KVSimdValueError("%s[%d]=%r must be finite and > 0" % (key, i, float(ff[i])))
+    return kind, p, ff
+
+
+def _yarn_mscale(factor, m=1.0):
+    return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_frequencies(cfg, what="config"):
+    """RoPE's inverse frequencies and attention factor under ``cfg.rope_scaling``: (float64
+    [rotary_dim/2], float), or (None, 1.0) without scaling (the kernels then use
+    ``theta ** (-2i / rotary_dim)``).  The one place of the scaling formulas, with d = rotary_dim,
+    f = factor and base[i] = theta ** (-2i / d):
+
+    - default: base (only freq_factors change it);
+    - linear (position interpolation): base / f, the same as positions / f;
+    - llama3 (Llama 3.1): wavelengths 2 pi / base[i] below original_max_position_embeddings /
+      high_freq_factor keep base, above original / low_freq_factor take base / f, in between
+      s = (original / wavelength - low) / (high - low) mixes them: (1 - s) base / f + s base;
+    - yarn (YaRN, arXiv:2309.00071): pair i is base / f (interpolated) or base (extrapolated) by
+      a ramp over the pairs between the dimensions where the original context turns beta_fast
+      and beta_slow times (floor/ceil of them with truncate); attention factor
+      ``attention_factor``, else 0.1 ln f + 1 (with mscale and mscale_all_dim their ratio).
+
+    freq_factors (GGUF's rope_freqs) then divide the frequencies, whatever the type."""
+    if cfg.position != "rope":
+        return None, 1.0
+    sp = _scaling_params(cfg, what)
+    if sp is None:
+        return None, 1.0
+    kind, p, ff = sp
+    d, theta, att = cfg.rotary_dim, _real(cfg.rope_theta, what + ".rope_theta"), 1.0
+    base = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    inv = base
+    if kind == "linear":
+        inv = base / p["factor"]
+    elif kind == "llama3":
+        f, lo, hi, orig = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / base
+        s = (orig / wavelen - lo) / (hi - lo)
+        inv = np.where(wavelen < orig / hi, base, np.where(wavelen > orig / lo, base / f, (1 - s) * base / f + s * base))
+    elif kind == "yarn":
+        f, orig = p["factor"], p["original_max_position_embeddings"]
+
+        def pair_turning(turns):     # the (fractional) dimension whose wavelength is orig / turns
+            return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = pair_turning(p["beta_fast"]), pair_turning(p["beta_slow"])
+        if p["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(d // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)
+        inv = base / f * ramp + base * (1.0 - ramp)
+        if p["attention_factor"] is not None:
+            att = p["attention_factor"]
+        elif p["mscale"] and p["mscale_all_dim"]:
+            att = _yarn_mscale(f, p["mscale"]) / _yarn_mscale(f, p["mscale_all_dim"])
+        else:
+            att = _yarn_mscale(f)
+    if ff is not None:
+        inv = inv / ff
+    return np.ascontiguousarray(inv, dtype=np.float64), float(att)
 
 
 def check_windows(cfg, what="config"):

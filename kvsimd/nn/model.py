@@ -17,7 +17,8 @@ from kvsimd import _kvsimd
 from kvsimd import threads as _threads
 from kvsimd._kvsimd import CrossAttentionCache, KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
-from kvsimd.nn.config import F32, ModelConfig, attention_scale, check_config, layer_windows, weights_generation
+from kvsimd.nn.config import (F32, ModelConfig, attention_scale, check_config, layer_windows, rope_frequencies,
+                              weights_generation)
 from kvsimd.nn.generate import _short, _tokens_1d
 from kvsimd.observe import notify
 from kvsimd.nn.weights import (LayerWeights, NormWeights, _f32, alibi_slopes, check_layer, embed_rows, need_norm,
@@ -27,7 +28,11 @@ _need_int = _kvsimd._need_int
 
 
 def _rope_spec(cfg):
-    return RopeSpec(cfg.rope_theta, cfg.rope_style, cfg.rotary_dim, cfg.head_dim) if cfg.position == "rope" else None
+    """The model's RopeSpec (None without RoPE): frequencies and attention factor of cfg.rope_scaling."""
+    if cfg.position != "rope":
+        return None
+    inv, att = rope_frequencies(cfg)
+    return RopeSpec(cfg.rope_theta, cfg.rope_style, cfg.rotary_dim, cfg.head_dim, inv, att)
 
 
 class _Packed:

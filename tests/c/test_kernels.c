@@ -125,11 +125,12 @@ static void test_rotation(const kv_kernels *row, const char *name)
         for (size_t ri = 0; ri < 3; ri++) {
             const int64_t rd = rds[ri], R = rd / 2;
             float x[3 * 21 * 80], cs[21 * 80];
-            double want[3 * 21 * 80];
+            double want[3 * 21 * 80], inv[40];
             for (int64_t i = 0; i < H * N * D; i++)
                 x[i] = (float)urand();
+            kv_rope_inv_freq(inv, 10000.0, R, rd);
             for (int64_t t = 0; t < N; t++)
-                kv_rope_table(cs + t * 2 * R, (double)(t * 37 - 100), 10000.0, R, rd);
+                kv_rope_table(cs + t * 2 * R, (double)(t * 37 - 100), inv, R, 1.0);
             for (int64_t h = 0; h < H; h++)
                 for (int64_t t = 0; t < N; t++) {
                     const float *r = x + (h * N + t) * D;
