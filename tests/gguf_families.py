@@ -114,7 +114,8 @@ def metadata(arch, name, c):
          a + "feed_forward_length": (c.intermediate_size, T.UINT32), a + "attention.head_count": (H, T.UINT32),
          a + "attention.head_count_kv": (Hkv, T.UINT32), a + "vocab_size": (c.vocab_size, T.UINT32),
          a + "attention.layer_norm_rms_epsilon": (float(c.rms_norm_eps), T.FLOAT32),
-         a + "rope.dimension_count": (Dh, T.UINT32)}
+         a + "rope.dimension_count": (int(Dh * (getattr(c, "rope_parameters", None) or {}).get(
+             "partial_rotary_factor", 1.0)), T.UINT32)}
     theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
     m[a + "rope.freq_base"] = (float(theta), T.FLOAT32)
     if Dh != c.hidden_size // H:
@@ -127,6 +128,8 @@ def metadata(arch, name, c):
         m[a + "rope.scaling.factor"] = (float(rp["factor"]), T.FLOAT32)
     if kind == "yarn":
         m[a + "rope.scaling.original_context_length"] = (rp["original_max_position_embeddings"], T.UINT32)
+    if arch == "phi3" and getattr(c, "sliding_window", None):
+        m[a + "attention.sliding_window"] = (c.sliding_window, T.UINT32)
     if arch == "gemma2":
         m[a + "attention.sliding_window"] = (c.sliding_window, T.UINT32)
         m[a + "attn_logit_softcapping"] = (float(c.attn_logit_softcapping), T.FLOAT32)

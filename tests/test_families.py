@@ -173,27 +173,40 @@ def test_cli_generates_with_every_architecture(tmp_dir, family, chat):
     assert r.stdout.rstrip("\n") == want
 
 
-# ------------------------------------------------------------------------------ RoPE scaling in GGUF files
-@pytest.mark.parametrize("name", ["llama-linear", "llama-llama3", "llama-yarn"])
-def test_gguf_rope_scaling_matches_transformers_past_the_original_context(tmp_dir, name, rng):
-    """Scaled RoPE as llama.cpp's files carry it (rope.scaling.type linear / yarn with factor and
-    original context; Llama 3.1's adjustment as the rope_freqs tensor), loaded by kvsimd, against
-    the transformers model the file was written from, past the original context (64)."""
-    rope = {"llama-linear": dict(rope_type="linear", factor=4.0),
-            "llama-llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=64),
-            "llama-yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)}[name]
-    fam = "llama"
-    cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
-                                   rope_parameters=dict(rope_theta=10000.0, **rope), **gf._common(fam))
+# ------------------------------------------------------------------------------ what transformers' GGUF loader ignores
+SOURCE_CASES = {   # name -> (family, config overrides), each past the original context / the window
+    "llama-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=4.0))),
+    "llama-llama3": ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0,
+                                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                                        original_max_position_embeddings=64))),
+    "llama-yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                      original_max_position_embeddings=64))),
+    "phi3-partial-window": ("phi3", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5),
+                                         sliding_window=24)),
+}
+
+
+@pytest.mark.parametrize("name", list(SOURCE_CASES))
+def test_gguf_metadata_against_the_source_model(tmp_dir, name, rng):
+    """Metadata transformers' GGUF loader does not read, so the reference is the transformers model
+    the file was written from: RoPE scaling as llama.cpp's files carry it (rope.scaling.type linear
+    / yarn with factor and original context; Llama 3.1's adjustment as the rope_freqs tensor), and
+    Phi-3's partial rotary dimension and sliding window; 100 tokens (past the original context of 64
+    and the window of 24)."""
+    fam, over = SOURCE_CASES[name]
+    arch, gname, base = gf.hf_configs()[fam]
+    cfg = type(base)(**dict(base.to_dict(), **over))
     torch.manual_seed(5)
     src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     path = os.path.join(tmp_dir, name + ".gguf")
     gf.write(path, fam, src)
     ours = Decoder.from_gguf(path, activations="float32")
     sc = ours.cfg.rope_scaling
-    assert sc["type"] == {"llama-llama3": "default"}.get(name, name.split("-")[1])
-    assert ("freq_factors" in sc) == (name == "llama-llama3")
+    if fam == "llama":
+        assert sc["type"] == {"llama-llama3": "default"}.get(name, name.split("-")[1])
+        assert ("freq_factors" in sc) == (name == "llama-llama3")
+    else:
+        assert sc is None and ours.cfg.rotary_dim == ours.cfg.head_dim // 2 and ours.cfg.attn_windows == (24, 24)
     toks = rng.integers(3, gf.vocab(fam), 100)
     cache = ours.new_cache(capacity=128, dtype="float32")
     got = np.concatenate([ours.prefill(toks[:70], cache=cache, all_logits=True)]
