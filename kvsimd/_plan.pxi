@@ -191,7 +191,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
-                           rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
+                           rg + r * plan.nrmax * 4, nrp[r], H, Hkv, D, C, plan.scale, 0.0, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
         if lb == plan.done:
             plan.done += 1
@@ -227,7 +227,7 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                 rng[2] = lens[s]
                 _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
                            kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
-                           H, Hkv, D, cross.capacity, scale, cross._kv_dtype)
+                           H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype)
                 kv_attend(&p, wsp, nt)
     finally:
         cross._release()

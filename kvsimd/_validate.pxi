@@ -21,6 +21,7 @@ _MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kp
 _FLT_MAX = 3.4028234663852886e38
 _MIN_THETA = 1e-200       # every angle |position| * theta**-1 stays finite
 _MAX_HEADS = 1 << 16      # query heads per attention call (bounds workspace sizes)
+_SOFTCAP_MIN, _SOFTCAP_MAX = 2.0 ** -126, 2.0 ** 126   # the cap and 1 / cap: normal float32 numbers
 
 
 cdef inline void *_ptr(cnp.ndarray a) noexcept:
@@ -140,6 +141,20 @@ def _need_scale(scale, int64_t D):
         raise KVSimdValueError("scale must be finite and within float32 range (|scale| <= %r), got %r"
                                % (_FLT_MAX, s))
     return s
+
+
+def _need_softcap(softcap):
+    """The attention logit soft cap (Gemma 2): None or 0 is off (returns 0.0); else a finite real
+    in 2**-126..2**126, so that it and its reciprocal are normal float32 numbers."""
+    if softcap is None:
+        return 0.0
+    c = _need_real(softcap, "softcap")
+    if c == 0.0:
+        return 0.0
+    if not (_SOFTCAP_MIN <= c <= _SOFTCAP_MAX):
+        raise KVSimdValueError("softcap must be None or 0 (off), or a finite number in 2**-126..2**126, got %r"
+                               % (softcap,))
+    return c
 
 
 def _need_slopes(a, int64_t H):
@@ -280,8 +295,9 @@ cdef class RopeSpec:
 cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
                             float *out, const float *alibi, const int64_t *key_pos, const int64_t *ranges,
                             int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
-                            kv_dtype dtype) noexcept nogil:
-    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows)."""
+                            float softcap, kv_dtype dtype) noexcept nogil:
+    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows;
+    softcap 0: no soft cap, else a value _need_softcap accepted)."""
     memset(p, 0, sizeof(kv_attn_params))
     p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
     p.alibi, p.key_pos = alibi, key_pos
@@ -290,4 +306,5 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
     p.H, p.Hkv, p.D = H, Hkv, D
     p.n_total = n_total
     p.scale = scale
+    p.softcap = softcap
     p.dtype = dtype
