@@ -267,10 +267,12 @@ cdef class _KVStore:
             self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt)
         return self._ws
 
-    def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None):
+    def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None,
+               softcap=None):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
         ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place.
-        ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``."""
+        ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``;
+        ``softcap`` as in ops.attend (None or 0: off)."""
         cdef kv_attn_params p
         cdef int64_t H, D = self.head_dim
         cdef const float *alibi
@@ -286,6 +288,7 @@ cdef class _KVStore:
             if not 1 <= n <= self.capacity:
                 raise KVSimdValueError("attention needs 1..%d cached tokens, got %d" % (self.capacity, n))
             sc = _need_scale(scale, D)
+            cap = _need_softcap(softcap)
             alibi, qpos = NULL, n - 1
             if alibi_slopes is not None:
                 alibi_slopes = _need_slopes(alibi_slopes, H)
@@ -305,7 +308,7 @@ cdef class _KVStore:
             rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
             _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
                        kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), alibi, NULL,
-                       <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, self._kv_dtype)
+                       <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, cap, self._kv_dtype)
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)

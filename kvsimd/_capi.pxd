@@ -45,6 +45,7 @@ cdef extern from "kvsimd.h" nogil:
         int64_t H, Hkv, D
         int64_t n_total
         float scale
+        float softcap
         int32_t dtype
 
     ctypedef struct kv_rot_params:

@@ -2,7 +2,7 @@
 
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
-           ranges=None, q_alt=None):
+           ranges=None, q_alt=None, softcap=None):
     """Single-query attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]``; k, v: float16 or float32 ``[Hkv, N, D]`` (same dtype); H a multiple of
@@ -16,7 +16,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ``(t0, t1)``, ``(t0, t1, use_q_alt)`` or ``(t0, t1, use_q_alt, query_position)`` tuples,
     non-empty and non-overlapping; only those keys are read, a range with ``use_q_alt`` is
     scored with ``q_alt`` (float32 ``[H, D]``, e.g. the query rotated at another position) and
-    its ALiBi distances use its own ``query_position``.  One kernel call for all ranges."""
+    its ALiBi distances use its own ``query_position``.  One kernel call for all ranges.
+
+    ``softcap`` (Gemma 2's attention logit soft-capping; None or 0: off): each scaled dot
+    product s becomes ``softcap * tanh(s / softcap)`` before the ALiBi bias and the softmax."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), 2, "[H, D]")
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]")
@@ -36,6 +39,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     if N > KV_MAX_TOKENS:
         raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (N, KV_MAX_TOKENS))
     cdef float sc = _need_scale(scale, D)
+    cdef float cap = _need_softcap(softcap)
     cdef const float *alibi = NULL
     cdef const int64_t *kpos = NULL
     cdef int64_t qpos = N - 1
@@ -72,7 +76,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ws = _workspace(H, Hkv, D, nt)
     cdef void *wsp = _aligned64(ws)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
-               <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc,
+               <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap,
                KV_F16 if k.dtype == _F16 else KV_F32)
     with nogil:
         kv_attend(&p, wsp, nt)

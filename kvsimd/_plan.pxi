@@ -83,8 +83,6 @@ cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, 
     p.alibi = None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy()
     p.scale = 1.0 / sqrtf(<float>D) if scale is None else _need_scale(scale, D)
     p.softcap = _need_softcap(softcap)
-    if p.softcap:     # (the kernel's cap lands with its own commit)
-        raise KVSimdValueError("softcap is not supported yet, got %r" % (softcap,))
     p.windows = _need_windows(windows)
     p.wtab = []
     p.nt = _threads_now()
@@ -252,7 +250,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
-                           rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, store._kv_dtype)
+                           rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, store._kv_dtype)
                 kv_attend(&p, wsp, nt)
         if lb == plan.done:
             plan.done += 1
@@ -288,7 +286,7 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                 rng[2] = lens[s]
                 _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
                            kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
-                           H, Hkv, D, cross.capacity, scale, cross._kv_dtype)
+                           H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype)
                 kv_attend(&p, wsp, nt)
     finally:
         cross._release()

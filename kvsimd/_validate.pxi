@@ -22,6 +22,7 @@ _FLT_MAX = 3.4028234663852886e38
 _MIN_THETA = 1e-200       # every angle |position| * theta**-1 stays finite
 _MAX_INV_FREQ = 1e200     # the same for explicit inverse frequencies
 _MAX_HEADS = 1 << 16      # query heads per attention call (bounds workspace sizes)
+_SOFTCAP_MIN, _SOFTCAP_MAX = 2.0 ** -126, 2.0 ** 126   # the cap and 1 / cap: normal float32 numbers
 
 
 cdef inline void *_ptr(cnp.ndarray a) noexcept:
@@ -132,16 +133,6 @@ def _need_positions(a, str name, int64_t n, str nname="N"):
     return a
 
 
-def _need_softcap(softcap):
-    """An attention score cap: None or 0 (off), else a finite real > 0 that float32 can hold."""
-    if softcap is None:
-        return 0.0
-    c = _need_real(softcap, "softcap")
-    if not (_math.isfinite(c) and 0 <= c <= _FLT_MAX):
-        raise KVSimdValueError("softcap must be None, 0 (off) or a finite number > 0, got %r" % (c,))
-    return c
-
-
 def _need_scale(scale, int64_t D):
     """The attention scale: default 1/sqrt(D); else a finite real that float32 can hold."""
     if scale is None:
@@ -151,6 +142,20 @@ def _need_scale(scale, int64_t D):
         raise KVSimdValueError("scale must be finite and within float32 range (|scale| <= %r), got %r"
                                % (_FLT_MAX, s))
     return s
+
+
+def _need_softcap(softcap):
+    """The attention logit soft cap (Gemma 2): None or 0 is off (returns 0.0); else a finite real
+    in 2**-126..2**126, so that it and its reciprocal are normal float32 numbers."""
+    if softcap is None:
+        return 0.0
+    c = _need_real(softcap, "softcap")
+    if c == 0.0:
+        return 0.0
+    if not (_SOFTCAP_MIN <= c <= _SOFTCAP_MAX):
+        raise KVSimdValueError("softcap must be None or 0 (off), or a finite number in 2**-126..2**126, got %r"
+                               % (softcap,))
+    return c
 
 
 def _need_slopes(a, int64_t H):
@@ -372,8 +377,9 @@ cdef class RopeSpec:
 cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
                             float *out, const float *alibi, const int64_t *key_pos, const int64_t *ranges,
                             int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
-                            kv_dtype dtype) noexcept nogil:
-    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows)."""
+                            float softcap, kv_dtype dtype) noexcept nogil:
+    """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows;
+    softcap 0: no soft cap, else a value _need_softcap accepted)."""
     memset(p, 0, sizeof(kv_attn_params))
     p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
     p.alibi, p.key_pos = alibi, key_pos
@@ -382,4 +388,5 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
     p.H, p.Hkv, p.D = H, Hkv, D
     p.n_total = n_total
     p.scale = scale
+    p.softcap = softcap
     p.dtype = dtype

@@ -17,8 +17,8 @@ from kvsimd import reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_scale", "attend_bound", "alibi_score_error", "GEMV_LANES", "matmul_depth", "matmul_bound",
-           "x8_block_magnitude"]
+           "attend_scale", "attend_bound", "alibi_score_error", "SOFTCAP_REL", "softcap_score_error", "GEMV_LANES",
+           "matmul_depth", "matmul_bound", "x8_block_magnitude"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
@@ -115,6 +115,43 @@ def alibi_score_error(alibi_slopes, distances):
     return (2.0 + (d >= 2.0 ** 24)) * U32 * bias
 
 
+# Soft cap (softcap > 0): the kernel replaces each scaled dot product s by
+# c = fl(fl(tanh(fl(s * fl(1 / cap32)))) * cap32), cap32 = the float32 cap (kernels/attn.inc.h,
+# vf_tanh), against the reference's float64 cap * tanh(s / cap).  Relative to |c|, per score:
+#   - cap32 = cap (1 + e0), |e0| <= u32: cap * tanh(s / cap) moves by e0 times
+#     1 - x sech^2(x) / tanh(x), which is in [0, 1] (x = s / cap): at most u32;
+#   - the argument x = s * fl(1 / cap32): two roundings, 2 u32 relative; tanh's relative
+#     sensitivity to its argument, 2x / sinh(2x), is at most 1: at most 2 u32;
+#   - vf_tanh: 2x = y = n ln2 + r; r1 = y - n hi is exact (Cody-Waite; n = 0: r = y exactly),
+#     r = r1 - n lo is rounded once (u32 |r| <= 0.35 u32, absolute; lo's own error, n 2^-37, is
+#     negligible), which moves e^y by that relative amount, e^y / |e^y - 1| <= 3.4 times more
+#     relative to m = e^y - 1: <= 1.2 u32.  e^r - 1 = r p(r): Horner, one rounding per step
+#     (<= 1.3 u32 on p), the truncation (r^8 / 8! < 0.35 u32 of |e^r - 1|) and the product r p
+#     (u32): <= 2.7 u32.  m = 2^n (r p) + (2^n - 1): one fused rounding (u32), 2^n - 1 exact
+#     (|n| <= 24; else within 2^-25 relative), and r p's error weighted by
+#     |2^n r p / m| = |e^y - 2^n| / |e^y - 1| <= 1.4 (n = 1, r near -ln2 / 2): m within 6 u32 of
+#     e^y - 1, relative.  t = m / (m + 2) passes m's relative error on times 2 / (m + 2) < 1.5
+#     (m > -0.82 wherever m's error is not negligible; m -> -1 only as 2^n -> 0), then the
+#     addition and the division (2 u32): at most 11 u32 (measured over every 16th float32 x in
+#     [2^-30, 64), and all of [0.2, 1]: 4.0 u32 on every row);
+#   - the product by cap32: u32.
+# In all <= 15 u32 |c|, stated as SOFTCAP_REL = 16 u32 (measured: <= 5.5 u32 for caps from
+# 2^-20 to 2^20 on every row).  Subnormal intermediates (|s / cap| < 2^-126, or |c| < 2^-126) add
+# at most cap 2^-146 + 2^-148 absolutely.  The dot product's own rounding reaches the capped score
+# multiplied by sech^2 (x) <= 1: no more than without the cap (ATTEND_TOL).  A saturated score
+# (|s / cap| > 9.1, where 2 / (m + 2) < 2^-25) is exactly +-cap32 in the kernel.
+SOFTCAP_REL = 16 * U32
+
+
+def softcap_score_error(capped_scores, softcap):
+    """Bound ``[H, N]`` on the rounding of the soft cap itself in each score (the derivation
+    above): ``SOFTCAP_REL * |c| + softcap * 2**-146 + 2**-148``, ``c`` the float64 capped scores
+    (:func:`kvsimd.reference.attention_scores` without ALiBi; keys outside the ranges: 0)."""
+    c = np.abs(np.asarray(capped_scores, np.float64))
+    c = np.where(np.isfinite(c), c, 0.0)
+    return SOFTCAP_REL * c + float(softcap) * 2.0 ** -146 + 2.0 ** -148
+
+
 def _weights_and_scale(q, k, v, kw):
     p = reference.attention_weights(q, k, **kw)
     va = np.repeat(np.abs(np.asarray(v, np.float64)), p.shape[0] // k.shape[0], axis=0)
@@ -131,17 +168,24 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     """Per-element bound ``[H, D]`` on ``|attend(q, k, v, **kw) - reference.attend(...)|``
     (keywords as :func:`kvsimd.reference.attend`; ``dtype`` defaults to k's).
 
-    ``ATTEND_TOL[dtype] * attend_scale`` plus, with ALiBi, the effect of the score errors e_j
-    of :func:`alibi_score_error`: perturbing the scores by e_j changes the weights to
-    p_j (1 + e_j - sum_k p_k e_k) to first order, so the output moves by at most
+    ``ATTEND_TOL[dtype] * attend_scale`` plus the effect of the score errors e_j of the ALiBi
+    bias (:func:`alibi_score_error`) and of the soft cap (:func:`softcap_score_error`), summed:
+    perturbing the scores by e_j changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first
+    order, so the output moves by at most
     ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
     dtype = np.dtype(k.dtype if dtype is None else dtype).name
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale
+    err = 0.0
     if kw.get("alibi_slopes") is not None:
         dist = reference.alibi_distances(k.shape[1], kw.get("key_positions"), kw.get("query_position"),
                                          kw.get("ranges"))
-        pe = p * alibi_score_error(kw["alibi_slopes"], dist)
+        err = err + alibi_score_error(kw["alibi_slopes"], dist)
+    if kw.get("softcap"):
+        plain = {key: val for key, val in kw.items() if key not in ("alibi_slopes", "key_positions", "query_position")}
+        err = err + softcap_score_error(reference.attention_scores(q, k, **plain), kw["softcap"])
+    if np.ndim(err):
+        pe = p * err
         bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
     return bound
 

@@ -4,7 +4,8 @@ All functions take C-contiguous, aligned arrays, never copy their inputs, releas
 while the kernel runs, and raise :class:`kvsimd.KVSimdValueError` / :class:`kvsimd.KVSimdTypeError`
 naming the argument and the value for bad input.  An output (``out``, or the array rotated in
 place) must not share memory with any input of the same call; positions, deltas and ALiBi
-positions are integers within +-2**53; ``scale`` is finite and within float32's range.
+positions are integers within +-2**53; ``scale`` is finite and within float32's range;
+``softcap`` is None or 0 (off) or a number in 2**-126..2**126.
 
 Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the functions of
 :mod:`kvsimd.bounds` state the same bounds, ``u = 2**-11``, per output component):
@@ -13,7 +14,9 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
   for float16 K/V (reference: float64 math on the fp16 values).  fp32 accumulation, online
   softmax, one pass over K and V.  With ALiBi, plus the fp32 rounding of each bias
   ``b_j = slope * (query_position - key_position)`` in its score, ``e_j = 2 * 2**-24 * |b_j|``,
-  through the softmax: ``sum_j p_j e_j |v_j| + (sum_k p_k e_k) * sum_j p_j |v_j|``.
+  through the softmax: ``sum_j p_j e_j |v_j| + (sum_k p_k e_k) * sum_j p_j |v_j|``.  With
+  ``softcap``, the same term with ``e_j = 16 * 2**-24 * |c_j|`` (``c_j = cap * tanh(s_j / cap)``,
+  the capped score), the cap's own rounding (:func:`kvsimd.bounds.softcap_score_error`).
 * ``apply_rope`` / ``shift_keys``: angles are computed in double precision from the integer
   position or delta (exact up to 2**53).  float32: ``<= 1e-5 * |pair|`` per component.
   float16 on the scalar and avx2 paths: rotated in fp32 and rounded to fp16 once,

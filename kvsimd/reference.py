@@ -18,18 +18,21 @@ import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 
-__all__ = ["attend", "attention_weights", "alibi_distances", "rope_angles", "apply_rope", "shift_keys",
-           "rotate_pairs", "alibi_slopes", "sinusoidal_table", "activation", "norm", "ffn", "layer", "encode",
-           "forward"]
+__all__ = ["attend", "attention_weights", "attention_scores", "alibi_distances", "rope_angles", "apply_rope",
+           "shift_keys", "rotate_pairs", "alibi_slopes", "sinusoidal_table", "activation", "norm", "ffn", "layer",
+           "encode", "forward"]
 
 
-def _scores(q, k, scale, alibi_slopes, distances):
+def _scores(q, k, scale, alibi_slopes, distances, softcap=None):
     """float64 scores ``[H, N]`` of q against k (GQA: query head h reads KV head h // (H // Hkv));
-    ALiBi subtracts ``slope * distance`` (distance = query position - key position)."""
+    with ``softcap`` the scaled dot product s becomes ``softcap * tanh(s / softcap)`` (Gemma 2),
+    then ALiBi subtracts ``slope * distance`` (distance = query position - key position)."""
     H, D = q.shape
     Hkv, N, _ = k.shape
     kh = np.repeat(k, H // Hkv, axis=0)
     s = np.einsum("hd,hnd->hn", q, kh) * float(1.0 / np.sqrt(D) if scale is None else scale)
+    if softcap:
+        s = float(softcap) * np.tanh(s / float(softcap))
     if alibi_slopes is not None:
         s = s - np.asarray(alibi_slopes, np.float64)[:, None] * distances[None, :]
     return s
@@ -52,33 +55,42 @@ def alibi_distances(n_keys, key_positions=None, query_position=None, ranges=None
     return d
 
 
-def attention_weights(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
-                      ranges=None, q_alt=None):
-    """float64 softmax weights ``[H, N]`` of single-query attention (GQA/MQA, optional ALiBi).
+def attention_scores(q, k, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
+                     ranges=None, q_alt=None, softcap=None):
+    """float64 scores ``[H, N]`` of single-query attention (GQA/MQA), before the softmax:
+    ``scale * q . k``, capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is given (not
+    None or 0), then less the ALiBi bias.
 
-    ``ranges`` (as :func:`kvsimd.ops.attend`): only the keys of the ranges get weight, one
-    softmax over all of them; a range with ``use_q_alt`` is scored with ``q_alt``, and its ALiBi
-    distances from its own query position.  Keys outside every range get weight 0."""
+    ``ranges`` (as :func:`kvsimd.ops.attend`): only the keys of the ranges are scored, a range
+    with ``use_q_alt`` with ``q_alt``, its ALiBi distances from its own query position; keys
+    outside every range score -inf."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     Hkv, N, _ = k.shape
     dist = alibi_distances(N, key_positions, query_position, ranges)
     if ranges is None:
-        s = _scores(q, k, scale, alibi_slopes, dist)
-    else:
-        s = np.full((q.shape[0], N), -np.inf)
-        for r in ranges:
-            t0, t1 = int(r[0]), int(r[1])
-            qq = np.asarray(q_alt, np.float64) if len(r) > 2 and r[2] else q
-            s[:, t0:t1] = _scores(qq, k[:, t0:t1], scale, alibi_slopes, dist[t0:t1])
+        return _scores(q, k, scale, alibi_slopes, dist, softcap)
+    s = np.full((q.shape[0], N), -np.inf)
+    for r in ranges:
+        t0, t1 = int(r[0]), int(r[1])
+        qq = np.asarray(q_alt, np.float64) if len(r) > 2 and r[2] else q
+        s[:, t0:t1] = _scores(qq, k[:, t0:t1], scale, alibi_slopes, dist[t0:t1], softcap)
+    return s
+
+
+def attention_weights(q, k, **kw):
+    """float64 softmax weights ``[H, N]`` of single-query attention (GQA/MQA, optional soft cap
+    and ALiBi): the softmax of :func:`attention_scores` (keywords as there), one softmax over
+    the keys of all ranges; keys outside every range get weight 0."""
+    s = attention_scores(q, k, **kw)
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True)
 
 
 def attend(q, k, v, **kw):
-    """float64 single-query attention ``softmax(scale * k @ q + bias) @ v``; returns ``[H, D]``.
-    Keywords as :func:`attention_weights`."""
+    """float64 single-query attention ``softmax(cap(scale * k @ q) + bias) @ v``; returns ``[H, D]``.
+    Keywords as :func:`attention_scores`."""
     p = attention_weights(q, k, **kw)
     v = np.asarray(v, dtype=np.float64)
     return np.einsum("hn,hnd->hd", p, np.repeat(v, p.shape[0] // v.shape[0], axis=0))
@@ -146,7 +158,7 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
 #   logits = (final_norm x when cfg.final_norm) @ lm_head + lm_bias  (-> c tanh(logits / c), c = final_softcap)
 #   post_norms: attn(h) and ffn(h) above are normed by post_norm1 / post_norm2 before the add
 # Weights are [in, out]; attention is softmax(q.k * attn_scale (default 1/sqrt(head_dim)) - slope *
-# distance) over the keys at or before the query (the last attn_windows[layer] of them when > 0)
+# distance) (scores capped to c tanh(s / c) first, c = attn_softcap) over the keys at or before the query (the last attn_windows[layer] of them when > 0)
 # or over all keys (encoder, cross-attention); qk_norm norms every q and k head before RoPE; RoPE
 # rotates q and k at their positions; rmsnorm has no bias.
 # Refused (KVSimdValueError), having no single rule in kvsimd today: parallel_residual with
@@ -310,8 +322,8 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    scale = getattr(cfg, "attn_scale", None)
-    return _linear(_attention(q, k, v, positions, slopes, window, scale=scale), a.wo, a.bo)
+    scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
+    return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
 
 def _cross_attention(cfg, a, h, enc_out):

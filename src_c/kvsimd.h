@@ -87,9 +87,11 @@ typedef enum kv_wtype {
 
 /* Single-query attention over a list of key ranges, under one softmax:
  *   out[h, :] = softmax_t(score(h, t)) @ v[g, t, :] over the tokens t of every range, where
- *   score(h, t) = scale * q'[h] . k[g, t]  (- alibi[h] * (range.query_pos - key_pos[t]) when
+ *   score(h, t) = cap(scale * q'[h] . k[g, t])  (- alibi[h] * (range.query_pos - key_pos[t]) when
  *   alibi != NULL; key_pos == NULL means key_pos[t] = t), and q' is q, or q_alt for a range
  *   with query = 1 (the attention-sink query of a ring cache, rotated at another position).
+ *   cap(s) = softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's attention logit soft-capping),
+ *   else s: the scaled dot product is capped first, then the ALiBi bias is subtracted.
  *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype); ranges: n_ranges >= 1
  *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
  *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
@@ -119,6 +121,7 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, D, 'q') \
     F(int64_t, n_total, 'q')        /* row stride of a head in k/v, in tokens */ \
     F(float, scale, 'f') \
+    F(float, softcap, 'f')          /* > 0: scores capped to +-softcap; 0: off */ \
     F(int32_t, dtype, 'i')          /* kv_dtype of k and v */
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 

@@ -171,7 +171,7 @@ class EmulatedRow:
         return data
 
     def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
-               ranges=None, q_alt=None, out=None):
+               ranges=None, q_alt=None, out=None, softcap=None):
         g = self.guest
         g.reset_arena()
         H, D = q.shape
@@ -188,7 +188,8 @@ class EmulatedRow:
             "key_pos": g.put(key_positions) if key_positions is not None else 0,
             "q_alt": g.put(q_alt) if q_alt is not None else 0,
             "ranges": g.put(packed), "n_ranges": len(rows), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
-            "scale": 1.0 / np.sqrt(D) if scale is None else scale, "dtype": 1 if k.dtype == np.float16 else 0})
+            "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
+            "dtype": 1 if k.dtype == np.float16 else 0})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
         g.call(self._fn("attn"), g.put(prm), 0, Hkv, ws)
         res = np.frombuffer(self._read_guarded(dst, 4 * H * D), np.float32).reshape(H, D)

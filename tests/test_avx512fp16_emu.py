@@ -151,6 +151,27 @@ def test_native_attention_equals_emulated(guest, rng, H, Hkv, N, D, dtype):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("H,Hkv,N,D", ATTN_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_softcapped_attention_in_the_emulator(guest, rng, H, Hkv, N, D, dtype):
+    """The soft cap (kv_attn_params.softcap, packed from the layout C reports) with ALiBi and a
+    sink range scored with q_alt: within the float64 bound, and on a CPU with AVX512-FP16 the
+    same bits as the native row."""
+    from kvsimd import reference
+    from kvsimd.bounds import attend_bound
+    q, k, v, kw = alibi_case(rng, H, Hkv, N, D, dtype)
+    q *= 10                                     # most scores saturate at cap 3
+    kw.update(softcap=3.0, q_alt=(rng.standard_normal(q.shape) * 10).astype(np.float32),
+              ranges=[(0, min(N, 4), True, 499)] + ([(4, N)] if N > 4 else []))
+    got = EmulatedRow("avx512fp16", guest).attend(q, k, v, **kw)
+    err = np.abs(got - reference.attend(q, k, v, **kw)) / attend_bound(q, k, v, **kw)
+    assert err.max() <= 1, err.max()
+    if NATIVE_FP16:
+        with use_isa("avx512fp16"):
+            want = ops.attend(q, k, v, **kw)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_guest_fault_is_reported(guest):
     """The harness itself must be able to fail: a wild pointer faults, it does not pass."""
     with pytest.raises(EmuError, match="unmapped|#PF"):

@@ -159,6 +159,8 @@ def _fuzz_attend(data):
             kw["key_positions"] = np.array([max(min(i, 2 ** 63 - 1), -2 ** 63) for i in kp], np.int64)
         if data.draw(st.booleans()):
             kw["query_position"] = data.draw(INTS)
+    if data.draw(st.integers(0, 3)) == 0:
+        kw["softcap"] = data.draw(REALS)
     if data.draw(st.integers(0, 2)) == 0:
         kw["ranges"] = data.draw(st.lists(st.tuples(INTS, INTS, st.sampled_from([False, True, 2, "x"]), INTS)
                                           .map(lambda t: t[:data.draw(st.integers(2, 4))]), max_size=4))
@@ -187,10 +189,11 @@ def _fuzz_attend(data):
     out = res[0]
     assert out.shape == (H, D) and out.dtype == np.float32
     mags = [np.abs(np.asarray(a, np.float64)) for a in (q, k, v)]
-    s = kw.get("scale")
+    s, cap = kw.get("scale"), kw.get("softcap")
     if all(np.isfinite(m).all() and m.max(initial=0) < 1e3 for m in mags) and "ranges" not in kw and \
-            "alibi_slopes" not in kw and (s is None or (isinstance(s, (int, float)) and abs(s) < 10)):
-        ref = reference.attend(np.asarray(q), np.asarray(k), np.asarray(v), scale=s)
+            "alibi_slopes" not in kw and (s is None or (isinstance(s, (int, float)) and abs(s) < 10)) and \
+            (cap is None or (isinstance(cap, (int, float)) and (cap == 0 or 0.5 <= cap <= 1e3))):
+        ref = reference.attend(np.asarray(q), np.asarray(k), np.asarray(v), scale=s, softcap=cap)
         np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * max(1.0, float(mags[2].max(initial=0))))
     return 0
 

@@ -52,7 +52,7 @@ def causal_models():
                                     max_position_embeddings=512, pad_token_id=0),
         "gemma2": T.Gemma2Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-                                 attn_logit_softcapping=None, final_logit_softcapping=3.0, sliding_window=16,
+                                 attn_logit_softcapping=0.5, final_logit_softcapping=3.0, sliding_window=16,
                                  max_position_embeddings=512, pad_token_id=0),
     }
 

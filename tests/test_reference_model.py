@@ -146,7 +146,8 @@ GRID = [
           activation="gelu")),
     ("encdec-prenorm-sinusoidal-gated-gqa", True, 2, dict(position="sinusoidal", ffn_gated=True, embed_scale=2.0)),
     ("qk_norm-post_norms-scale-window-final_softcap", False, 2,
-     dict(qk_norm=True, post_norms=True, attn_scale=0.6, attn_windows=(6, 0), final_softcap=1.5, ffn_gated=True)),
+     dict(qk_norm=True, post_norms=True, attn_scale=0.6, attn_windows=(6, 0), final_softcap=1.5, ffn_gated=True,
+          attn_softcap=0.7)),
     ("layernorm-qk_norm-windows-alibi", False, 2,
      dict(norm="layernorm", qk_norm=True, position="alibi", attn_windows=(4, 7))),
 ]
@@ -180,6 +181,7 @@ def test_grid_covers_every_option():
             seen.setdefault(field, set()).add(getattr(c, field))
         seen.setdefault("attn_scale", set()).add(c.attn_scale is not None)
         seen.setdefault("final_softcap", set()).add(c.final_softcap > 0)
+        seen.setdefault("attn_softcap", set()).add(c.attn_softcap > 0)
         seen.setdefault("attn_windows", set()).add(c.attn_windows is not None)
     assert seen.pop("norm") == {"rmsnorm", "layernorm"}
     assert seen.pop("activation") == {"silu", "gelu", "gelu_tanh", "relu"}

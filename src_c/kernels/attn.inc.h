@@ -3,7 +3,8 @@
  *
  * For each KV head g, its G query heads are processed together so that every K and V row
  * is read from the cache once per group.  Keys are taken in blocks of KV_B tokens:
- *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, one add-tree reduction)
+ *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, one add-tree reduction),
+ *      soft-capped to softcap * tanh(s / softcap) when softcap > 0
  *   2. ALiBi bias, then an online-softmax update  (running max m_i, running sum l_i)
  *   3. acc_i = acc_i * exp(m_old - m_new) + sum_j p_ij v_j
  * A call may read several key ranges (kv_attn_range), each with q or q_alt, under the same
@@ -18,12 +19,13 @@
 #define KV_AINLINE static inline __attribute__((always_inline))
 #define KV_NEG_INF (-__builtin_inff())
 
-/* e^x for x <= 88.37, relative error ~1e-7; below -87.33 returns ~1.2e-38 instead of less
- * (harmless here: every use is a softmax weight relative to a maximum of 1).
- * x = n ln2 + r, |r| <= ln2/2; e^r by its degree-7 Taylor polynomial (error < 6e-9). */
-KV_AINLINE vf vf_exp(vf x)
+/* The clamp and reduction of e^x: x = n ln2 + r (n integer-valued, |r| <= ln2/2; NaN passes
+ * through), and p with e^r = 1 + r p: the degree-7 Taylor polynomial of e^r (error < 6e-9),
+ * less its constant term, divided by r.  For |x| >= ln2/2 the reduction is Cody-Waite (n * the
+ * high part of ln2 is exact and so is x minus it); for smaller x, n = 0 and r = x exactly. */
+KV_AINLINE vf kv_exp_reduce(vf x, vf *n_out, vf *r_out)
 {
-    x = vf_min(vf_set1(88.37626f), vf_max(vf_set1(-87.33654f), x)); /* NaN passes through */
+    x = vf_min(vf_set1(88.37626f), vf_max(vf_set1(-87.33654f), x));
     vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
     vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);            /* ln2, high part: exact n*hi */
     r = vf_fnmadd(n, vf_set1(1.42860682030941723e-6f), r);          /* ln2, low part */
@@ -34,8 +36,31 @@ KV_AINLINE vf vf_exp(vf x)
     p = vf_fmadd(p, r, vf_set1(1.0f / 6.0f));
     p = vf_fmadd(p, r, vf_set1(0.5f));
     p = vf_fmadd(p, r, vf_set1(1.0f));
-    p = vf_fmadd(p, r, vf_set1(1.0f));
-    return vf_mul(p, vf_pow2i(n));
+    *n_out = n;
+    *r_out = r;
+    return p;
+}
+
+/* e^x for x <= 88.37, relative error ~1e-7; below -87.33 returns ~1.2e-38 instead of less
+ * (harmless here: every use is a softmax weight relative to a maximum of 1). */
+KV_AINLINE vf vf_exp(vf x)
+{
+    vf n, r;
+    const vf p = kv_exp_reduce(x, &n, &r);
+    return vf_mul(vf_fmadd(p, r, vf_set1(1.0f)), vf_pow2i(n));
+}
+
+/* tanh(x) = m / (m + 2) with m = e^(2x) - 1, formed without cancellation as
+ * 2^n (r p) + (2^n - 1) (2x = n ln2 + r, kv_exp_reduce): relative error a few ulp everywhere
+ * (kvsimd/bounds.py derives SOFTCAP_REL from it).  Saturates to exactly +-1: for 2x >= 88.37,
+ * m ~ 2.4e38 (finite) and m + 2 == m; for 2x <= -87.33, m == -1.  +-inf gives +-1, NaN NaN. */
+KV_AINLINE vf vf_tanh(vf x)
+{
+    vf n, r;
+    const vf p = kv_exp_reduce(vf_add(x, x), &n, &r);
+    const vf e = vf_pow2i(n);
+    const vf m = vf_fmadd(vf_mul(p, r), e, vf_sub(e, vf_set1(1.0f)));
+    return vf_div(m, vf_add(m, vf_set1(2.0f)));
 }
 
 static inline float KV_FN(expf1)(float x) { return vf_first(vf_exp(vf_set1(x))); }
@@ -356,8 +381,8 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g)
     }
 }
 
-/* Pass 1 over the chunk c0..c1-1: the scores of every query head (reading only K), ALiBi
-   included, into sc[i][t - c0]; padded rows of a short block score -inf.  The chunk's last
+/* Pass 1 over the chunk c0..c1-1: the scores of every query head (reading only K), soft cap
+   and ALiBi included, into sc[i][t - c0]; padded rows of a short block score -inf.  The chunk's last
    block prefetches the start of V for pass 2. */
 KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, int64_t c0, int64_t c1,
                                         int64_t query_pos)
@@ -365,6 +390,8 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G;
     const char *kpf_next = st->vbase + (size_t)(c0 * D) * st->esize;
+    const int capped = p->softcap > 0.0f;
+    const vf cap = vf_set1(p->softcap), inv_cap = vf_set1(capped ? 1.0f / p->softcap : 0.0f);
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
@@ -379,6 +406,9 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
                 float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
                 for (int jj = 0; jj < KV_B; jj += KV_W)
                     vf_reduce_block(st->red + i * KV_B + jj, s + jj);
+                if (capped)   /* softcap * tanh(s / softcap); padded rows (0) become -inf below */
+                    for (int jj = 0; jj < KV_B; jj += KV_W)
+                        vf_store(s + jj, vf_mul(vf_tanh(vf_mul(vf_load(s + jj), inv_cap)), cap));
                 for (int64_t j = nb; j < KV_B; j++)
                     s[j] = KV_NEG_INF;
                 if (p->alibi) {

@@ -83,6 +83,7 @@ static inline vf vf_load_h_exact(const uint16_t *p)
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }

@@ -29,6 +29,7 @@ static inline vf vf_load_h_exact(const uint16_t *p) { return kv_h2f_soft(*p); }
 static inline vf vf_add(vf a, vf b) { return a + b; }
 static inline vf vf_sub(vf a, vf b) { return a - b; }
 static inline vf vf_mul(vf a, vf b) { return a * b; }
+static inline vf vf_div(vf a, vf b) { return a / b; }
 /* a*b + c and c - a*b.  Not fused here: the scalar row is the portable reference. */
 static inline vf vf_fmadd(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return c - a * b; }
