@@ -51,7 +51,7 @@ def causal_models():
                                     num_attention_heads=4, num_key_value_heads=4, sliding_window=16,
                                     max_position_embeddings=512, pad_token_id=0),
         "gemma2": T.Gemma2Config(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=1, initializer_range=0.2,
                                  attn_logit_softcapping=0.5, final_logit_softcapping=3.0, sliding_window=16,
                                  max_position_embeddings=512, pad_token_id=0),
     }
