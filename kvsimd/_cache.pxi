@@ -591,6 +591,51 @@ cdef class KVCache(_KVStore):
                 self._lengths[b] += 1
             self._changed()
 
+    # ------------------------------------------------------------------ rollback
+    def truncate(self, seq, n):
+        """Drop the newest ``n`` tokens of sequence ``seq`` (speculative decoding's rollback): its
+        length, token list and seen count shrink by ``n``, the dropped tokens' slots become empty
+        (position and rotation 0; their K/V are never read again) and the next token goes into the
+        first of them.  After a wrap the ring head stays: the kept tokens are those before the
+        dropped ones in ring order, at the positions they have (under "shift", rotated back).
+
+        Tokens a window discarded cannot come back, so ``n`` is at most the tokens held
+        (``length(seq)``); under "sink_query" once the ring has wrapped, at most the window's
+        (``length(seq) - n_keep``): its next tokens take positions from ``seen``, which the sink
+        slots cannot.  A sequence truncated to nothing is a fresh one (prefill works again).
+        Inside a transaction the truncation is undone with it."""
+        cdef int64_t s, k, L, nk = self.n_keep, W = self.capacity - self.n_keep, a, limit
+        with self._claim():
+            s = self._seq(seq)
+            k = _need_int(n, "n")
+            L = self._lengths[s]
+            wrapped = self._seen[s] != L or self._head[s] != nk      # the window discarded tokens
+            limit = max(L - nk, 0) if (wrapped and self._policy == _P_SINK_QUERY) else L
+            if not 0 <= k <= limit:
+                raise KVSimdValueError("truncate: n must be in 0..%d for sequence %d (it holds %d tokens%s), got %d"
+                                       % (limit, s, L, ", %d of them sinks a wrapped 'sink_query' ring keeps" % nk
+                                          if limit < L else "", k))
+            if k == 0:
+                return
+            a = L - k                                    # first dropped token (cache order)
+            ranges = [(a, min(L, nk))] if a < nk else []
+            if L > nk:
+                first = max(a, nk) - nk                  # ring index of the first dropped window token
+                ranges += _ring_ranges(nk + (self._head[s] - nk + first) % W, L - nk - first, nk, W)
+            if self._tx is not None:
+                self._tx.save_row(s)
+                for t0, t1 in ranges:                    # the next steps overwrite these slots
+                    self._tx.save_kv(s, t0, t1)
+            for t0, t1 in ranges:
+                self._pos[s, t0:t1] = 0
+                self._rot[s, t0:t1] = 0
+            self._lengths[s] = a
+            self._seen[s] -= k
+            if a == 0:                                   # emptied: a fresh sequence, prefill works again
+                self._head[s], self._seen[s] = nk, 0
+            del self._tokens[s][a:]
+            self._changed()
+
     # ------------------------------------------------------------------ explicit plans
     def step_plan(self, HD, slots, kpos, spos, ranges, *, rope=None, alibi_slopes=None, scale=None,
                   key_positions=None):
@@ -757,7 +802,8 @@ cdef class _Tx:
     into slots beyond the committed tokens, which stay invisible until the commit.  A sequence
     whose window is full (the step discards tokens) also has its bookkeeping row saved and the K/V
     the discard rewrites: every slot of every layer under "reevaluate" and "shift" (once per
-    discard, i.e. every ``n_discard`` steps), only the overwritten slot under "sink_query"."""
+    discard, i.e. every ``n_discard`` steps), only the overwritten slot under "sink_query".  A
+    truncate saves the row and the K/V of the slots it empties (later steps overwrite them)."""
     cdef KVCache cache
     cdef bint outer
     cdef int state                  # 0 not entered yet, 1 open, 2 exited: one use per object
@@ -799,6 +845,7 @@ cdef class _Tx:
         if b not in self.rows:
             k = self.cache
             self.rows[b] = (k._pos[b].copy(), k._rot[b].copy(), list(k._tokens[b]))
+            self.cells.append((b, -1, 0, 0))    # in the journal: the row's positions and rotations
 
     cdef save_cell(self, int64_t b, int64_t slot):
         k = self.cache
@@ -837,10 +884,15 @@ cdef class _Tx:
         c = self.cache
         for l, b, t0, k, v in reversed(self.kv):      # fp16 -> fp32 -> fp16 is exact
             c.write(l, k.astype(_F32), v.astype(_F32), seq=b, start=t0)
+        # newest record first, so the oldest value of each slot is the one left (a row may be
+        # saved after a step changed a slot of it: a truncate in the transaction)
         for b, slot, p, r in reversed(self.cells):
-            c._pos[b, slot], c._rot[b, slot] = p, r
+            if slot < 0:
+                c._pos[b], c._rot[b] = self.rows[b][0], self.rows[b][1]
+            else:
+                c._pos[b, slot], c._rot[b, slot] = p, r
         for b, (p, r, toks) in self.rows.items():
-            c._pos[b], c._rot[b], c._tokens[b] = p, r, toks
+            c._tokens[b] = toks
         for b in range(c.batch):
             del c._tokens[b][self.ntok[b]:]
         c._head[:], c._seen[:], c._lengths[:] = self.head, self.seen, self.lengths
