@@ -68,6 +68,10 @@ def parser():
                         % SLIDING_N_KEEP)
     g.add_argument("--window", type=_integer(2), default=None,
                    help="tokens the cache holds (default: prompt + new tokens for --policy fixed, 1024 otherwise)")
+    from kvsimd.nn.generate import MAX_LOOKUP
+    g.add_argument("--lookup", type=_integer(0, MAX_LOOKUP), default=0,
+                   help="prompt-lookup decoding: draft up to N tokens per step from earlier text and verify them in "
+                        "one pass (greedy only; 0 = off)")
     return ap
 
 
@@ -107,6 +111,9 @@ def _generate(args, stats):
             print("kvsimd: warning: --threads %d is more than the %d core%s this process may use; using %d"
                   % (args.threads, cores, "" if cores == 1 else "s", cores), file=sys.stderr)
         kvsimd.set_num_threads(min(args.threads, cores))
+    if args.lookup and args.temperature != 0:
+        raise _Usage("--lookup %d needs greedy decoding (--temperature 0), got --temperature %g"
+                     % (args.lookup, args.temperature))
     prompt = _read_prompt(args)
     if not prompt:
         raise _Usage("empty prompt (give one, or pipe it on stdin)")
@@ -136,7 +143,8 @@ def _generate(args, stats):
     # generate() checks its arguments now and prefills at the first next(): statistics from here on
     gen = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
-                         cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy)
+                         cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy,
+                         lookup=args.lookup)
     stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * itemsize
                  / 2**20, started=time.perf_counter())
     try:

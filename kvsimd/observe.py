@@ -23,6 +23,8 @@ Events (methods of :class:`Observer`; the base class ignores them all):
   re-prefill of a ``reevaluate`` discard) or ``"encoder"`` (one source encoded);
 * ``cross_projections(n)``: ``n`` (layer, sequence) cross-attention K/V projections were made
   (an encoder-decoder's ``cross_for``: one per decoder layer and source).
+* ``drafts(proposed, accepted)``: a prompt-lookup pass of ``generate(..., lookup=n)`` verified
+  ``proposed`` drafted tokens and kept the first ``accepted`` of them.
 
 Nothing is stored on the model (assigning an attribute of a model marks its weights for
 re-validation), and while nothing is attached anywhere :func:`notify` returns after one
@@ -38,7 +40,7 @@ from kvsimd.errors import KVSimdTypeError
 
 __all__ = ["Observer", "observe", "notify", "EVENTS"]
 
-EVENTS = ("positions", "cross_projections")
+EVENTS = ("positions", "cross_projections", "drafts")
 
 
 class Observer:
@@ -49,6 +51,9 @@ class Observer:
 
     def cross_projections(self, n: int) -> None:
         """``n`` (layer, sequence) cross-attention K/V projections were made."""
+
+    def drafts(self, proposed: int, accepted: int) -> None:
+        """A prompt-lookup pass verified ``proposed`` drafted tokens and kept ``accepted``."""
 
 
 # id(model) -> (model, observers): the model is held while anything observes it, so its id stays

@@ -41,7 +41,8 @@ def one_error_line(r):
 BAD_FLAGS = [("--n-keep", "-1"), ("--window", "1"), ("--window", "x"), ("--temperature", "nan"),
              ("--temperature", "-0.5"), ("--temperature", "inf"), ("--seed", "-1"), ("--seed", "1.5"),
              ("--top-p", "0"), ("--top-p", "nan"), ("--top-p", "1.01"), ("--top-k", "-3"), ("--max-new-tokens", "0"),
-             ("--threads", "0"), ("--threads", "two"), ("--cache-dtype", "int8"), ("--policy", "slide")]
+             ("--threads", "0"), ("--threads", "two"), ("--cache-dtype", "int8"), ("--policy", "slide"),
+             ("--lookup", "-1"), ("--lookup", "x"), ("--lookup", "257")]
 
 
 @pytest.mark.parametrize("flag,value", BAD_FLAGS)
@@ -170,6 +171,19 @@ def test_sliding_window_generates_past_the_window(tiny):
     assert "decode 60 tokens" in r.stderr
     r = cli(["generate", "--model", tiny, "--policy", "shift", "--window", "3", "abcdef"])
     assert r.returncode == 2 and "see --window" in one_error_line(r)
+
+
+def test_lookup_prints_the_greedy_tokens_and_refuses_sampling(tiny):
+    base = ["generate", "--model", tiny, "--max-new-tokens", "40", "--cache-dtype", "float32", "abcabcabcabc"]
+    plain = cli(base)
+    assert plain.returncode == 0, plain.stderr
+    r = cli(base + ["--lookup", "4"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout and "decode 40 tokens" in r.stderr
+    r = cli(base + ["--lookup", "4", "--temperature", "0.5"])
+    assert r.returncode == 2
+    line = one_error_line(r)
+    assert "--lookup 4" in line and "--temperature 0.5" in line, line
 
 
 # ------------------------------------------------------------------------------ the real model (SmolLM2)

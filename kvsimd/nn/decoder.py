@@ -79,7 +79,7 @@ class Decoder(_Stack):
 
     def generate(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                  stop_tokens=(), cache_dtype="float16", capacity=None, n_keep=0, policy="fixed",
-                 n_discard=None) -> Iterator:
+                 n_discard=None, lookup=None) -> Iterator:
         """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
         (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped).
 
@@ -98,8 +98,17 @@ class Decoder(_Stack):
         a sequence whose cache fills before ``max_new_tokens`` makes the generator raise
         :class:`kvsimd.KVSimdCapacityError` (naming the sequence and the capacity) at the
         ``next()`` after its last token; the tokens already yielded stay yielded.  The other
-        policies never fill (see :meth:`new_cache`)."""
+        policies never fill (see :meth:`new_cache`).
+
+        ``lookup=n`` (n >= 1; None or 0: off) is prompt-lookup decoding, for a single prompt and
+        greedy decoding only: each pass drafts up to ``n`` tokens by matching the last 3..1 tokens
+        against the prompt and earlier output, verifies them in one multi-token pass and keeps
+        those the model would have chosen (the others are truncated from the cache).  The tokens
+        are plain greedy decoding's (up to float rounding: rows of one pass and single steps
+        round their sums differently, which can flip a near tie); faster where text repeats.
+        Once a streaming window is full (or the cache is) tokens go one step at a time."""
         self._ensure_valid()
         prompts, batched = _prompts(prompt, self.cfg.vocab_size, "prompt")
         return _generate(self, prompts, batched, None, max_new_tokens, temperature, top_k, top_p, seed,
-                         stop_tokens, cache_dtype, capacity, dict(n_keep=n_keep, policy=policy, n_discard=n_discard))
+                         stop_tokens, cache_dtype, capacity, dict(n_keep=n_keep, policy=policy, n_discard=n_discard),
+                         lookup)

@@ -9,10 +9,14 @@ import numpy as np
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import _real
+from kvsimd.observe import notify
 
 _need_int = _kvsimd._need_int
 
 __all__ = ["sample"]
+
+MAX_LOOKUP = 256        # drafted tokens per prompt-lookup pass, at most
+LOOKUP_NGRAM = 3        # longest suffix prompt lookup matches
 
 
 def _short(x, n=80):
@@ -129,10 +133,20 @@ def sample(logits, rng=None, *, temperature=0.0, top_k=0, top_p=1.0):
 
 
 def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-              cache_dtype, capacity, streaming=None):
+              cache_dtype, capacity, streaming=None, lookup=None):
     """Check every argument and make the cache now; return the token stream (which prefills at
     its first next())."""
     params = _sampling_params(temperature, top_k, top_p)
+    lookup = 0 if lookup is None else _need_int(lookup, "lookup")
+    if not 0 <= lookup <= MAX_LOOKUP:
+        raise KVSimdValueError("lookup must be None or an integer in 0..%d (tokens drafted per step; 0: off), got %d"
+                               % (MAX_LOOKUP, lookup))
+    if lookup and params[0] != 0:
+        raise KVSimdValueError("lookup=%d verifies drafts against greedy choices: it needs temperature=0, got %r"
+                               % (lookup, params[0]))
+    if lookup and (batched or sources is not None):
+        raise KVSimdValueError("lookup=%d decodes a single prompt of a decoder-only model, got %s"
+                               % (lookup, "a batch of %d prompts" % len(prompts) if batched else "a source"))
     max_new_tokens = _need_int(max_new_tokens, "max_new_tokens")
     if max_new_tokens < 0:
         raise KVSimdValueError("max_new_tokens must be >= 0, got %d" % max_new_tokens)
@@ -162,7 +176,15 @@ def _generate(model, prompts, batched, sources, max_new_tokens, temperature, top
         for b, src in enumerate(sources):
             model._check_source(len(src), "src[%d]" % b if batched else "src")
     rng = np.random.default_rng(seed)
+    if lookup:
+        return _lookup_stream(model, prompts[0], cache, max_new_tokens, lookup, stop)
     return _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens, params, rng, stop)
+
+
+def _full_error(b, cache, n_new, max_new_tokens):
+    return KVSimdCapacityError("generate: sequence %d filled its cache (capacity %d) after %d of max_new_tokens=%d "
+                               "new tokens; pass a larger capacity, or a streaming policy"
+                               % (b, cache.capacity, n_new, max_new_tokens))
 
 
 def _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens, params, rng, stop):
@@ -190,9 +212,79 @@ def _stream(model, prompts, batched, sources, cache, cache_dtype, max_new_tokens
             for b in range(B):
                 if lengths[b] == cache.capacity:
                     if not done[b]:
-                        raise KVSimdCapacityError(
-                            "generate: sequence %d filled its cache (capacity %d) after %d of max_new_tokens=%d "
-                            "new tokens; pass a larger capacity, or a streaming policy" % (b, cache.capacity, i + 1,
-                                                                                         max_new_tokens))
+                        raise _full_error(b, cache, i + 1, max_new_tokens)
                     cache._forget(b, 1)    # a finished sequence's cache is never read again
         logits = model._step_logits(last, cache, cross)
+
+
+def _draft(history, n, longest=LOOKUP_NGRAM):
+    """Prompt lookup: ``n`` tokens continuing ``history`` as it went on after the latest earlier
+    occurrence of its longest suffix (``longest``..1 tokens); [] when no suffix occurs earlier.
+    A match ``p`` tokens back predicts ``h[t] = h[t - p]``, also over the drafted tokens (so a
+    period shorter than ``n`` still drafts ``n``)."""
+    h = np.asarray(history, dtype=np.int64)
+    N = h.size
+    for k in range(min(longest, N - 1), 0, -1):
+        # windows starting at 0..N-1-k: each is followed by a token, the suffix itself is not among them
+        hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(h[:N - 1], k) == h[N - k:]).all(axis=1))
+        if hits.size:
+            p = N - k - int(hits[-1])
+            run = h[N - p:].tolist()
+            return (run * (n // p + 1))[:n]
+    return []
+
+
+def _lookup_stream(model, prompt, cache, max_new_tokens, n, stop):
+    """Greedy decoding of one sequence with prompt-lookup drafts (generate(..., lookup=n)).
+
+    Each pass feeds the current token and up to ``n`` drafts (see _draft) as one causal
+    multi-row pass after the cached prefix (a prefill plan), keeps the drafts that match the
+    greedy choice of the row before them and truncates the others from the cache; the row after
+    the last kept draft gives the next token.  The pass and the truncate are one transaction.
+    A pass needs a ring that has not wrapped and room for its rows: once a streaming window is
+    full (or has wrapped) and under "fixed" at the end of the cache, tokens go one step at a
+    time, as without lookup.  Drafts beyond what ``max_new_tokens`` can still yield are not made."""
+    if max_new_tokens == 0:
+        return
+    greedy = (0.0, 0, 1.0)
+    history = list(prompt)
+    cur = _sample(model._prefill_logits(prompt, cache, 0, None), None, *greedy, what="logits at new token 0")
+    i = 0                                   # tokens yielded
+    nk, C = cache.n_keep, cache.capacity
+    while True:
+        if cur in stop:
+            return
+        yield cur
+        i += 1
+        history.append(cur)
+        if i == max_new_tokens:
+            return
+        L = cache.length(0)
+        room = min(n, max_new_tokens - i - 1, C - L - 1)
+        if room > 0 and cache.head[0] == nk and cache.seen[0] == L:
+            drafts = _draft(history, room)
+        else:
+            drafts = []
+        if not drafts:
+            if cache.policy == "fixed" and L == C:
+                raise _full_error(0, cache, i, max_new_tokens)
+            cur = _sample(model._step_logits([cur], cache, None)[0], None, *greedy,
+                          what="logits at new token %d" % i)
+            continue
+        d = len(drafts)
+        with cache.transaction():
+            rows = model._prefill(np.array([cur] + drafts, dtype=np.int64), cache, 0, None, finish=model._logits)
+            a = 0
+            best = _sample(rows[0], None, *greedy, what="logits at new token %d" % i)
+            while a < d and drafts[a] == best:
+                a += 1
+                best = _sample(rows[a], None, *greedy, what="logits at new token %d" % (i + a))
+            cache.truncate(0, d - a)
+        notify(model, "drafts", d, a)
+        for t in drafts[:a]:                # a <= max_new_tokens - i - 1: all of them may be yielded
+            if t in stop:
+                return
+            yield t
+            i += 1
+            history.append(t)
+        cur = best
