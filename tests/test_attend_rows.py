@@ -40,6 +40,7 @@ CASES = [
 ]
 
 
+@pytest.mark.emulated_slow
 @pytest.mark.parametrize("T,H,Hkv,N,D", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_rows_match_float64(row, rng, T, H, Hkv, N, D, dtype):
@@ -49,6 +50,7 @@ def test_rows_match_float64(row, rng, T, H, Hkv, N, D, dtype):
         check(row, q, k, v, "offset", causal_offset=int(rng.integers(0, N - T)))
 
 
+@pytest.mark.emulated_slow
 @pytest.mark.parametrize("T,H,Hkv,N,D", [(7, 4, 2, 50, 64), (64, 9, 3, 200, 64), (256, 4, 1, 300, 32)])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_rows_alibi_softcap_window(row, rng, T, H, Hkv, N, D, dtype):
@@ -77,6 +79,7 @@ def test_rows_ranges_and_alternate_query(row, rng, dtype):
     check(row, q, k, v, "ranges, window", ranges=[(0, 4), (60, 90)], window=12)
 
 
+@pytest.mark.emulated_slow
 def test_rows_equal_single_query_calls(row, rng):
     """Row t of a multi-row call is the single-query call over keys 0..offset+t (same rounding
     bound; fp32 K/V)."""
