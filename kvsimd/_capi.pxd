@@ -44,6 +44,7 @@ cdef extern from "kvsimd.h" nogil:
         int64_t n_ranges
         int64_t H, Hkv, D
         int64_t n_total
+        int64_t T, q_stride, out_stride, causal_end, window
         float scale
         float softcap
         int32_t dtype
@@ -91,7 +92,8 @@ cdef extern from "kvsimd.h" nogil:
     const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size) noexcept
     const char *kv_struct_name(int which) noexcept
 
-    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace) noexcept nogil
+    ctypedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, int64_t r0, int64_t r1,
+                               void *workspace) noexcept nogil
     ctypedef void (*kv_rot_fn)(const kv_rot_params *p) noexcept nogil
     ctypedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n) noexcept nogil
     ctypedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n) noexcept nogil

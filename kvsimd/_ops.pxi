@@ -2,10 +2,11 @@
 
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
-           ranges=None, q_alt=None, softcap=None):
-    """Single-query attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
+           ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None):
+    """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
-    q: float32 ``[H, D]``; k, v: float16 or float32 ``[Hkv, N, D]`` (same dtype); H a multiple of
+    q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
+    k, v: float16 or float32 ``[Hkv, N, D]`` (same dtype); H a multiple of
     Hkv (GQA/MQA: query head h uses KV head ``h // (H // Hkv)``).  ``scale`` defaults to
     ``1/sqrt(D)``.  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
@@ -15,20 +16,31 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     Several key ranges under one softmax (a ring cache with attention sinks): ``ranges`` lists
     ``(t0, t1)``, ``(t0, t1, use_q_alt)`` or ``(t0, t1, use_q_alt, query_position)`` tuples,
     non-empty and non-overlapping; only those keys are read, a range with ``use_q_alt`` is
-    scored with ``q_alt`` (float32 ``[H, D]``, e.g. the query rotated at another position) and
+    scored with ``q_alt`` (float32, q's shape, e.g. the query rotated at another position) and
     its ALiBi distances use its own ``query_position``.  One kernel call for all ranges.
 
     ``softcap`` (Gemma 2's attention logit soft-capping; None or 0: off): each scaled dot
-    product s becomes ``softcap * tanh(s / softcap)`` before the ALiBi bias and the softmax."""
+    product s becomes ``softcap * tanh(s / softcap)`` before the ALiBi bias and the softmax.
+
+    Several query rows (q ``[T, H, D]``, a prefill chunk; returns ``[T, H, D]``): row t reads the
+    keys of the ranges (default all N) up to ``causal_offset + t`` (default offset ``N - T``: the
+    last row sees key N-1), or every key with ``causal=False``; with ``window`` W (causal only) only
+    the last W of those, keys ``> causal_offset + t - W``.  Its ALiBi query position is
+    ``query_position + t`` (default ``query_position``: the offset), a range's own one + t.  Each
+    K/V row is read once per KV-head group and tile of rows; every row must see a key."""
     cdef kv_attn_params p
-    _need_array(q, "q", (_F32,), 2, "[H, D]")
+    _need_array(q, "q", (_F32,), -1, "")
+    if q.ndim not in (2, 3):
+        raise KVSimdValueError("q must be 2-D [H, D] or 3-D [T, H, D], got shape %s" % (q.shape,))
     _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]")
     _need_array(v, "v", _KV_DTYPES, 3, "[Hkv, N, D]")
     if k.dtype != v.dtype:
         raise KVSimdTypeError("k and v must have the same dtype, got %s and %s" % (k.dtype, v.dtype))
     if k.shape != v.shape:
         raise KVSimdValueError("k and v must have the same shape, got %s and %s" % (k.shape, v.shape))
-    cdef int64_t H = q.shape[0], D = q.shape[1], Hkv = k.shape[0], N = k.shape[1]
+    cdef bint rows = q.ndim == 3
+    cdef int64_t T = q.shape[0] if rows else 1
+    cdef int64_t H = q.shape[q.ndim - 2], D = q.shape[q.ndim - 1], Hkv = k.shape[0], N = k.shape[1]
     if k.shape[2] != D:
         raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, k.shape))
     _need_head_dim(D)
@@ -38,11 +50,31 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         raise KVSimdValueError("the cache is empty (N=0): attention needs at least one key")
     if N > KV_MAX_TOKENS:
         raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (N, KV_MAX_TOKENS))
+    cdef int64_t off = 0, cend = 0, win = 0
+    causal = _need_flag(causal, "causal")
+    if not rows:
+        if causal_offset is not None or window is not None:
+            raise KVSimdValueError("causal_offset and window apply to several query rows (q [T, H, D]), got q %s"
+                                   % (q.shape,))
+    else:
+        if T < 1:
+            raise KVSimdValueError("q has no rows (shape %s)" % (q.shape,))
+        if causal_offset is not None and not causal:
+            raise KVSimdValueError("causal_offset applies to a causal pass, got causal=False")
+        off = N - T if causal_offset is None else _need_int(causal_offset, "causal_offset")
+        if causal and not 0 <= off <= N - T:
+            raise KVSimdValueError("causal_offset must be in 0..N-T=%d (row t sees keys up to causal_offset + t), "
+                                   "got %d" % (N - T, off))
+        if window is not None:
+            if not causal:
+                raise KVSimdValueError("window needs a causal pass, got causal=False")
+            win = _need_int(window, "window", 1)
+        cend = off + 1 if causal else 0
     cdef float sc = _need_scale(scale, D)
     cdef float cap = _need_softcap(softcap)
     cdef const float *alibi = NULL
     cdef const int64_t *kpos = NULL
-    cdef int64_t qpos = N - 1
+    cdef int64_t qpos = off if rows else N - 1
     if alibi_slopes is None:
         if key_positions is not None or query_position is not None:
             raise KVSimdValueError("key_positions and query_position only apply with alibi_slopes")
@@ -52,20 +84,35 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             kpos = <const int64_t *>_ptr(_need_positions(key_positions, "key_positions", N))
         if query_position is not None:
             qpos = _need_pos(query_position, "query_position")
+            if rows and abs(qpos + T) > _MAX_EXACT_POS:
+                raise KVSimdPositionError("query_position + T must stay within +-2**53, got %d + %d" % (qpos, T))
     if q_alt is not None:
-        _need_array(q_alt, "q_alt", (_F32,), 2, "[H, D]", shape=q.shape)
+        _need_array(q_alt, "q_alt", (_F32,), q.ndim, "(q's shape)", shape=q.shape)
     if out is None:
-        out = _np.empty((H, D), dtype=_np.float32)
+        out = _np.empty(q.shape, dtype=_np.float32)
     else:
-        _need_array(out, "out", (_F32,), 2, "[H, D]", writeable=True, shape=(H, D))
+        _need_array(out, "out", (_F32,), q.ndim, "(q's shape)", writeable=True, shape=q.shape)
         _need_no_overlap(out, "out", (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                                       ("key_positions", key_positions), ("q_alt", q_alt)))
     if ranges is not None:
         rng = _np.array(_key_ranges(ranges, N, qpos, False), dtype=_np.int64).reshape(-1, 4)
         if q_alt is None and rng[:, 0].any():
             raise KVSimdValueError("range %d uses q_alt, but q_alt was not given" % int(_np.argmax(rng[:, 0])))
+        if rows and _np.abs(rng[:, 3]).max() + T > _MAX_EXACT_POS:
+            raise KVSimdPositionError("a range's query_position + T must stay within +-2**53")
     elif q_alt is not None:
         raise KVSimdValueError("q_alt is only used by ranges that ask for it (ranges=...)")
+    if rows and cend:           # every row must see a key of the ranges
+        hi = off + 1 + _np.arange(T, dtype=_np.int64)
+        lo = hi - win if win else _np.zeros(T, dtype=_np.int64)
+        bounds = ((0, N),) if ranges is None else rng[:, 1:3]
+        seen = _np.zeros(T, dtype=bool)
+        for t0, t1 in bounds:
+            seen |= (_np.maximum(lo, t0) < _np.minimum(hi, t1))
+        if not seen.all():
+            t = int(_np.argmin(seen))
+            raise KVSimdValueError("query row %d sees no key: its keys %d..%d hold none of the ranges"
+                                   % (t, max(int(lo[t]), 0), int(hi[t])))
     cdef int64_t whole[4]                # every key, one range (no array for the common call)
     whole[0], whole[1], whole[2], whole[3] = 0, 0, N, qpos
     cdef const int64_t *rp = whole
@@ -77,7 +124,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     cdef void *wsp = _aligned64(ws)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap,
-               KV_F16 if k.dtype == _F16 else KV_F32)
+               KV_F16 if k.dtype == _F16 else KV_F32, T, H * D, H * D, cend, win)
     with nogil:
         kv_attend(&p, wsp, nt)
     return out

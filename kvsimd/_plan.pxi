@@ -35,6 +35,9 @@ cdef class _Plan:
     cdef int64_t gen                    # the owner's change count when the plan was made
     cdef int64_t done                   # layers 0..done-1 have the rows' K/V written (end_* need all)
     cdef int64_t serial                 # this plan's number on its store (see _KVStore._writer)
+    cdef bint band                      # rows of one sequence in one multi-row kernel call (_plan_prefix):
+    cdef int64_t band_rng[4]            #   keys 0..(last row's end) at row 0's query position,
+    cdef int64_t band_end               #   row r reads keys < band_end + r (0: all of them)
 
 
 cdef _Plan _need_plan(plan):
@@ -152,6 +155,15 @@ cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
     p.rng[:, 0, 2] = t1
     p.rng[:, 0, 3] = qpos
     p.nr = _np.ones(p.R, dtype=_np.int64)
+    # the same rows as one band for the multi-row kernel: ends t1[0] + r (causal) or all equal
+    # (t1 an int: every row reads every key), query positions qpos[0] + r
+    ends, qp = p.rng[:, 0, 2], p.rng[:, 0, 3]
+    steps = _np.arange(p.R, dtype=_np.int64)
+    causal = not isinstance(t1, int)
+    p.band = bool((qp == qp[0] + steps).all()) and (not causal or bool((ends == ends[0] + steps).all()))
+    if p.band:
+        p.band_rng[0], p.band_rng[1], p.band_rng[2], p.band_rng[3] = 0, 0, ends[p.R - 1], qp[0]
+        p.band_end = ends[0] if causal else 0
     for W in p.windows:      # the last W keys: slots max(0, t1 - W)..t1-1
         rng = p.rng.copy()
         rng[:, 0, 1] = _np.maximum(rng[:, 0, 2] - W, 0)
@@ -244,8 +256,17 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                     else:
                         memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
                         memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
-            # 2. every row's key ranges under one softmax, one kernel call per row
-            for r in range(R):
+            # 2. every row's key ranges under one softmax: the rows of one sequence (a prefill
+            #    chunk, a local pass) in one multi-row call that reads each K/V row once per tile
+            #    of rows; decode steps one call per row
+            if plan.band and R > 1:
+                sq = sqp[0]
+                _attn_init(&p, qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
+                           out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
+                           H, Hkv, D, C, plan.scale, plan.softcap, store._kv_dtype, R, width, HD, plan.band_end,
+                           window)
+                kv_attend(&p, wsp, nt)
+            for r in range(R if not (plan.band and R > 1) else 0):
                 sq = sqp[r]
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,

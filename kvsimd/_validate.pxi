@@ -377,9 +377,12 @@ cdef class RopeSpec:
 cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_alt, const void *k, const void *v,
                             float *out, const float *alibi, const int64_t *key_pos, const int64_t *ranges,
                             int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
-                            float softcap, kv_dtype dtype) noexcept nogil:
+                            float softcap, kv_dtype dtype, int64_t T=1, int64_t q_stride=0, int64_t out_stride=0,
+                            int64_t causal_end=0, int64_t window=0) noexcept nogil:
     """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows;
-    softcap 0: no soft cap, else a value _need_softcap accepted)."""
+    softcap 0: no soft cap, else a value _need_softcap accepted).  T query rows at q + t * q_stride
+    (q_alt the same), out + t * out_stride; causal_end > 0: row t reads keys < causal_end + t, and
+    with window > 0 keys >= causal_end + t - window (kvsimd.h)."""
     memset(p, 0, sizeof(kv_attn_params))
     p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
     p.alibi, p.key_pos = alibi, key_pos
@@ -387,6 +390,8 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
     p.n_ranges = n_ranges
     p.H, p.Hkv, p.D = H, Hkv, D
     p.n_total = n_total
+    p.T, p.q_stride, p.out_stride = T, q_stride, out_stride
+    p.causal_end, p.window = causal_end, window
     p.scale = scale
     p.softcap = softcap
     p.dtype = dtype

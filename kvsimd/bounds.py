@@ -165,7 +165,8 @@ def attend_scale(q, k, v, **kw):
 
 
 def attend_bound(q, k, v, *, dtype=None, **kw):
-    """Per-element bound ``[H, D]`` on ``|attend(q, k, v, **kw) - reference.attend(...)|``
+    """Per-element bound ``[H, D]`` (``[T, H, D]`` for q of T rows) on
+    ``|attend(q, k, v, **kw) - reference.attend(...)|``
     (keywords as :func:`kvsimd.reference.attend`; ``dtype`` defaults to k's).
 
     ``ATTEND_TOL[dtype] * attend_scale`` plus the effect of the score errors e_j of the ALiBi
@@ -173,6 +174,9 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     perturbing the scores by e_j changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first
     order, so the output moves by at most
     ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
+    if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
+        return np.stack([attend_bound(q[t], k, v, dtype=dtype, **rkw)
+                         for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
     dtype = np.dtype(k.dtype if dtype is None else dtype).name
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 
-__all__ = ["attend", "attention_weights", "attention_scores", "alibi_distances", "rope_angles", "apply_rope",
+__all__ = ["attend", "query_rows", "attention_weights", "attention_scores", "alibi_distances", "rope_angles", "apply_rope",
            "shift_keys", "rotate_pairs", "alibi_slopes", "sinusoidal_table", "activation", "norm", "ffn", "layer",
            "encode", "forward"]
 
@@ -88,9 +88,36 @@ def attention_weights(q, k, **kw):
     return p / p.sum(axis=1, keepdims=True)
 
 
+def query_rows(T, n_keys, *, causal_offset=None, causal=True, window=None, query_position=None, ranges=None,
+               q_alt=None, **kw):
+    """The single-query keywords of each of T query rows (as :func:`kvsimd.ops.attend` with q
+    ``[T, H, D]``): row t reads the ranges' keys (default all) up to ``causal_offset + t``
+    (default offset N - T; every key with ``causal=False``), with ``window`` W only those above
+    ``causal_offset + t - W``; its query position (ALiBi) is ``query_position + t``, default the
+    offset, a range's own + t; ``q_alt`` row t.  Returns a list of T keyword dicts."""
+    N = int(n_keys)
+    off = N - T if causal_offset is None else int(causal_offset)
+    qp0 = off if query_position is None else int(query_position)
+    base = [(0, N)] if ranges is None else ranges
+    out = []
+    for t in range(T):
+        hi = off + t + 1 if causal else N
+        lo = hi - window if (causal and window) else 0
+        rr = []
+        for r in base:
+            t0, t1 = max(int(r[0]), lo), min(int(r[1]), hi)
+            if t0 < t1:
+                rr.append((t0, t1, bool(r[2]) if len(r) > 2 else False, (int(r[3]) if len(r) > 3 else qp0) + t))
+        out.append(dict(kw, ranges=rr, query_position=qp0 + t, q_alt=None if q_alt is None else q_alt[t]))
+    return out
+
+
 def attend(q, k, v, **kw):
-    """float64 single-query attention ``softmax(cap(scale * k @ q) + bias) @ v``; returns ``[H, D]``.
-    Keywords as :func:`attention_scores`."""
+    """float64 attention ``softmax(cap(scale * k @ q) + bias) @ v``: q ``[H, D]`` returns ``[H, D]``
+    (keywords as :func:`attention_scores`); q ``[T, H, D]`` returns ``[T, H, D]``, row t as
+    :func:`query_rows` says (keywords also ``causal_offset``, ``causal``, ``window``)."""
+    if np.ndim(q) == 3:
+        return np.stack([attend(q[t], k, v, **rkw) for t, rkw in enumerate(query_rows(len(q), np.shape(k)[1], **kw))])
     p = attention_weights(q, k, **kw)
     v = np.asarray(v, dtype=np.float64)
     return np.einsum("hn,hnd->hd", p, np.repeat(v, p.shape[0] // v.shape[0], axis=0))

@@ -78,6 +78,11 @@ typedef enum kv_wtype {
 #define KV_MAX_WIDTH 16
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
+#define KV_QVECS 64       /* query vectors (rows x heads of a group) per tile of a multi-row attention */
+
+/* Query rows per tile of attention with G query heads per KV head: the same on every ISA (row
+   tiles are where ops.c splits rows across threads, so results do not depend on the count). */
+static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : KV_QVECS / G; }
 
 /* The parameter structs are defined by field lists, F(type, name, code), so that C itself can
  * report their layout (kv_struct_layout, from offsetof/sizeof) to the emulator test harness:
@@ -85,7 +90,7 @@ typedef enum kv_wtype {
  * (pointers are 'Q': the layout is that of x86-64). */
 #define KV_FIELD_(type, name, code) type name;
 
-/* Single-query attention over a list of key ranges, under one softmax:
+/* Attention of T query rows (T = 1: a single query) over a list of key ranges, under one softmax:
  *   out[h, :] = softmax_t(score(h, t)) @ v[g, t, :] over the tokens t of every range, where
  *   score(h, t) = cap(scale * q'[h] . k[g, t])  (- alibi[h] * (range.query_pos - key_pos[t]) when
  *   alibi != NULL; key_pos == NULL means key_pos[t] = t), and q' is q, or q_alt for a range
@@ -95,8 +100,15 @@ typedef enum kv_wtype {
  *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype); ranges: n_ranges >= 1
  *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
  *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
- *   in order.  The kernel computes KV heads g0..g1-1 (its arguments: ops.c splits heads
- *   across threads); its softmax state lives in the workspace.
+ *   in order.  The kernel computes KV heads g0..g1-1 and query rows r0..r1-1 (its arguments:
+ *   ops.c splits heads, and rows at multiples of kv_attn_row_tile, across threads); its softmax
+ *   state lives in the workspace.
+ *   Several rows (a prefill chunk of one sequence): row t has q + t * q_stride (q_alt the same),
+ *   out + t * out_stride, and reads the keys of the ranges that lie below causal_end + t (when
+ *   causal_end > 0) and, with window > 0, at or above causal_end + t - window; its ALiBi query
+ *   position is range.query_pos + t.  Rows are taken kv_attn_row_tile(G) at a time: each K/V
+ *   row is read once per group and per tile, each row keeps its own online softmax.  Every row
+ *   must see at least one key (the caller checks).
  *
  * Four int64s per range: the layout a KVCache step plan keeps per range. */
 #define KV_ATTN_RANGE_FIELDS(F) \
@@ -120,6 +132,11 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, Hkv, 'q') \
     F(int64_t, D, 'q') \
     F(int64_t, n_total, 'q')        /* row stride of a head in k/v, in tokens */ \
+    F(int64_t, T, 'q')              /* query rows, >= 1 */ \
+    F(int64_t, q_stride, 'q')       /* floats from a row of q (and q_alt) to the next */ \
+    F(int64_t, out_stride, 'q')     /* floats from a row of out to the next */ \
+    F(int64_t, causal_end, 'q')     /* > 0: row t reads keys < causal_end + t; 0: no cut */ \
+    F(int64_t, window, 'q')         /* > 0: row t reads keys >= causal_end + t - window; 0: no cut */ \
     F(float, scale, 'f') \
     F(float, softcap, 'f')          /* > 0: scores capped to +-softcap; 0: off */ \
     F(int32_t, dtype, 'i')          /* kv_dtype of k and v */
@@ -189,8 +206,10 @@ enum { KV_STRUCT_ATTN_PARAMS = 0, KV_STRUCT_ATTN_RANGE = 1, KV_STRUCT_ROT_PARAMS
 const kv_field *kv_struct_layout(int which, size_t *n_fields, size_t *struct_size);
 const char *kv_struct_name(int which);
 
-/* KV heads g0..g1-1 of the attention p (workspace: kv_attn_workspace_bytes, 64-byte aligned) */
-typedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace);
+/* KV heads g0..g1-1, query rows r0..r1-1 of the attention p (workspace: kv_attn_workspace_bytes,
+   64-byte aligned) */
+typedef void (*kv_attn_fn)(const kv_attn_params *p, int64_t g0, int64_t g1, int64_t r0, int64_t r1,
+                           void *workspace);
 typedef void (*kv_rot_fn)(const kv_rot_params *p);
 typedef void (*kv_f32_to_f16_fn)(uint16_t *dst, const float *src, size_t n);
 typedef void (*kv_f16_to_f32_fn)(float *dst, const uint16_t *src, size_t n);

@@ -26,11 +26,12 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
     if (H < 1 || Hkv < 1 || D < 1 || D > KV_MAX_HEAD_DIM)
         return 0;
     const size_t G = (size_t)(H / Hkv), Dp = (size_t)((D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH);
-    /* qbuf, qalt, acc [G, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [G, chunk];
-       softmax state m, l [G] */
-    const size_t fixed = 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH;
-    size_t floats, bytes;
-    if (!mul_add(G, 3 * Dp + KV_MAX_CHUNK + 2, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
+    /* M = G x (rows per tile) query vectors: qbuf, qalt, acc [M, Dp]; two [B, Dp] blocks; a [GS, B]
+       array of vectors; scores [M, chunk]; softmax state m, l [M] (padded to 16 floats each) */
+    const size_t fixed = 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH + 32;
+    size_t M, floats, bytes;
+    if (!mul_add(G, (size_t)kv_attn_row_tile((int64_t)G), 0, &M) ||
+        !mul_add(M, 3 * Dp + KV_MAX_CHUNK + 2, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
         return 0;
     return bytes;
 }
@@ -54,30 +55,34 @@ size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
     return total;
 }
 
-/* Work is split across threads by KV head only: a head's tokens are never split, so each
-   head's result is computed the same way whatever the thread count (bit-identical).
+/* Work is split across threads by KV head and, with several query rows, by tiles of
+   kv_attn_row_tile rows: a (head, tile) item is computed by the same code whatever the thread
+   count, and a row's keys are never split, so results are bit-identical for any count.
    `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
     const kv_kernels *row = kv_active();
-    const int64_t heads = p->Hkv;
+    const int64_t heads = p->Hkv, T = p->T, tile = kv_attn_row_tile(p->H / p->Hkv);
+    const int64_t tiles = (T + tile - 1) / tile, items = heads * tiles;
     threads = clamp_threads(threads);
-    const int nt = (int)(heads < threads ? heads : threads);
+    const int nt = (int)(items < threads ? items : threads);
     if (nt <= 1) {
-        row->attn(p, 0, heads, workspace);
+        row->attn(p, 0, heads, 0, T, workspace);
         return;
     }
     const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
+    /* the last tiles of a causal pass read the most keys: they go first */
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
 #endif
-    for (int64_t g = 0; g < heads; g++) {
+    for (int64_t i = 0; i < items; i++) {
 #if defined(_OPENMP)
         const int tid = omp_get_thread_num();
 #else
         const int tid = 0;
 #endif
-        row->attn(p, g, g + 1, (char *)workspace + (size_t)tid * one);
+        const int64_t g = i % heads, r0 = (tiles - 1 - i / heads) * tile;
+        row->attn(p, g, g + 1, r0, r0 + tile < T ? r0 + tile : T, (char *)workspace + (size_t)tid * one);
     }
 }
 

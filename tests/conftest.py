@@ -171,28 +171,33 @@ class EmulatedRow:
         return data
 
     def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
-               ranges=None, q_alt=None, out=None, softcap=None):
+               ranges=None, q_alt=None, out=None, softcap=None, causal_offset=None, causal=True, window=None):
+        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row)."""
         g = self.guest
         g.reset_arena()
-        H, D = q.shape
+        rows = q.ndim == 3
+        T, H, D = q.shape if rows else (1,) + q.shape
         Hkv, N, _ = k.shape
-        qpos = N - 1 if query_position is None else query_position
-        rows = [(0, N, False, qpos)] if ranges is None else [
+        off = N - T if causal_offset is None else causal_offset
+        cend = off + 1 if rows and causal else 0
+        qpos = (off if rows else N - 1) if query_position is None else query_position
+        rows_ = [(0, N, False, qpos)] if ranges is None else [
             (r[0], r[1], bool(r[2]) if len(r) > 2 else False, r[3] if len(r) > 3 else qpos) for r in ranges]
         packed = b"".join(self._pack("kv_attn_range", {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]})
-                          for r in rows)
-        dst = g.put(np.zeros(H * D, np.float32), guard=self.GUARD)
+                          for r in rows_)
+        dst = g.put(np.zeros(T * H * D, np.float32), guard=self.GUARD)
         prm = self._pack("kv_attn_params", {
             "q": g.put(q), "k": g.put(k, offset=2), "v": g.put(v, offset=2), "out": dst,
             "alibi": g.put(alibi_slopes) if alibi_slopes is not None else 0,
             "key_pos": g.put(key_positions) if key_positions is not None else 0,
             "q_alt": g.put(q_alt) if q_alt is not None else 0,
-            "ranges": g.put(packed), "n_ranges": len(rows), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
+            "ranges": g.put(packed), "n_ranges": len(rows_), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
+            "T": T, "q_stride": H * D, "out_stride": H * D, "causal_end": cend, "window": window or 0,
             "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
             "dtype": 1 if k.dtype == np.float16 else 0})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
-        g.call(self._fn("attn"), g.put(prm), 0, Hkv, ws)
-        res = np.frombuffer(self._read_guarded(dst, 4 * H * D), np.float32).reshape(H, D)
+        g.call(self._fn("attn"), g.put(prm), 0, Hkv, 0, T, ws)
+        res = np.frombuffer(self._read_guarded(dst, 4 * T * H * D), np.float32).reshape(q.shape)
         if out is None:
             return res.copy()
         out[...] = res

@@ -172,6 +172,27 @@ def test_softcapped_attention_in_the_emulator(guest, rng, H, Hkv, N, D, dtype):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("T,H,Hkv,N,D", [(2, 4, 2, 2, 64), (7, 9, 3, 40, 64), (20, 4, 4, 37, 17)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_multi_row_attention_in_the_emulator(guest, rng, T, H, Hkv, N, D, dtype):
+    """Several query rows (kv_attn_params.T, strides, causal_end, window) with ALiBi, a soft cap
+    and a window: within the float64 bound, and on a CPU with AVX512-FP16 the native bits."""
+    from kvsimd import reference
+    from kvsimd.bounds import attend_bound
+    q = (rng.standard_normal((T, H, D)) * 3).astype(np.float32)
+    k = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    v = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    for kw in (dict(), dict(alibi_slopes=rng.uniform(0, 0.5, H).astype(np.float32), softcap=2.0, window=5),
+               dict(causal=False)):
+        got = EmulatedRow("avx512fp16", guest).attend(q, k, v, **kw)
+        err = np.abs(got - reference.attend(q, k, v, **kw)) / attend_bound(q, k, v, **kw)
+        assert err.max() <= 1, (kw, err.max())
+        if NATIVE_FP16:
+            with use_isa("avx512fp16"):
+                want = ops.attend(q, k, v, **kw)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kw
+
+
 def test_guest_fault_is_reported(guest):
     """The harness itself must be able to fail: a wild pointer faults, it does not pass."""
     with pytest.raises(EmuError, match="unmapped|#PF"):

@@ -1,8 +1,11 @@
-/* attn.inc.h - single-query attention over a KV cache, one algorithm for every ISA.
- * Included by tu_<isa>.c after its vec_<isa>.h.
+/* attn.inc.h - attention of one or several query rows over a KV cache, one algorithm for
+ * every ISA.  Included by tu_<isa>.c after its vec_<isa>.h.
  *
- * For each KV head g, its G query heads are processed together so that every K and V row
- * is read from the cache once per group.  Keys are taken in blocks of KV_B tokens:
+ * For each KV head g, its G query heads -- of a tile of query rows (kv_attn_row_tile: a prefill
+ * chunk's tokens; one row for a decode step) -- are processed together as M query vectors, so
+ * that every K and V row is read from the cache once per group and tile.  Each vector keeps its
+ * own online softmax; keys a row must not see (past its causal end, before its window) get
+ * weight 0.  Keys are taken in blocks of KV_B tokens:
  *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, one add-tree reduction),
  *      soft-capped to softcap * tanh(s / softcap) when softcap > 0
  *   2. ALiBi bias, then an online-softmax update  (running max m_i, running sum l_i)
@@ -303,23 +306,27 @@ static inline const void *KV_FN(block_rows)(const char *base, float *buf, int32_
     return buf;
 }
 
-/* One call's view of its workspace and of the KV head being computed.  Every array starts
-   on a 64-byte boundary (offsets are multiples of 16 floats). */
+/* One call's view of its workspace and of the KV head and row tile being computed.  Every
+   array starts on a 64-byte boundary (offsets are multiples of 16 floats).  Query vector i is
+   head h0 + i % G of row r0 + i / G. */
 typedef struct KV_FN(attn_state) {
     const kv_attn_params *p;
     int64_t D, Dp, G, N;
+    int64_t MQ;             /* query vectors the workspace holds: G x kv_attn_row_tile(G) */
+    int64_t M;              /* query vectors of the current tile */
     size_t esize, row_bytes;
     int aligned;            /* D % KV_W == 0: full blocks are read in place */
-    float *qbuf;            /* [G, Dp] scaled queries */
-    float *qalt;            /* [G, Dp] scaled q_alt */
-    float *acc;             /* [G, Dp] running outputs */
+    float *qbuf;            /* [MQ, Dp] scaled queries */
+    float *qalt;            /* [MQ, Dp] scaled q_alt */
+    float *acc;             /* [MQ, Dp] running outputs */
     float *kblk, *vblk;     /* [KV_B, Dp] zero-padded blocks (tails only) */
     vf *red;                /* [KV_GS, KV_B] partial dot products */
-    float *sc;              /* [G, KV_CHUNK] scores, then weights */
-    float *m, *l;           /* [G] running max and sum of exp of the softmax */
+    float *sc;              /* [MQ, KV_CHUNK] scores, then weights */
+    float *m, *l;           /* [MQ] running max and sum of exp of the softmax */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     float one[KV_GS];
     int64_t g, h0;          /* the KV head, its first query head */
+    int64_t r0;             /* the tile's first row */
     const char *kbase, *vbase;
 } KV_FN(attn_state);
 
@@ -328,6 +335,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->p = p;
     st->D = p->D;
     st->G = p->H / p->Hkv;
+    st->MQ = st->G * kv_attn_row_tile(st->G);
     st->N = p->n_total;
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
     st->esize = p->dtype == KV_F16 ? 2 : 4;
@@ -336,33 +344,44 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
        last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
     st->aligned = (st->D % KV_W) == 0;
-    const int64_t G = st->G, Dp = st->Dp;
+    const int64_t MQ = st->MQ, Dp = st->Dp;
     st->qbuf = (float *)workspace;
-    st->qalt = st->qbuf + G * Dp;
-    st->acc = st->qalt + G * Dp;
-    st->kblk = st->acc + G * Dp;
+    st->qalt = st->qbuf + MQ * Dp;
+    st->acc = st->qalt + MQ * Dp;
+    st->kblk = st->acc + MQ * Dp;
     st->vblk = st->kblk + KV_B * Dp;
     st->red = (vf *)(st->vblk + KV_B * Dp);
     st->sc = (float *)(st->red + KV_GS * KV_B);
-    st->m = st->sc + G * KV_CHUNK;
-    st->l = st->m + G;
+    st->m = st->sc + MQ * KV_CHUNK;
+    st->l = st->m + (MQ + 15) / 16 * 16;
     for (int i = 0; i < KV_GS; i++)
         st->one[i] = 1.0f;
 }
 
-/* Start KV head g: its G scaled queries (and q_alt) in the workspace, a fresh softmax state. */
-KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g)
+/* Keys row r may read: [*lo, *hi) (the whole int64 range when uncut). */
+KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t *lo, int64_t *hi)
+{
+    *hi = p->causal_end > 0 ? p->causal_end + r : INT64_MAX;
+    *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end + r - p->window : INT64_MIN;
+}
+
+/* Start KV head g for rows r0..r1-1: their scaled queries (and q_alt) in the workspace, a fresh
+   softmax state. */
+KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
 {
     const kv_attn_params *p = st->p;
-    const int64_t D = st->D, Dp = st->Dp, h0 = g * st->G;
+    const int64_t D = st->D, Dp = st->Dp, G = st->G, h0 = g * G;
     st->g = g;
     st->h0 = h0;
+    st->r0 = r0;
+    st->M = (r1 - r0) * G;
     st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
     st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
     const vf scv = vf_set1(p->scale);
-    for (int64_t i = 0; i < st->G; i++) {
-        const float *qi = p->q + (h0 + i) * D;
-        const float *qa = p->q_alt ? p->q_alt + (h0 + i) * D : qi;
+    for (int64_t i = 0; i < st->M; i++) {
+        const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
+        const float *qi = p->q + at;
+        const float *qa = p->q_alt ? p->q_alt + at : qi;
         int64_t c = 0;
         for (; c + KV_W <= D; c += KV_W) {
             vf_store(st->qbuf + i * Dp + c, vf_mul(vf_load(qi + c), scv));
@@ -381,14 +400,14 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g)
     }
 }
 
-/* Pass 1 over the chunk c0..c1-1: the scores of every query head (reading only K), soft cap
+/* Pass 1 over the chunk c0..c1-1: the scores of every query vector (reading only K), soft cap
    and ALiBi included, into sc[i][t - c0]; padded rows of a short block score -inf.  The chunk's last
-   block prefetches the start of V for pass 2. */
+   block prefetches the start of V for pass 2.  query_pos: the range's ALiBi position of row 0. */
 KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, int64_t c0, int64_t c1,
                                         int64_t query_pos)
 {
     const kv_attn_params *p = st->p;
-    const int64_t D = st->D, Dp = st->Dp, G = st->G;
+    const int64_t D = st->D, Dp = st->Dp, G = st->G, M = st->M;
     const char *kpf_next = st->vbase + (size_t)(c0 * D) * st->esize;
     const int capped = p->softcap > 0.0f;
     const vf cap = vf_set1(p->softcap), inv_cap = vf_set1(capped ? 1.0f / p->softcap : 0.0f);
@@ -399,8 +418,8 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
         int64_t ks;
         int rmode;
         const void *kb = KV_FN(block_rows)(st->kbase, st->kblk, p->dtype, t, nb, D, Dp, st->aligned, &ks, &rmode);
-        for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-            const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+        for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
+            const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
             KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
             for (int i = 0; i < nh; i++) {
                 float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
@@ -412,10 +431,12 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
                 for (int64_t j = nb; j < KV_B; j++)
                     s[j] = KV_NEG_INF;
                 if (p->alibi) {
-                    const float slope = p->alibi[st->h0 + i0 + i];
+                    const int64_t v = i0 + i;
+                    const float slope = p->alibi[st->h0 + v % G];
+                    const int64_t qp = query_pos + st->r0 + v / G;
                     for (int64_t j = 0; j < nb; j++) {
                         const int64_t kp = p->key_pos ? p->key_pos[t + j] : t + j;
-                        s[j] -= slope * (float)(query_pos - kp);
+                        s[j] -= slope * (float)(qp - kp);
                     }
                 }
             }
@@ -423,41 +444,59 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
     }
 }
 
-/* The online-softmax update, once per chunk and query head: scores become weights
+/* The online-softmax update, once per chunk c0.. and query vector: scores become weights
    exp(s - m_new), l and m are updated, and the accumulators' rescale exp(m_old - m_new) is
-   left in corr (first KV_GS heads: applied in pass 2) or applied here (the others).
-   cn: tokens in the chunk; cend..cpad-1: past the last block's padding. */
-KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t cn, int64_t cend, int64_t cpad)
+   left in corr (first KV_GS vectors: applied in pass 2) or applied here (the others).
+   cn: tokens in the chunk; cpad: past the last block's padding.  Keys the vector's row does not
+   see, and padded rows, get weight exactly 0; a vector that sees no key of the chunk keeps its
+   state (weights 0, rescale 1). */
+KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t c0, int64_t cn, int64_t cpad)
 {
-    const int64_t Dp = st->Dp;
-    for (int64_t i = 0; i < st->G; i++) {
+    const int64_t Dp = st->Dp, G = st->G;
+    for (int64_t i = 0; i < st->M; i++) {
         float *s = st->sc + i * KV_CHUNK;
         float *m = st->m + i, *l = st->l + i;
-        for (int64_t j = cend; j < cpad; j++)
-            s[j] = KV_NEG_INF;
-        vf mx = vf_load(s);
-        for (int64_t j = KV_W; j < cpad; j += KV_W)
-            mx = vf_max(mx, vf_load(s + j));
-        const float bmax = vf_hmax(mx);
-        const float m_new = bmax > *m ? bmax : *m;
-        const vf mv = vf_set1(m_new);
-        vf sum = vf_zero();
-        for (int64_t j = 0; j < cpad; j += KV_W) {
-            const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
-            vf_store(s + j, e);
-            sum = vf_add(sum, e);
+        int64_t lo, hi;
+        KV_FN(attn_row_keys)(st->p, st->r0 + i / G, &lo, &hi);
+        const int64_t va = lo <= c0 ? 0 : lo - c0 < cn ? lo - c0 : cn;
+        const int64_t vb = hi - c0 >= cn ? cn : hi <= c0 ? 0 : hi - c0;
+        float cr = 1.0f;
+        if (va >= vb) {   /* no key of this chunk */
+            for (int64_t j = 0; j < cpad; j++)
+                s[j] = 0.0f;
+        } else {
+            for (int64_t j = 0; j < va; j++)
+                s[j] = KV_NEG_INF;
+            for (int64_t j = vb; j < cpad; j++)
+                s[j] = KV_NEG_INF;
+            vf mx = vf_load(s);
+            for (int64_t j = KV_W; j < cpad; j += KV_W)
+                mx = vf_max(mx, vf_load(s + j));
+            const float bmax = vf_hmax(mx);
+            const float m_new = bmax > *m ? bmax : *m;
+            const vf mv = vf_set1(m_new);
+            vf sum = vf_zero();
+            for (int64_t j = 0; j < cpad; j += KV_W) {
+                const vf e = vf_exp(vf_sub(vf_load(s + j), mv));
+                vf_store(s + j, e);
+                sum = vf_add(sum, e);
+            }
+            float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop unseen and padded rows exactly */
+            for (int64_t j = 0; j < va; j++) {
+                tail += s[j];
+                s[j] = 0.0f;
+            }
+            for (int64_t j = vb; j < cpad; j++) {
+                tail += s[j];
+                s[j] = 0.0f;
+            }
+            cr = KV_FN(expf1)(*m - m_new);
+            *l = *l * cr + (vf_hsum(sum) - tail);
+            *m = m_new;
         }
-        float tail = 0.0f;  /* exp(-inf - m) is tiny, not 0: drop padded rows exactly */
-        for (int64_t j = cn; j < cpad; j++) {
-            tail += s[j];
-            s[j] = 0.0f;
-        }
-        const float cr = KV_FN(expf1)(*m - m_new);
-        *l = *l * cr + (vf_hsum(sum) - tail);
-        *m = m_new;
         if (i < KV_GS)
             st->corr[i] = cr;
-        else  /* heads beyond the first group: rescale their accumulators here */
+        else if (cr != 1.0f)  /* vectors beyond the first group: rescale their accumulators here */
             for (int64_t c = 0; c < Dp; c += KV_W)
                 vf_store(st->acc + i * Dp + c, vf_mul(vf_load(st->acc + i * Dp + c), vf_set1(cr)));
     }
@@ -469,7 +508,7 @@ KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t cn, in
 KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, int64_t c1, const char *next_k)
 {
     const kv_attn_params *p = st->p;
-    const int64_t D = st->D, Dp = st->Dp, G = st->G;
+    const int64_t D = st->D, Dp = st->Dp, M = st->M;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
@@ -477,8 +516,8 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         int64_t vs;
         int rmode;
         const void *vb = KV_FN(block_rows)(st->vbase, st->vblk, p->dtype, t, nb, D, Dp, st->aligned, &vs, &rmode);
-        for (int64_t i0 = 0; i0 < G; i0 += KV_GS) {
-            const int nh = (int)(G - i0 < KV_GS ? G - i0 : KV_GS);
+        for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
+            const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
             KV_FN(accumulate_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : st->one,
                                 st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, Dp, nh,
                                 i0 ? NULL : vpf, st->row_bytes);
@@ -486,12 +525,12 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     }
 }
 
-/* The K rows read after chunk c0..c1 of range ri: the next chunk, the next range or the next
-   KV head's first range; NULL after the last. */
-KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t ri, int64_t c1, int64_t g1)
+/* The K rows read after chunk c0..c1 of range ri (ending at e1): the next chunk, the next range
+   or the next KV head's first range; NULL after the last (a prefetch hint only). */
+KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t ri, int64_t c1, int64_t e1, int64_t g1)
 {
     const kv_attn_params *p = st->p;
-    if (c1 < p->ranges[ri].t1)
+    if (c1 < e1)
         return st->kbase + (size_t)(c1 * st->D) * st->esize;
     if (ri + 1 < p->n_ranges)
         return st->kbase + (size_t)(p->ranges[ri + 1].t0 * st->D) * st->esize;
@@ -500,12 +539,13 @@ KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t r
     return NULL;
 }
 
-/* out = acc / l for the G query heads of the current KV head. */
+/* out = acc / l for the query vectors of the current KV head and tile. */
 KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
 {
-    const int64_t D = st->D, Dp = st->Dp;
-    for (int64_t i = 0; i < st->G; i++) {
-        float *o = st->p->out + (st->h0 + i) * D;
+    const kv_attn_params *p = st->p;
+    const int64_t D = st->D, Dp = st->Dp, G = st->G;
+    for (int64_t i = 0; i < st->M; i++) {
+        float *o = p->out + (st->r0 + i / G) * p->out_stride + (st->h0 + i % G) * D;
         const vf inv = vf_set1(1.0f / st->l[i]);
         int64_t c = 0;
         for (; c + KV_W <= D; c += KV_W)
@@ -522,25 +562,33 @@ KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
    a range from token 4 reads a 12-row block, then whole blocks that never straddle a 2 KiB
    boundary (misaligned blocks measured ~4% slower from DRAM).  Blocks write KV_B scores at
    (t - c0): a short first block's tail is overwritten by the next block, and the chunk's
-   scores end at the padded end of its last block. */
-static void KV_FN(attn)(const kv_attn_params *p, int64_t g0, int64_t g1, void *workspace)
+   scores end at the padded end of its last block.  With several rows, a tile reads the keys
+   of each range that any of its rows sees (from its first row's start to its last row's end). */
+static void KV_FN(attn)(const kv_attn_params *p, int64_t g0, int64_t g1, int64_t r0, int64_t r1, void *workspace)
 {
     KV_FN(attn_state) st;
     KV_FN(attn_setup)(&st, p, workspace);
-    for (int64_t g = g0; g < g1; g++) {
-        KV_FN(attn_head_start)(&st, g);
-        for (int64_t ri = 0; ri < p->n_ranges; ri++) {
-            const kv_attn_range *r = &p->ranges[ri];
-            const float *qs = r->query && p->q_alt ? st.qalt : st.qbuf;
-            for (int64_t c0 = r->t0, c1; c0 < r->t1; c0 = c1) {
-                c1 = kv_grid_end(c0, KV_CHUNK, r->t1);
-                const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
-                const int64_t cend = last - c0 + KV_B;
-                KV_FN(attn_score_chunk)(&st, qs, c0, c1, r->query_pos);
-                KV_FN(attn_softmax_update)(&st, c1 - c0, cend, (cend + KV_B - 1) / KV_B * KV_B);
-                KV_FN(attn_accumulate_chunk)(&st, c0, c1, KV_FN(attn_next_k)(&st, ri, c1, g1));
+    const int64_t tile = kv_attn_row_tile(st.G);
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t ta = r0; ta < r1; ta += tile) {
+            const int64_t tb = ta + tile < r1 ? ta + tile : r1;
+            int64_t lo, hi, lo_last, hi_last;
+            KV_FN(attn_row_keys)(p, ta, &lo, &hi);
+            KV_FN(attn_row_keys)(p, tb - 1, &lo_last, &hi_last);
+            KV_FN(attn_head_start)(&st, g, ta, tb);
+            for (int64_t ri = 0; ri < p->n_ranges; ri++) {
+                const kv_attn_range *r = &p->ranges[ri];
+                const float *qs = r->query && p->q_alt ? st.qalt : st.qbuf;
+                const int64_t e0 = r->t0 > lo ? r->t0 : lo, e1 = r->t1 < hi_last ? r->t1 : hi_last;
+                for (int64_t c0 = e0, c1; c0 < e1; c0 = c1) {
+                    c1 = kv_grid_end(c0, KV_CHUNK, e1);
+                    const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
+                    const int64_t cend = last - c0 + KV_B;
+                    KV_FN(attn_score_chunk)(&st, qs, c0, c1, r->query_pos);
+                    KV_FN(attn_softmax_update)(&st, c0, c1 - c0, (cend + KV_B - 1) / KV_B * KV_B);
+                    KV_FN(attn_accumulate_chunk)(&st, c0, c1, KV_FN(attn_next_k)(&st, ri, c1, e1, g1));
+                }
             }
+            KV_FN(attn_finalize)(&st);
         }
-        KV_FN(attn_finalize)(&st);
-    }
 }

@@ -84,8 +84,8 @@ static void test_attention(const kv_kernels *row, const char *name)
             const kv_attn_range whole = {.query = 0, .t0 = 0, .t1 = N, .query_pos = N - 1};
             kv_attn_params p = {.q = q, .k = dt ? (void *)kh : (void *)kf, .v = dt ? (void *)vh : (void *)vf,
                                 .out = out, .ranges = &whole, .n_ranges = 1, .H = H, .Hkv = Hkv, .D = D,
-                                .n_total = N, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32};
-            row->attn(&p, 0, Hkv, ws);
+                                .n_total = N, .T = 1, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32};
+            row->attn(&p, 0, Hkv, 0, 1, ws);
             double worst = 0;
             for (int64_t i = 0; i < H * D; i++) {
                 double e = fabs(out[i] - ref[i]) / wsc[i];
@@ -98,13 +98,13 @@ static void test_attention(const kv_kernels *row, const char *name)
             float *out1 = malloc(sizeof(float) * (size_t)(H * D));
             p.out = out1;
             for (int64_t g = Hkv - 1; g >= 0; g--)
-                row->attn(&p, g, g + 1, ws);
+                row->attn(&p, g, g + 1, 0, 1, ws);
             CHECK(memcmp(out, out1, sizeof(float) * (size_t)(H * D)) == 0, "%s attn: per-head calls differ", name);
             /* the keys as two ranges, the later first, under one softmax: rounding only */
             const kv_attn_range halves[2] = {{0, N / 2, N, N - 1}, {0, 0, N / 2, N - 1}};
             p.ranges = N >= 2 ? halves : &whole;
             p.n_ranges = N >= 2 ? 2 : 1;
-            row->attn(&p, 0, Hkv, ws);
+            row->attn(&p, 0, Hkv, 0, 1, ws);
             worst = 0;
             for (int64_t i = 0; i < H * D; i++) {
                 double e = fabs(out1[i] - ref[i]) / wsc[i];

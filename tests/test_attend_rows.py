@@ -1,0 +1,138 @@
+"""Attention of several query rows of one sequence (q ``[T, H, D]``: a prefill chunk) on every
+ISA row, against the float64 reference (kvsimd.reference.attend, row by row through
+reference.query_rows) within kvsimd.bounds.attend_bound; and against the single-query kernel
+row by row; results the same for any thread count."""
+import numpy as np
+import pytest
+
+from kvsimd import ops, reference
+from kvsimd.bounds import attend_bound
+from kvsimd.errors import KVSimdValueError
+from kvsimd.testing import use_isa
+
+from conftest import NATIVE_ISAS
+
+import kvsimd._kvsimd as ext
+
+
+def make(rng, T, H, Hkv, N, D, dtype):
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    v = rng.standard_normal((Hkv, N, D)).astype(dtype)
+    return q, k, v
+
+
+def check(row, q, k, v, what="", **kw):
+    out = row.attend(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == np.float32
+    ref = reference.attend(q, k, v, **kw)
+    err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(q, k, v, **kw), 1e-300)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= 1, f"{row.isa} {what}: error {err.max():.3g} x the bound at {worst}"
+    return out
+
+
+# T rows, N keys (offset N - T by default), heads: tails of blocks (16) and chunks (1024),
+# GQA / MQA / MHA, head dims with and without a vector tail
+CASES = [
+    (1, 9, 3, 40, 64), (2, 9, 3, 2, 64), (7, 4, 1, 7, 17), (7, 8, 8, 30, 80), (64, 9, 3, 64, 64),
+    (64, 6, 2, 100, 48), (256, 4, 4, 256, 32), (256, 8, 1, 1300, 64), (33, 2, 2, 1100, 16),
+]
+
+
+@pytest.mark.emulated_slow
+@pytest.mark.parametrize("T,H,Hkv,N,D", CASES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_match_float64(row, rng, T, H, Hkv, N, D, dtype):
+    q, k, v = make(rng, T, H, Hkv, N, D, dtype)
+    check(row, q, k, v, "causal")
+    if N > T:   # an earlier offset: the last keys are in no row's past
+        check(row, q, k, v, "offset", causal_offset=int(rng.integers(0, N - T)))
+
+
+@pytest.mark.emulated_slow
+@pytest.mark.parametrize("T,H,Hkv,N,D", [(7, 4, 2, 50, 64), (64, 9, 3, 200, 64), (256, 4, 1, 300, 32)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_alibi_softcap_window(row, rng, T, H, Hkv, N, D, dtype):
+    q, k, v = make(rng, T, H, Hkv, N, D, dtype)
+    q *= 3
+    slopes = (2.0 ** -np.arange(1, H + 1, dtype=np.float32)).astype(np.float32)
+    check(row, q, k, v, "alibi", alibi_slopes=slopes)
+    check(row, q, k, v, "alibi at other positions", alibi_slopes=slopes, query_position=1000,
+          key_positions=np.arange(1000 - N + T, 1000 + T, dtype=np.int64))
+    check(row, q, k, v, "softcap", softcap=2.0)
+    for W in (1, 5, 16, 100):
+        check(row, q, k, v, "window %d" % W, window=W, softcap=3.0, alibi_slopes=slopes)
+    check(row, q, k, v, "not causal", causal=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_ranges_and_alternate_query(row, rng, dtype):
+    """Shared key ranges (sinks + a recent span, the later first) cut at each row's causal end; a
+    range scored with q_alt and its own ALiBi position."""
+    T, H, Hkv, N, D = 20, 6, 2, 90, 64
+    q, k, v = make(rng, T, H, Hkv, N, D, dtype)
+    q_alt = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = rng.uniform(0, 0.3, H).astype(np.float32)
+    check(row, q, k, v, "ranges", ranges=[(40, 90), (0, 4)])
+    check(row, q, k, v, "ranges, q_alt", ranges=[(40, 90), (0, 4, True, 3)], q_alt=q_alt, alibi_slopes=slopes)
+    check(row, q, k, v, "ranges, window", ranges=[(0, 4), (60, 90)], window=12)
+
+
+@pytest.mark.emulated_slow
+def test_rows_equal_single_query_calls(row, rng):
+    """Row t of a multi-row call is the single-query call over keys 0..offset+t (same rounding
+    bound; fp32 K/V)."""
+    T, H, Hkv, N, D = 40, 8, 2, 77, 64
+    q, k, v = make(rng, T, H, Hkv, N, D, "float32")
+    many = row.attend(q, k, v)
+    for t in range(T):
+        one = row.attend(q[t], k, v, ranges=[(0, N - T + t + 1)])
+        b = attend_bound(q[t], k, v, ranges=[(0, N - T + t + 1)])
+        assert (np.abs(many[t] - one) <= 2 * b).all(), t
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_rows_same_bits_for_any_thread_count(isa, rng):
+    T, H, Hkv, N, D = 130, 9, 3, 700, 64
+    q, k, v = make(rng, T, H, Hkv, N, D, "float16")
+    before = ext._get_kernel_threads()
+    outs = []
+    try:
+        with use_isa(isa):
+            for n in (1, 2, 3, 7):
+                ext._set_kernel_threads(n)
+                outs.append(ops.attend(q, k, v, window=50))
+    finally:
+        ext._set_kernel_threads(before)
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(causal_offset=-1), "causal_offset must be in"),
+    (dict(causal_offset=9), "causal_offset must be in"),
+    (dict(causal_offset=True), "causal_offset must be an integer"),
+    (dict(window=0), "window must be"),
+    (dict(window=3, causal=False), "window needs a causal pass"),
+    (dict(causal_offset=0, causal=False), "causal_offset applies"),
+    (dict(ranges=[(7, 10)], causal_offset=0), "query row 0 sees no key"),
+    (dict(ranges=[(0, 2)], window=2), "sees no key"),
+])
+def test_rows_bad_input(rng, kw, msg):
+    q, k, v = make(rng, 4, 2, 1, 10, 8, "float32")
+    with pytest.raises((KVSimdValueError, TypeError)) as e:
+        ops.attend(q, k, v, **kw)
+    assert msg in str(e.value)
+
+
+def test_rows_shapes_refused(rng):
+    q, k, v = make(rng, 4, 2, 1, 10, 8, "float32")
+    with pytest.raises(KVSimdValueError, match="causal_offset and window apply"):
+        ops.attend(q[0], k, v, causal_offset=3)
+    with pytest.raises(KVSimdValueError, match="2-D"):
+        ops.attend(q[None], k, v)
+    with pytest.raises(KVSimdValueError, match="out must have shape"):
+        ops.attend(q, k, v, out=np.empty((3, 2, 8), np.float32))
+    with pytest.raises(KVSimdValueError, match="q_alt must have shape"):
+        ops.attend(q, k, v, ranges=[(0, 10, True)], q_alt=q[:2])
