@@ -40,9 +40,10 @@ def compiler_accepts(isa):
 # KVSIMD_SANITIZE=1: AddressSanitizer + UBSan in the kernel libraries and the extension (CI's
 # sanitizer step; run Python with libasan/libubsan in LD_PRELOAD).  Never for a normal install.
 SANITIZE = os.environ.get("KVSIMD_SANITIZE") == "1"
-# -O1 (after the -O2 of the other flags, so it wins): at -O2 the instrumented kernel rows took
-# 110-180 s each to compile, at -O1 about 25 s; the sanitizers' checks do not depend on the level
-SAN_CFLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"] if SANITIZE else []
+# -O1 -g0 (after Python's own -g -O2/-O3, so they win): with -O2, or with -g, the instrumented kernel
+# rows took 110-300+ s each to compile (gcc's variable tracking through the always-inline kernels), at
+# -O1 -g0 about 25 s; the sanitizers' checks do not depend on either (reports name functions, not lines)
+SAN_CFLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g0"] if SANITIZE else []
 SAN_LDFLAGS = ["-fsanitize=address,undefined"] if SANITIZE else []
 
 rows = []
