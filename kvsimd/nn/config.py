@@ -157,7 +157,7 @@ def check_config(cfg, what="config"):
         if getattr(cfg, name) not in allowed:
             raise KVSimdValueError("%s.%s must be one of %s, got %r"
                                    % (what, name, ", ".join(allowed), getattr(cfg, name)))
-    reals = (("norm_eps", 0.0), ("embed_scale", None), ("attn_softcap", 0.0), ("final_softcap", 0.0))
+    reals = (("norm_eps", 0.0), ("embed_scale", None), ("final_softcap", 0.0))
     if cfg.attn_scale is not None:
         reals += (("attn_scale", 0.0),)
     if cfg.position != "rope":        # with RoPE, theta follows the kernels' rule below
@@ -167,6 +167,10 @@ def check_config(cfg, what="config"):
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
                                    % (what, name, "" if lo is None else " and >= 0", v))
+    try:      # the kernel's rule for the score cap (ops.attend, the plans), named as the config's field
+        _kvsimd._need_softcap(cfg.attn_softcap)
+    except KVSimdError as e:
+        raise type(e)("%s.attn_%s" % (what, e)) from None
     if cfg.attn_scale is not None and cfg.attn_scale == 0:
         raise KVSimdValueError("%s.attn_scale must be > 0 (or None), got 0" % what)
     check_windows(cfg, what)
