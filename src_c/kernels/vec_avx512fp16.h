@@ -86,6 +86,8 @@ static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+/* lane-wise a < b ? x : y (false for NaN lanes) */
+static inline vf vf_select_lt(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
 static inline float vf_hmax(vf a)
 {
     __m256 x = _mm256_max_ps(_mm512_castps512_ps256(a), kv_hi256(a));

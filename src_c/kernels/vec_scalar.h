@@ -36,6 +36,8 @@ static inline vf vf_fnmadd(vf a, vf b, vf c) { return c - a * b; }
 /* x86 maxps/minps semantics: the second operand is returned when either is NaN. */
 static inline vf vf_max(vf a, vf b) { return a > b ? a : b; }
 static inline vf vf_min(vf a, vf b) { return a < b ? a : b; }
+/* a < b ? x : y (false for NaN) */
+static inline vf vf_select_lt(vf a, vf b, vf x, vf y) { return a < b ? x : y; }
 static inline float vf_hmax(vf a) { return a; }
 static inline float vf_hsum(vf a) { return a; }
 static inline float vf_first(vf a) { return a; }
