@@ -382,7 +382,8 @@ def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
     """decode --model PATH: load, prefill and decode rows of kvsimd and both peers (llama.cpp
     when llama-cpp-python is importable, else its "not installed" row), paired ratios inside
     their intervals, the schema and the README section."""
-    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--threads", "2")
+    doc, p = run_bench(tmp_path, "decode", "--model", tiny_gguf, "--threads", "1", "--threads", "2",
+                       "--prefill-tokens", "48", "--prefill-tokens", "16")
     schema.validate(doc)
     rows = doc["results"]["decode"]
     impls = {"kvsimd", "transformers"} | ({"llama.cpp"} if HAVE_LLAMA_CPP else set())
@@ -398,10 +399,18 @@ def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
             _check_ratio(r)
             assert 0 <= r["same_tokens"] <= r["greedy_tokens"] == 2 + 12      # warm-up steps and timed ones
     pre = [r for r in rows if r.get("op") == "prefill"]
-    assert {(r["impl"], r["threads"], r["tokens"]) for r in pre} == {(i, t, 64) for i in impls for t in (1, 2)}
+    assert {(r["impl"], r["threads"], r["tokens"]) for r in pre} == {
+        (i, t, n) for i in impls for t in (1, 2) for n in (16, 48)}
     for r in pre:
         if r["impl"] != "kvsimd":
             _check_ratio(r)
+    # the scaling table: each rate over the same implementation's rate at the shortest prompt
+    rate = {(r["impl"], r["threads"], r["tokens"]): r["tok_per_s"] for r in pre}
+    scaling = report.prefill_scaling_md(pre)
+    assert "over the same implementation's rate at 16 tokens" in scaling
+    for impl, t in {(i, t) for i, t, _ in rate}:
+        want = "| tiny-random | %s | %d | 1.00 | %.2f |" % (impl, t, rate[(impl, t, 48)] / rate[(impl, t, 16)])
+        assert want in scaling, (want, scaling)
     assert {(r["impl"], r["start"], r["tokens"]) for r in rows if r.get("op") == "fill"} == {(i, 1, 63) for i in impls}
     loads = {r["impl"]: r for r in rows if r.get("op") == "load"}
     assert set(loads) == impls

@@ -10,7 +10,8 @@ from the source checkout), after the JSON.
 
 decode --model smollm2|llama3-8b|PATH: GGUF files as stored, kvsimd beside llama.cpp
 (llama-cpp-python, "not installed" without it: pip install -e ".[peers]") and transformers, each
-in its own process: load time and RSS, prefill of a 512-token prompt, decode at context depths
+in its own process: load time and RSS, prefill of prompts of 128, 512, 4096 and 8192 tokens
+(--prefill-tokens), decode at context depths
 (--depth), 1 and 2 threads; ratios paired round by round, medians with 95% intervals.
 
 quality (and decode of a GGUF model) read a text: --text PATH, else $KVSIMD_BENCH_TEXT, else
@@ -129,7 +130,7 @@ def run_decode(args, roof):
             depths = [0, 64]
         prefill = args.prefill_tokens
         if prefill is None:
-            prefill = 64 if args.quick else 512 if args.model == "smollm2" else 0
+            prefill = [64] if args.quick else [128, 512, 4096, 8192] if args.model == "smollm2" else []
         return decode.bench_gguf(models, depths, threads, steps=args.steps or (4 if args.quick else 8),
                                  rounds=args.repeat or (3 if args.quick else 8), progress=_show_gguf,
                                  text_path=args.text, prefill_tokens=prefill,
@@ -246,9 +247,10 @@ def main(argv=None):
                          "4096 otherwise)")
     ap.add_argument("--steps", type=int, help="decode of a GGUF model: greedy steps per round (default 8; "
                     "--repeat rounds, default 8)")
-    ap.add_argument("--prefill-tokens", type=int, metavar="N",
-                    help="decode of a GGUF model: the prompt of the prefill measurement (default 512 for smollm2, "
-                         "0 = none for other models: their context fills are reported as prefill figures)")
+    ap.add_argument("--prefill-tokens", type=int, metavar="N", action="append",
+                    help="decode of a GGUF model: a prompt length of the prefill measurement, repeatable (default "
+                         "128, 512, 4096 and 8192 for smollm2, none for other models: their context fills are "
+                         "reported as prefill figures; 0 = none)")
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
                     help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
                          "of the same length (llama.cpp and transformers always prefill)")
@@ -279,7 +281,7 @@ def main(argv=None):
             ap.error("--model %s: no such file (give shapes, smollm2, llama3-8b or the path of a GGUF file)"
                      % args.model)
     if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1) or \
-            (args.prefill_tokens or 0) < 0:
+            min(args.prefill_tokens or [0]) < 0:
         ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")

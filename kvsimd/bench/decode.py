@@ -360,9 +360,15 @@ def _rotated(names, i):
     return names[i % len(names):] + names[:i % len(names)]
 
 
-def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=None, prefill_tokens=512,
+def _prefill_repeats(n, repeat):
+    """Timed repeats of an ``n``-token prompt: ``repeat`` up to 1024 tokens, at most 3 beyond (an
+    8192-token prefill takes tens of seconds per implementation and thread count)."""
+    return repeat if n <= 1024 else min(repeat, 3)
+
+
+def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=None, prefill_tokens=(512,),
                prefill_repeat=5, load_repeat=3, peers=GGUF_PEERS, fill="prefill", flash_attn=False, warmup=2):
-    """Load time and RSS, prefill of a ``prefill_tokens`` prompt, and decode at each context depth,
+    """Load time and RSS, prefill of prompts of each length in ``prefill_tokens``, and decode at each context depth,
     of kvsimd and its peers on each GGUF file of ``models`` (a list of (label, path)), every
     implementation in its own process (:mod:`kvsimd.bench.peers`).
 
@@ -373,8 +379,9 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
     order rotated each round), and before each thread count every implementation is put back to the
     filled context, so all of them time the same positions.  Depths go in increasing order, each
     context prefilling only the tokens it adds to the one before; these prefills (with the largest
-    thread count) are reported too ("fill" rows: ``tokens`` after ``start`` cached ones).  ``prefill_tokens=0``
-    skips the separate prefill of one prompt.  Peers' rows carry ``speedup``: the
+    thread count) are reported too ("fill" rows: ``tokens`` after ``start`` cached ones).  Prefill rows: one
+    prompt of the text's first ``n`` tokens on an empty state, for each ``n`` in ``prefill_tokens`` (empty:
+    none), the implementations taking turns within each repeat.  Peers' rows carry ``speedup``: the
     median over rounds of their step time over kvsimd's, with a 95% bootstrap interval, and
     ``same_tokens``: for how many of the ``greedy_tokens`` steps they chose kvsimd's tokens."""
     rows = []
@@ -383,11 +390,12 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
         rows.append(row)
         if progress:
             progress(row)
-    n_ctx = max(max(depths) + warmup + rounds * steps + 16, prefill_tokens + 16)
+    prefill_tokens = sorted({int(n) for n in prefill_tokens if n})
+    n_ctx = max(max(depths) + warmup + rounds * steps + 16, max(prefill_tokens, default=0) + 16)
     for label, path in models:
         weights, n_params, size = gguf_summary(path)
         base = {"model": label, "weights": weights, "file": os.path.basename(path)}
-        ids = prompt_ids(path, max(max(depths) + 2, prefill_tokens), text_path)
+        ids = prompt_ids(path, max(max(depths) + 2, max(prefill_tokens, default=0)), text_path)
         warm_page_cache(path)
         status = available_peers(path, n_params, peers)
         for impl, why in status.items():
@@ -426,14 +434,15 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
             infos = {impl: {k: v for k, v in w.load.items() if k in ("isa", "cache", "version", "flash_attn",
                                                                      "fill", "dtype")}
                      for impl, w in workers.items()}
-            # prefill of one prompt, each repeat on an empty state
-            prompt = ids[:prefill_tokens]
-            for nt in threads if prefill_tokens else ():
+            # prefill of one prompt of each length, each repeat on an empty state
+            for n, nt in ((n, nt) for n in prefill_tokens for nt in threads):
+                prompt = ids[:n]
                 for w in workers.values():
                     w.call("threads", n=nt)
                 times = {impl: [] for impl in workers}
-                warm = 1 if prefill_repeat >= 3 else 0        # a round that warms up, untimed
-                for i in range(warm + prefill_repeat):
+                repeat = _prefill_repeats(n, prefill_repeat)
+                warm = 1 if repeat >= 3 and n <= 1024 else 0      # a round that warms up, untimed
+                for i in range(warm + repeat):
                     for impl in _rotated(list(workers), i):
                         t = workers[impl].call("prefill", tokens=prompt)["seconds"]
                         if i >= warm:
@@ -442,7 +451,7 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                 for impl, t in times.items():
                     rate, ci = _ci_rate([x / len(prompt) for x in t])
                     out.append(dict(base, op="prefill", impl=impl, tokens=len(prompt), threads=nt, tok_per_s=rate,
-                                    tok_per_s_ci95=ci, repeat=prefill_repeat, **infos[impl]))
+                                    tok_per_s_ci95=ci, repeat=repeat, **infos[impl]))
                 for r in _peer_ratios(out, times):
                     emit(r)
             # decode at each depth

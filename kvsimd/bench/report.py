@@ -228,6 +228,9 @@ def gguf_md(rows):
     if pre:
         out.append("Prefill of one prompt (each repeat on an empty cache):")
         out.append(_speed_table(pre, ["tokens"], ["prompt tokens"]))
+        scaling = prefill_scaling_md(pre)
+        if scaling:
+            out.append(scaling)
     if fills:
         out.append("Prefill of the decode contexts, each extending the one before (chunks of 512 tokens; one run "
                    "each, so no interval):")
@@ -242,6 +245,26 @@ def gguf_md(rows):
         out.append(_table(["model", "implementation", "file MiB", "load", "RSS after load MiB",
                            "RSS added by the load MiB", "RSS anonymous / file-backed MiB"], body))
     return "\n\n".join(out)
+
+
+def prefill_scaling_md(pre):
+    """Each implementation's prefill rate at every prompt length over its rate at 512 tokens (else
+    its shortest prompt), same model and thread count: how far from linear a long prompt is."""
+    lengths = sorted({r["tokens"] for r in pre})
+    if len(lengths) < 2:
+        return ""
+    ref = 512 if 512 in lengths else lengths[0]
+    rate = {(r["model"], r["impl"], r["threads"], r["tokens"]): r["tok_per_s"] for r in pre}
+    body = []
+    for model, impl, threads in sorted({k[:3] for k in rate}, key=lambda k: (k[0], k[2], k[1] != "kvsimd", k[1])):
+        base = rate.get((model, impl, threads, ref))
+        if not base:
+            continue
+        body.append([model, impl, threads] + [_f(rate[(model, impl, threads, n)] / base, 2)
+                                              if (model, impl, threads, n) in rate else "-" for n in lengths])
+    return ("Prefill rate at each prompt length over the same implementation's rate at %d tokens (attention makes "
+            "a long prompt cost more per token; 1 would be linear):\n\n" % ref
+            + _table(["model", "implementation", "threads"] + ["%d tokens" % n for n in lengths], body))
 
 
 def contention_md(rows):
