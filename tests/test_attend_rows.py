@@ -136,3 +136,20 @@ def test_rows_shapes_refused(rng):
         ops.attend(q, k, v, out=np.empty((3, 2, 8), np.float32))
     with pytest.raises(KVSimdValueError, match="q_alt must have shape"):
         ops.attend(q, k, v, ranges=[(0, 10, True)], q_alt=q[:2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_both_tile_paths_in_one_call(row, rng, dtype):
+    """attn.inc.h computes a tile of >= 32 query vectors with the queries on the lanes and a
+    smaller one with one vector per query: 70 MHA rows are a tile of 64 (lanes, 4 vectors of 16
+    lanes or 8 of 8) and one of 6.  Both within the bound, with a window that leaves some lanes
+    of a chunk without any key (their state must stay untouched), ALiBi and the soft cap."""
+    T, H, Hkv, N, D = 70, 2, 2, 1500, 24
+    q, k, v = make(rng, T, H, Hkv, N, D, dtype)
+    q *= 2
+    slopes = np.array([0.5, 0.01], np.float32)
+    check(row, q, k, v, "two tiles")
+    check(row, q, k, v, "two tiles, window 3", window=3, alibi_slopes=slopes, softcap=4.0)
+    # keys come in chunks of 1024: rows 0..22 see keys of the first chunk only, row 63 (the
+    # lanes tile's last) none of it
+    check(row, q, k, v, "two tiles, window 40 across a chunk end", causal_offset=1000, window=40)
