@@ -172,7 +172,10 @@ def test_softcapped_attention_in_the_emulator(guest, rng, H, Hkv, N, D, dtype):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("T,H,Hkv,N,D", [(2, 4, 2, 2, 64), (7, 9, 3, 40, 64), (20, 4, 4, 37, 17)])
+# tiles of < 32 query vectors (one vector per query) and of >= 32 (queries on the lanes: 12 rows x
+# 3 heads, 40 rows x 1 head with a head-dim tail)
+@pytest.mark.parametrize("T,H,Hkv,N,D", [(2, 4, 2, 2, 64), (7, 9, 3, 40, 64), (20, 4, 4, 37, 17),
+                                         (12, 9, 3, 30, 64), (40, 2, 2, 50, 17)])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_multi_row_attention_in_the_emulator(guest, rng, T, H, Hkv, N, D, dtype):
     """Several query rows (kv_attn_params.T, strides, causal_end, window) with ALiBi, a soft cap
