@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvsimd import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
+import kvsimd.nn.generate as generate_module
 from kvsimd.nn.generate import _draft
 from kvsimd.observe import Observer, observe
 
@@ -106,7 +107,30 @@ def test_streaming_policies_fall_back_to_steps_when_the_window_is_full(policy):
     with observe(d, Drafts()) as o:
         got = list(d.generate(prompt, lookup=5, **kw))
     assert got == plain
-    assert o.accepted > 0
+    assert o.passes > 0     # multi-row passes before the window filled (drafts kept or not)
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_back_off_after_passes_that_keep_nothing(monkeypatch, right):
+    """Drafts that always fail (the greedy token + 1): after each such pass the next 1, 2, 4, 8,
+    16, 16, .. tokens are plain steps, so 60 tokens take 7 passes, not 59; drafts that are always
+    right (plain greedy's own continuation) never pause.  The tokens are plain greedy's either way."""
+    d = random_decoder(n_layers=2, seed=5)
+    prompt = [3, 1, 4, 1, 5]
+    plain = list(d.generate(prompt, max_new_tokens=60, cache_dtype="float32"))
+
+    def draft(history, n, longest=3):
+        i = len(history) - len(prompt)            # tokens generated so far
+        good = plain[i:i + n]
+        return good if right else [(good[0] + 1) % d.cfg.vocab_size] * len(good)
+    monkeypatch.setattr(generate_module, "_draft", draft)
+    with observe(d, Drafts()) as o:
+        got = list(d.generate(prompt, max_new_tokens=60, cache_dtype="float32", lookup=4))
+    assert got == plain
+    if right:
+        assert o.accepted == o.proposed and o.passes == 12     # 1 + 4 drafts a pass; the last ones fewer
+    else:
+        assert o.accepted == 0 and o.passes == 7
 
 
 def test_fixed_cache_full_is_the_same_error_after_the_same_tokens(rng):

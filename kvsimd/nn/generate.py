@@ -17,6 +17,7 @@ __all__ = ["sample"]
 
 MAX_LOOKUP = 256        # drafted tokens per prompt-lookup pass, at most
 LOOKUP_NGRAM = 3        # longest suffix prompt lookup matches
+LOOKUP_BACKOFF = 16     # most tokens decoded one at a time after passes whose drafts all failed
 
 
 def _short(x, n=80):
@@ -243,7 +244,11 @@ def _lookup_stream(model, prompt, cache, max_new_tokens, n, stop):
     the last kept draft gives the next token.  The pass and the truncate are one transaction.
     A pass needs a ring that has not wrapped and room for its rows: once a streaming window is
     full (or has wrapped) and under "fixed" at the end of the cache, tokens go one step at a
-    time, as without lookup.  Drafts beyond what ``max_new_tokens`` can still yield are not made."""
+    time, as without lookup.  Drafts beyond what ``max_new_tokens`` can still yield are not made.
+    A pass that keeps no draft costs more than a step and gains nothing: after one, the next
+    ``pause`` tokens are plain steps, ``pause`` doubling with each such pass in a row (1, 2, 4, ..
+    LOOKUP_BACKOFF) and back to 0 once a draft is kept, so text that does not repeat decodes at
+    about the speed of plain steps."""
     if max_new_tokens == 0:
         return
     greedy = (0.0, 0, 1.0)
@@ -251,6 +256,7 @@ def _lookup_stream(model, prompt, cache, max_new_tokens, n, stop):
     cur = _sample(model._prefill_logits(prompt, cache, 0, None), None, *greedy, what="logits at new token 0")
     i = 0                                   # tokens yielded
     nk, C = cache.n_keep, cache.capacity
+    pause = wait = 0                        # back-off after passes that kept nothing (see above)
     while True:
         if cur in stop:
             return
@@ -261,7 +267,10 @@ def _lookup_stream(model, prompt, cache, max_new_tokens, n, stop):
             return
         L = cache.length(0)
         room = min(n, max_new_tokens - i - 1, C - L - 1)
-        if room > 0 and cache.head[0] == nk and cache.seen[0] == L:
+        if wait:
+            wait -= 1
+            drafts = []
+        elif room > 0 and cache.head[0] == nk and cache.seen[0] == L:
             drafts = _draft(history, room)
         else:
             drafts = []
@@ -281,6 +290,8 @@ def _lookup_stream(model, prompt, cache, max_new_tokens, n, stop):
                 best = _sample(rows[a], None, *greedy, what="logits at new token %d" % (i + a))
             cache.truncate(0, d - a)
         notify(model, "drafts", d, a)
+        pause = 0 if a else min(max(1, 2 * pause), LOOKUP_BACKOFF)
+        wait = pause
         for t in drafts[:a]:                # a <= max_new_tokens - i - 1: all of them may be yielded
             if t in stop:
                 return
