@@ -258,10 +258,12 @@ def prefill_scaling_md(pre):
     body = []
     for model, impl, threads in sorted({k[:3] for k in rate}, key=lambda k: (k[0], k[2], k[1] != "kvsimd", k[1])):
         base = rate.get((model, impl, threads, ref))
-        if not base:
+        if not base or sum((model, impl, threads, n) in rate for n in lengths) < 2:
             continue
         body.append([model, impl, threads] + [_f(rate[(model, impl, threads, n)] / base, 2)
                                               if (model, impl, threads, n) in rate else "-" for n in lengths])
+    if not body:
+        return ""
     return ("Prefill rate at each prompt length over the same implementation's rate at %d tokens (attention makes "
             "a long prompt cost more per token; 1 would be linear):\n\n" % ref
             + _table(["model", "implementation", "threads"] + ["%d tokens" % n for n in lengths], body))
