@@ -184,6 +184,22 @@ cdef class _KVStore:
             raise KVSimdValueError("length must be in 0..%d, got %d" % (self.capacity, n))
         return n
 
+    def _layer_view(self, layer, which):
+        """Read-only zero-copy view ``[batch, n_kv_heads, capacity, head_dim]`` of the keys
+        (``which`` 0) or values (1) of every sequence of one layer: they are one C block (see the
+        class docstring).  For integrations that hand the storage to another array library."""
+        cdef cnp.npy_intp dims[4]
+        l = self._layer(layer)
+        w = _need_int(which, "which")
+        if w not in (0, 1):
+            raise KVSimdValueError("which must be 0 (keys) or 1 (values), got %d" % w)
+        dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, self.head_dim
+        arr = cnp.PyArray_SimpleNewFromData(4, dims, cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_FLOAT32,
+                                            kv_cache_block(&self.c, l, w, 0))
+        cnp.set_array_base(arr, self)
+        arr.flags.writeable = False
+        return arr
+
     def keys(self, layer, seq=0, length=None):
         """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the keys (default: the
         committed ones; a larger ``length`` also shows slots written but not yet committed)."""
@@ -501,10 +517,45 @@ cdef class KVCache(_KVStore):
             if p.owner is not self or p.kind != 1:
                 raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
             self._need_current(p, "end_prefill")
-            s, T = p.seq, p.R
-            self.commit(T, seq=s)
-            self._seen[s] += T
-            self._tokens[s].extend(p.tokens.tolist())
+            self._took(p.seq, p.R, p.tokens.tolist())
+
+    cdef int _took(self, int64_t s, int64_t T, list ids) except -1:
+        """Commit T prefilled tokens of sequence s (their slots and positions already set)."""
+        self.commit(T, seq=s)
+        self._seen[s] += T
+        self._tokens[s].extend(ids)
+        return 0
+
+    def append(self, seq, n, tokens=None):
+        """Commit the ``n`` tokens of sequence ``seq`` whose K/V were stored with :meth:`write` right
+        after its committed ones, with the bookkeeping a prefill of them gets (positions, ``seen``,
+        token ids: ``tokens`` int64 ``[n]``, default -1, unknown): the low-level form of
+        begin_prefill / end_prefill for callers that run attention themselves (the transformers
+        integration).  Like begin_prefill, only before the sequence's ring has wrapped; under
+        "reevaluate" ``tokens`` are required (a discard prefills them again)."""
+        cdef int64_t s, k, start
+        with self._claim():
+            s = self._seq(seq)
+            k = _need_int(n, "n")
+            start = self._lengths[s]
+            if self._head[s] != self.n_keep or self._seen[s] != start:
+                raise KVSimdValueError("sequence %d has wrapped its ring buffer: append works before that; feed "
+                                       "further tokens with begin_step" % s)
+            if k < 1 or start + k > self.capacity:
+                raise KVSimdCapacityError("cannot append %d tokens after %d cached: n must be in 1..%d (capacity %d, "
+                                          "sequence %d)" % (k, start, self.capacity - start, self.capacity, s))
+            if tokens is None:
+                if self._policy == _P_REEVALUATE:
+                    raise KVSimdValueError("policy 'reevaluate' prefills the kept token ids again after a discard: "
+                                           "append needs tokens")
+                ids = [-1] * k
+            else:
+                _need_array(tokens, "tokens", (_I64,), 1, "[n]", shape=(k,))
+                ids = tokens.tolist()
+            if self._tx is not None:
+                self._tx.save_row(s)
+            self._pos[s, start:start + k] = _np.arange(start, start + k)
+            self._took(s, k, ids)
 
     # ------------------------------------------------------------------ decode step
     def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,

@@ -40,6 +40,20 @@ cdef class _Plan:
     cdef int64_t band_end               #   row r reads keys < band_end + r (0: all of them)
 
 
+    def row(self, r):
+        """Row ``r`` as ``(sequence, slot, key position, sink-query position, ranges)``, ranges the
+        ``(use_sink_query, t0, t1, query_position)`` key ranges it reads under one softmax: what the
+        compiled layers read, for callers that attend with ops.attend over the cache's storage
+        (the transformers integration)."""
+        cdef int64_t i = _need_int(r, "r")
+        if not 0 <= i < self.R:
+            raise KVSimdValueError("r must be in 0..%d, got %d" % (self.R - 1, i))
+        if self.rng is None:
+            raise KVSimdValueError("this plan has no key ranges (a refill plan: prefill its tokens first)")
+        ranges = tuple(tuple(int(x) for x in self.rng[i, j]) for j in range(int(self.nr[i])))
+        return int(self.seqs[i]), int(self.slots[i]), int(self.kpos[i]), int(self.spos[i]), ranges
+
+
 cdef _Plan _need_plan(plan):
     """``plan`` must be a plan a cache made (begin_step, begin_prefill, step_plan)."""
     if not isinstance(plan, _Plan):

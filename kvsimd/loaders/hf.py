@@ -92,6 +92,20 @@ def _rotary_dim(Dh, frac):
     return rd
 
 
+def rope_spec(cfg, head_dim):
+    """The RopeSpec of a transformers config (NeoX pairing, scaled frequencies and attention
+    factor): what the transformers integration needs to turn a query transformers rotated."""
+    from types import SimpleNamespace
+
+    from kvsimd.cache import RopeSpec
+    from kvsimd.nn.config import rope_frequencies
+    theta, frac, scaling = _rope_params(cfg)
+    rd = _rotary_dim(head_dim, frac)
+    inv, att = rope_frequencies(SimpleNamespace(position="rope", rope_scaling=scaling, rotary_dim=rd,
+                                                rope_theta=theta))
+    return RopeSpec(theta, "neox", rd, head_dim, inv, att)
+
+
 def _split_fused_heads(w, b, H, Dh):
     """GPT-NeoX/BLOOM fused qkv: output rows ordered [head][q|k|v][Dh] -> q, k, v (transposed)."""
     d_in = w.shape[1]

@@ -1,0 +1,250 @@
+"""kvsimd inside transformers (kvsimd.integrations.transformers): the attention backend and the
+caches against transformers' own attention (SDPA) and DynamicCache on tiny random Llama, Qwen2 and
+Mistral models and on the real SmolLM2 loaded by transformers from its GGUF; the sink cache against
+kvsimd's own Decoder under the same policy, and its memory over 100,000 tokens.
+
+Bounds: logits relative to the largest |logit| of the same step, kvsimd.testing.REFERENCE_BOUNDS
+by cache dtype (float32 storage: rounding only; float16: K/V rounded once)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+T = pytest.importorskip("transformers")
+kt = pytest.importorskip("kvsimd.integrations.transformers")
+
+from kvsimd import Decoder, KVSimdCapacityError, KVSimdError, KVSimdValueError  # noqa: E402
+from kvsimd.testing import REFERENCE_BOUNDS  # noqa: E402
+
+T.logging.set_verbosity_error()
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=4096)
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(num_key_value_heads=2)),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(num_key_value_heads=1)),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral-window": (T.MistralConfig, T.MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=7)),
+}
+
+
+def tiny(family, seed=0, attn="sdpa"):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    m = model_cls(cfg_cls(**SMALL, **extra, attn_implementation=attn)).eval()
+    with torch.no_grad():         # larger weights than the default init: peaked, decisive logits
+        for p in m.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)
+    return m
+
+
+def run(m, ids, attn, cache=None, **kw):
+    """(tokens, per-step logits [steps, B, vocab]) of a generate call under ``attn``."""
+    m.set_attn_implementation(attn)
+    torch.manual_seed(123)
+    kw.setdefault("do_sample", False)
+    out = m.generate(ids, max_new_tokens=kw.pop("n", 24), past_key_values=cache, output_logits=True,
+                     return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.logits).numpy()
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def prompt(seed, B=1, n=11):
+    return torch.randint(1, 97, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_dynamic_cache(family):
+    m = tiny(family)
+    ids = prompt(1)
+    ref_tok, ref_log = run(m, ids, "sdpa")
+    for dtype in ("float32", "float16"):
+        tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype))
+        assert torch.equal(tok, ref_tok), (family, dtype)
+        assert rel(log, ref_log) <= REFERENCE_BOUNDS[dtype], (family, dtype, rel(log, ref_log))
+    # the backend over transformers' own DynamicCache (tensors handed in, no kvsimd cache)
+    tok, log = run(m, ids, kt.NAME)
+    assert torch.equal(tok, ref_tok) and rel(log, ref_log) <= REFERENCE_BOUNDS["float32"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_padded_batch_and_sampling(family):
+    m = tiny(family, seed=3)
+    ids = prompt(2, B=3, n=12)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0                      # left padding of different lengths
+    mask[2, :9] = 0
+    ids = ids * mask
+    ref_tok, ref_log = run(m, ids, "sdpa", attention_mask=mask)
+    tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="float32"), attention_mask=mask)
+    assert torch.equal(tok, ref_tok)
+    assert rel(log, ref_log) <= REFERENCE_BOUNDS["float32"]
+    ref_tok, _ = run(m, ids, "sdpa", attention_mask=mask, do_sample=True, top_k=20, temperature=0.9)
+    tok, _ = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="float32"), attention_mask=mask, do_sample=True,
+                 top_k=20, temperature=0.9)
+    assert torch.equal(tok, ref_tok)
+
+
+def test_prefill_logits_and_growth():
+    """A 300-token prompt: multi-row attention in one call per sequence, and the cache grows past
+    its first capacity (256) by doubling, keeping its contents."""
+    m = tiny("llama", seed=5)
+    ids = prompt(4, n=300)
+    m.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = m(ids).logits.numpy()
+    m.set_attn_implementation(kt.NAME)
+    with torch.no_grad():
+        got = m(ids).logits.numpy()
+    assert rel(got, ref) <= REFERENCE_BOUNDS["float32"]
+    cache = kt.KVSimdCache(m, dtype="float32", capacity=16)
+    tok, log = run(m, ids[:, :10], kt.NAME, cache, n=40)
+    ref_tok, ref_log = run(m, ids[:, :10], "sdpa", n=40)
+    assert torch.equal(tok, ref_tok) and rel(log, ref_log) <= REFERENCE_BOUNDS["float32"]
+    assert cache.kv.capacity >= 49 and cache.get_seq_length() == 49
+
+
+def test_prompt_lookup_crops_the_cache():
+    """transformers' prompt-lookup decoding verifies drafts in multi-token passes and crops the
+    rejected ones: the same tokens as plain greedy decoding."""
+    m = tiny("llama", seed=6)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    ref_tok, _ = run(m, ids, "sdpa", n=30)
+    m.set_attn_implementation(kt.NAME)
+    cache = kt.KVSimdCache(m, dtype="float32")
+    tok = m.generate(ids, max_new_tokens=30, do_sample=False, past_key_values=cache, prompt_lookup_num_tokens=4,
+                     pad_token_id=0)
+    assert torch.equal(tok, ref_tok)
+    assert cache.get_seq_length() == tok.shape[1] - 1
+
+
+def test_sink_cache_equals_kvsimd_decoder_sink_query():
+    """Past its window the sink cache gives the tokens kvsimd's own Decoder gives with the same
+    weights under policy sink_query (prefill, then one token per step, the window sliding)."""
+    m = tiny("llama", seed=7)
+    dec = Decoder.from_transformers(m)
+    ids = prompt(8, n=12)
+    m.set_attn_implementation(kt.NAME)
+    for dtype in ("float32", "float16"):
+        cache = kt.KVSimdSinkCache(m, window=20, n_keep=4, dtype=dtype)
+        got = m.generate(ids, max_new_tokens=90, do_sample=False, past_key_values=cache, pad_token_id=0)
+        mine = list(dec.generate(ids[0].tolist(), max_new_tokens=90, capacity=24, n_keep=4, policy="sink_query",
+                                 cache_dtype=dtype))
+        assert got[0, 12:].tolist() == mine, dtype
+        assert cache.kv.length(0) == 24 and cache.get_seq_length() == 12 + 89
+
+
+def test_sink_cache_rotates_the_sink_query(monkeypatch):
+    """The test above can fail: without the sink query's rotation (sinks read at the query's true
+    distance) the tokens differ from the Decoder's."""
+    m = tiny("llama", seed=7)
+    dec = Decoder.from_transformers(m)
+    ids = prompt(8, n=12)
+    m.set_attn_implementation(kt.NAME)
+    monkeypatch.setattr(kt.ops, "shift_keys", lambda *a, **k: None)
+    got = m.generate(ids, max_new_tokens=90, do_sample=False, past_key_values=kt.KVSimdSinkCache(m, 20, 4, "float32"),
+                     pad_token_id=0)
+    mine = list(dec.generate(ids[0].tolist(), max_new_tokens=90, capacity=24, n_keep=4, policy="sink_query",
+                             cache_dtype="float32"))
+    assert got[0, 12:].tolist() != mine
+
+
+def test_sink_cache_bounded_over_100k_tokens():
+    """100,000 decode steps through the cache API (update + attention, as a layer calls them):
+    the storage never grows and the process's memory stays flat (resident set, which a leak of
+    a few bytes per step would move by megabytes)."""
+    m = tiny("llama", seed=9)
+    m.config.num_hidden_layers = 1
+    m.set_attn_implementation(kt.NAME)
+    cache = kt.KVSimdSinkCache(m, window=60, n_keep=4)
+    mod = m.model.layers[0].self_attn
+    rng = np.random.default_rng(0)
+    kv = torch.from_numpy(rng.standard_normal((1, 2, 1, 16), dtype=np.float32))
+    q = torch.from_numpy(rng.standard_normal((1, 4, 1, 16), dtype=np.float32))
+    kf, vf = cache.update(torch.ones(1, 2, 8, 16), torch.ones(1, 2, 8, 16), 0)
+    kt.attention(mod, torch.ones(1, 4, 8, 16), kf, vf, None)
+    nbytes = cache.nbytes
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    for step in range(100_000):
+        if step == 2000:
+            base = rss()
+        k, v = cache.update(kv, kv, 0)
+        out, _ = kt.attention(mod, q, k, v, None)
+    grown = rss() - base
+    assert cache.get_seq_length() == 100_008 and cache.kv.length(0) == 64 and cache.nbytes == nbytes
+    assert grown < 4 * 2 ** 20, grown
+    assert np.isfinite(out.numpy()).all()
+
+
+def test_refusals():
+    m = tiny("llama")
+    ids = prompt(1)
+    m.set_attn_implementation("sdpa")
+    with pytest.raises(KVSimdValueError, match="attn_implementation='kvsimd'"):
+        m.generate(ids, max_new_tokens=2, past_key_values=kt.KVSimdCache(m))
+    m.set_attn_implementation(kt.NAME)
+    with pytest.raises(KVSimdValueError, match="beam search"):
+        m.generate(ids, max_new_tokens=3, num_beams=2, past_key_values=kt.KVSimdCache(m), pad_token_id=0)
+    with pytest.raises(KVSimdCapacityError, match="does not fit"):
+        m.generate(prompt(1, n=30), max_new_tokens=2, past_key_values=kt.KVSimdSinkCache(m, 20, 4))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(KVSimdValueError, match="unpadded"):
+        m.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=kt.KVSimdSinkCache(m, 20, 4))
+    with pytest.raises(KVSimdValueError, match="sliding-window"):
+        kt.KVSimdSinkCache(tiny("mistral-window"), 20, 4)
+    with pytest.raises(KVSimdValueError, match="dropout"):
+        kt.attention(m.model.layers[0].self_attn, torch.ones(1, 4, 1, 16), torch.ones(1, 2, 1, 16),
+                     torch.ones(1, 2, 1, 16), None, dropout=0.1)
+    with pytest.raises(KVSimdValueError, match="4-D"):
+        kt.attention(m.model.layers[0].self_attn, torch.ones(1, 4, 1, 16), torch.ones(1, 2, 1, 16),
+                     torch.ones(1, 2, 1, 16), torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(KVSimdError):
+        kt.KVSimdCache(m, dtype="int3")
+
+
+def test_a_failed_pass_leaves_the_sink_cache_as_it_was():
+    m = tiny("llama", seed=2)
+    m.set_attn_implementation(kt.NAME)
+    cache = kt.KVSimdSinkCache(m, window=8, n_keep=2, dtype="float32")
+    m.generate(prompt(3, n=6), max_new_tokens=20, do_sample=False, past_key_values=cache, pad_token_id=0)
+    before = (cache.kv.tokens, cache.kv.head.copy(), cache.kv.seen.copy(), cache.kv.keys(0, 0, 10).copy())
+    k = torch.ones(1, 2, 1, 16)
+    cache.update(k, k, 0)          # a pass that evicts a token, then fails before its last layer
+    cache._abort()
+    after = (cache.kv.tokens, cache.kv.head.copy(), cache.kv.seen.copy(), cache.kv.keys(0, 0, 10).copy())
+    assert before[0] == after[0] and (before[1] == after[1]).all() and (before[2] == after[2]).all()
+    assert np.array_equal(before[3], after[3])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import os
+
+    from kvsimd.loaders import registry as models
+    pytest.importorskip("gguf")
+    path = models.smollm2_path()
+    m = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=models.SMOLLM2_FILE,
+                                               dtype=torch.float32).eval()
+    tok = T.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=models.SMOLLM2_FILE)
+    return m, tok
+
+
+def test_smollm2_through_transformers_gguf(smollm2):
+    """The real model as transformers loads it: greedy tokens of kvsimd's backend and caches equal
+    transformers' own (SDPA, DynamicCache), logits within the bounds."""
+    m, tok = smollm2
+    ids = tok("The old king said to his daughters:", return_tensors="pt").input_ids
+    ref_tok, ref_log = run(m, ids, "sdpa", n=32)
+    for dtype in ("float32", "float16"):
+        got_tok, got_log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype), n=32)
+        assert torch.equal(got_tok, ref_tok), dtype
+        assert rel(got_log, ref_log) <= REFERENCE_BOUNDS[dtype], (dtype, rel(got_log, ref_log))
+    sink_tok, _ = run(m, ids, kt.NAME, kt.KVSimdSinkCache(m, window=256, n_keep=4), n=32)
+    assert torch.equal(sink_tok, ref_tok)          # inside the window the sink cache is the plain one
