@@ -1,4 +1,4 @@
-"""python -m kvsimd.bench [roofline|attention|rope|decode|complexity|streaming|quality] [options]
+"""python -m kvsimd.bench [roofline|attention|rope|decode|complexity|streaming|quality|hf] [options]
 
 decode --contention: decode speed with 1 thread, 2 threads and kvsimd's default thread counts
 beside a process spinning on one core (and without it), as paired ratios to 1 thread.
@@ -13,6 +13,11 @@ decode --model smollm2|llama3-8b|PATH: GGUF files as stored, kvsimd beside llama
 in its own process: load time and RSS, prefill of prompts of 128, 512, 4096 and 8192 tokens
 (--prefill-tokens), decode at context depths
 (--depth), 1 and 2 threads; ratios paired round by round, medians with 95% intervals.
+
+hf: transformers' own SmolLM2 (float32 weights) with kvsimd's attention and cache
+(kvsimd.integrations.transformers) beside stock eager and SDPA with DynamicCache, decode at context
+depths (--depth, default 128, 4096, 8192), 1 and 2 threads; then generate with KVSimdSinkCache for
+--sink-tokens new tokens (default 100,000; 0 = skip) and its tok/s at 10^3, 10^4 and 10^5.
 
 quality (and decode of a GGUF model) read a text: --text PATH, else $KVSIMD_BENCH_TEXT, else
 $KVSIMD_SHARED_DIR/data/hamlet_gut.txt (quality needs one; decode falls back to a built-in
@@ -29,7 +34,7 @@ from kvsimd.bench import cases, common, kernels
 from kvsimd.errors import KVSimdError
 from kvsimd.bench.schema import SCHEMA_VERSION
 
-SUBCOMMANDS = ("roofline", "attention", "rope", "decode", "complexity", "streaming", "quality")
+SUBCOMMANDS = ("roofline", "attention", "rope", "decode", "complexity", "streaming", "quality", "hf")
 OVERVIEW = ("roofline", "attention", "rope", "decode", "complexity", "streaming")
 
 
@@ -208,6 +213,29 @@ def run_quality(args, roof):
     return rows
 
 
+def _show_hf(r):
+    if r["op"] == "hf-sink":
+        print("hf sink    generated=%-7d threads=%d %8.1f tok/s [%.1f, %.1f]   RSS %.1f MiB, cache %d bytes"
+              % (r["generated"], r["threads"], r["tok_per_s"], *r["tok_per_s_ci95"], r["rss_MiB"], r["cache_bytes"]),
+              flush=True)
+        return
+    extra = ""
+    if r["impl"] == "kvsimd":
+        extra = "   x%.2f [%.2f, %.2f] vs sdpa, x%.2f vs eager" % (r["speedup_vs_sdpa"], *r["speedup_vs_sdpa_ci95"],
+                                                                  r["speedup_vs_eager"])
+    print("hf decode  context=%-5d threads=%d %-7s %8.1f tok/s [%.1f, %.1f]%s"
+          % (r["context"], r["threads"], r["impl"], r["tok_per_s"], *r["tok_per_s_ci95"], extra), flush=True)
+
+
+def run_hf(args, roof):
+    from kvsimd.bench import hf
+    depths = args.depth or ([64] if args.quick else list(hf.DEPTHS))
+    sink = args.sink_tokens if args.sink_tokens is not None else (300 if args.quick else hf.SINK_MARKS[-1])
+    return hf.run([d for d in depths if d > 0], args.threads or [1, 2], steps=args.steps or (3 if args.quick else 8),
+                  rounds=args.repeat or (2 if args.quick else 6), sink_tokens=sink, text_path=args.text,
+                  progress=_show_hf)
+
+
 def run_contention(args, roof):
     from kvsimd.bench import contention
 
@@ -222,7 +250,7 @@ def run_contention(args, roof):
 RUNNERS = {"roofline": run_roofline, "attention": lambda a, r: _kernel_section(a, r, a.isas, "attention"),
            "rope": lambda a, r: _kernel_section(a, r, a.isas, "rope"), "decode": run_decode,
            "complexity": run_complexity, "streaming": run_streaming, "quality": run_quality,
-           "contention": run_contention}
+           "contention": run_contention, "hf": run_hf}
 
 
 def main(argv=None):
@@ -263,6 +291,8 @@ def main(argv=None):
     ap.add_argument("--text", metavar="PATH",
                     help="quality, decode --model smollm2: the text to read (default: $%s, else $%s/%s)"
                          % (common.TEXT_ENV, common.SHARED_ENV, common.SHARED_TEXT))
+    ap.add_argument("--sink-tokens", type=int, metavar="N",
+                    help="hf: tokens generate runs with KVSimdSinkCache (default 100000; 0 = skip)")
     ap.add_argument("--oracle-every", type=int, default=8, metavar="K",
                     help="quality: score the re-prefill oracle on every K-th position (1 = all; default 8)")
     args = ap.parse_args(argv)
@@ -274,6 +304,8 @@ def main(argv=None):
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
     if any(t < 1 for t in args.threads or []):
         ap.error("--threads must be >= 1")
+    if args.sink_tokens is not None and (args.what != "hf" or args.sink_tokens < 0):
+        ap.error("--sink-tokens (>= 0) goes with the hf subcommand")
     if args.model != "shapes" and (args.what != "decode" or args.contention):
         ap.error("--model goes with the decode subcommand (not --contention)")
     if args.model not in ("shapes", "smollm2", "llama3-8b"):
@@ -285,8 +317,8 @@ def main(argv=None):
         ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
-    wants_text = args.what == "quality" or (args.what == "decode" and args.model != "shapes"
-                                            and not args.contention)
+    wants_text = args.what in ("quality", "hf") or (args.what == "decode" and args.model != "shapes"
+                                                    and not args.contention)
     if args.text and not wants_text:
         ap.error("--text goes with quality or decode --model smollm2 (or another GGUF model)")
     try:       # before anything runs: a missing text is one line and exit 2, not a traceback later

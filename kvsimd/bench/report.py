@@ -286,6 +286,38 @@ def contention_md(rows):
         "1 thread." % ("/".join(str(c) for c in cores) or "?"))
 
 
+def hf_md(rows):
+    """The hf section: transformers decode with and without kvsimd, and the sink cache over time."""
+    dec = [r for r in rows if r["op"] == "hf-decode"]
+    out = []
+    if dec:
+        by = {}
+        for r in dec:
+            by.setdefault((r["context"], r["threads"]), {})[r["impl"]] = r
+        body = []
+        for (ctx, nt), v in sorted(by.items()):
+            k = v.get("kvsimd", {})
+            body.append([ctx, nt] + [_f(v[i]["tok_per_s"]) if i in v else "-" for i in ("eager", "sdpa", "kvsimd")] + [
+                "%s [%s, %s]" % (_f(k["speedup_vs_sdpa"], 2), _f(k["speedup_vs_sdpa_ci95"][0], 2),
+                                 _f(k["speedup_vs_sdpa_ci95"][1], 2)) if "speedup_vs_sdpa" in k else "-",
+                _f(k.get("speedup_vs_eager"), 2)])
+        out += [_table(["context", "threads", "eager + DynamicCache", "SDPA + DynamicCache", "kvsimd + KVSimdCache",
+                        "kvsimd / SDPA", "kvsimd / eager"], body),
+                "tok/s of one-token forward passes (what `generate` runs per step) of %s; the three timed round robin "
+                "from the same cache contents; ratios: median over rounds of the step-time ratio, 95%% bootstrap "
+                "interval.  Targets: >= 2.5x SDPA at 8192, never slower than stock at 128." % dec[0]["model"]]
+    sink = [r for r in rows if r["op"] == "hf-sink"]
+    if sink:
+        out += [_table(["generated tokens", "threads", "tok/s", "RSS MiB", "cache bytes"],
+                       [[r["generated"], r["threads"], "%s [%s, %s]" % (_f(r["tok_per_s"]), _f(r["tok_per_s_ci95"][0]),
+                                                                      _f(r["tok_per_s_ci95"][1])),
+                         _f(r["rss_MiB"]), r["cache_bytes"]] for r in sink]),
+                "`generate` with `KVSimdSinkCache(window=%d, n_keep=%d)` on a %s: tok/s over the 200 steps before "
+                "each count.  Target: flat from 10^3 to 10^5." % (sink[0]["window"], sink[0]["n_keep"],
+                                                                   sink[0]["model"])]
+    return "\n\n".join(out)
+
+
 def streaming_md(rows):
     out = []
     mem = [r for r in rows if r["op"] == "streaming-memory"]
@@ -418,6 +450,8 @@ def render(doc, quality=None, images=None):
         parts += ["### Infinite generation", streaming_md(res["streaming"])]
     if "complexity" in res:
         parts += ["### Complexity (seed 003, tiny random encoder-decoder)", complexity_md(res["complexity"])]
+    if "hf" in res:
+        parts += ["### transformers with kvsimd (attention backend and caches)", hf_md(res["hf"])]
     if quality is not None:
         q = quality["results"]["quality"]
         n = max(r["scored"] for r in q)

@@ -35,6 +35,9 @@ Sections and the keys every row has (figures are positive and finite):
                 tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct,
                 overhead_ci95_pct [low, high], rounds)
 * quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results")
+* hf         -- op "hf-decode" (model, impl ("eager" | "sdpa" | "kvsimd"), context, threads, tok_per_s,
+                tok_per_s_ci95, steps, rounds; kvsimd rows speedup_vs_sdpa, speedup_vs_eager and their
+                _ci95) or "hf-sink" (impl, generated, threads, tok_per_s, tok_per_s_ci95, rss_MiB, cache_bytes)
 """
 import math
 
@@ -62,11 +65,13 @@ ROW_KEYS = {
                   "streaming-overhead": ["policy", "capacity", "tok_per_s", "overhead_pct", "overhead_ci95_pct",
                                          "rounds"]},
     "quality": {None: ["config", "scored", "ppl_all", "ppl_oracle_positions"]},
+    "hf": {"hf-decode": ["model", "impl", "context", "threads", "tok_per_s", "tok_per_s_ci95", "steps", "rounds"],
+           "hf-sink": ["impl", "generated", "threads", "tok_per_s", "tok_per_s_ci95", "rss_MiB", "cache_bytes"]},
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
             "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
             "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
-            "vs_1_thread", "rounds"}
+            "vs_1_thread", "rounds", "generated", "cache_bytes", "steps"}
 NONNEGATIVE = {"context", "start"}
 FINITE = POSITIVE | NONNEGATIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 

@@ -40,16 +40,15 @@ try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
-except ImportError as e:   # pragma: no cover - the optional extra
-    raise ImportError("kvsimd.integrations.transformers needs torch and transformers: pip install 'kvsimd[hf]' "
-                      "(%s)" % e) from e
+except ImportError as _missing:   # pragma: no cover - the optional extra
+    raise ImportError("kvsimd.integrations.transformers needs torch and transformers: pip install -e '.[hf]' "
+                      "from the checkout (%s)" % _missing) from _missing
 
 from kvsimd import ops
 from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
 NAME = "kvsimd"
-_F32 = np.float32
 #: families whose attention the sink cache knows (transformers' NeoX-layout RoPE on q and k)
 SINK_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -75,7 +74,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     q = query.detach()
     q = (q if q.dtype == torch.float32 else q.float()).numpy()
     mask = None if attention_mask is None else attention_mask.detach().to(torch.bool).numpy()
-    out = np.empty((B, T, H, D), dtype=_F32)
+    out = np.empty((B, T, H, D), dtype=np.float32)
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else None
     tag = getattr(key, "_kvsimd", None)
@@ -327,7 +326,7 @@ class _KVSimdCacheBase(Cache):
             for b in range(B):
                 L = old.length(b)
                 for l in range(self.n_layers):
-                    kv.write(l, old.keys(l, b).astype(_F32), old.values(l, b).astype(_F32), seq=b, start=0)
+                    kv.write(l, old.keys(l, b).astype(np.float32), old.values(l, b).astype(np.float32), seq=b, start=0)
                 if L:
                     kv.append(b, L)
         self.kv = kv

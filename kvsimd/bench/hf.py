@@ -1,0 +1,180 @@
+"""python -m kvsimd.bench hf: transformers models with kvsimd's attention and caches
+(kvsimd.integrations.transformers) beside stock transformers, side by side in one process.
+
+- decode: SmolLM2 loaded by transformers from its GGUF (float32 weights), its cache filled with
+  the text's first C tokens (C in --depth, default 128, 4096, 8192), then greedy one-token forward
+  passes -- what ``generate`` runs per step -- under eager + DynamicCache, SDPA + DynamicCache and
+  kvsimd + KVSimdCache (float16), in rounds that go round robin over the three (the order rotated
+  each round), each round starting from the same cache contents (cropped back).  Rows: tok/s
+  (median step, 95% interval), and for kvsimd its speed-up over each stock variant: the median
+  over rounds of (their round's median step / kvsimd's).
+- sink: ``generate`` with KVSimdSinkCache for --sink-tokens new tokens (default 100,000) on a
+  model of SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, hidden 576) with 4 layers,
+  a 2,048-token vocabulary and random weights (a step of the real 30-layer model takes ~40 ms: 10^5
+  of them would take over an hour; the cache's behaviour does not depend on the weights): tok/s over
+  the 200 steps before each of 10^3, 10^4, 10^5 generated tokens, with the resident set and the
+  cache's bytes there.
+"""
+import os
+import statistics
+import time
+
+import numpy as np
+
+from kvsimd.bench.decode import _ci_rate, _paired_ratio, _rotated, prompt_ids
+from kvsimd.bench.peers import rss_mib
+
+VARIANTS = ("eager", "sdpa", "kvsimd")
+DEPTHS = (128, 4096, 8192)
+SINK_MARKS = (1000, 10_000, 100_000)
+
+
+def _libs():
+    import torch
+    import transformers as T
+
+    import kvsimd.integrations.transformers as kt
+    T.logging.set_verbosity_error()
+    return torch, T, kt
+
+
+def load_smollm2(path):
+    torch, T, _ = _libs()
+    return T.AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                  gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+def bench_decode(model, ids, depths, threads, steps, rounds, progress=None, warmup=2):
+    """Rows of op "hf-decode" (see the module docstring)."""
+    import copy
+
+    import kvsimd
+    torch, T, kt = _libs()
+    rows = []
+
+    def step(cache, tok):
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    for depth in sorted(depths):
+        ctx = ids[:depth]
+        torch.set_num_threads(max(threads))
+        kvsimd.set_num_threads(max(threads))
+        model.set_attn_implementation("sdpa")
+        dyn = T.DynamicCache()
+        with torch.no_grad():
+            for i in range(0, depth, 512):
+                model(input_ids=torch.tensor([ctx[i:i + 512]]), past_key_values=dyn, use_cache=True, logits_to_keep=1)
+        caches = {"eager": dyn, "sdpa": copy.deepcopy(dyn), "kvsimd": kt.KVSimdCache(model)}
+        model.set_attn_implementation(kt.NAME)
+        with torch.no_grad():
+            for i in range(0, depth, 512):
+                model(input_ids=torch.tensor([ctx[i:i + 512]]), past_key_values=caches["kvsimd"], use_cache=True,
+                      logits_to_keep=1)
+        for nt in threads:
+            torch.set_num_threads(nt)
+            kvsimd.set_num_threads(nt)
+            every = {v: [] for v in VARIANTS}
+            per_round = {v: [] for v in VARIANTS}
+            chosen = {v: [] for v in VARIANTS}
+            for i in range(rounds + 1):                   # round 0: warm-up, untimed
+                for v in _rotated(list(VARIANTS), i):
+                    model.set_attn_implementation(v if v != "kvsimd" else kt.NAME)
+                    cache = caches[v]
+                    cache.crop(-(cache.get_seq_length() - depth)) if cache.get_seq_length() > depth else None
+                    tok, times = ids[depth], []
+                    for _ in range(warmup if i == 0 else steps):
+                        t0 = time.perf_counter()
+                        tok = step(cache, tok)
+                        times.append(time.perf_counter() - t0)
+                        if i:
+                            chosen[v].append(tok)
+                    if i:
+                        every[v] += times
+                        per_round[v].append(statistics.median(times))
+            for v in VARIANTS:
+                rate, ci = _ci_rate(every[v])
+                row = dict(op="hf-decode", model="SmolLM2-135M (transformers, float32 weights)", impl=v,
+                           context=depth, threads=nt, tok_per_s=rate, tok_per_s_ci95=ci, steps=len(every[v]),
+                           rounds=rounds, cache="float16 KVSimdCache" if v == "kvsimd" else "float32 DynamicCache")
+                if v == "kvsimd":
+                    for s in ("eager", "sdpa"):
+                        med, lo, hi = _paired_ratio(per_round[s], per_round["kvsimd"])
+                        row["speedup_vs_%s" % s], row["speedup_vs_%s_ci95" % s] = med, [lo, hi]
+                else:
+                    row["same_tokens"] = next((j for j, (a, b) in enumerate(zip(chosen[v], chosen["kvsimd"]))
+                                               if a != b), len(chosen[v]))
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
+
+
+def sink_model(n_layers=4, vocab=2048, seed=0):
+    """A Llama of SmolLM2's attention shape with random weights (see the module docstring)."""
+    torch, T, kt = _libs()
+    torch.manual_seed(seed)
+    cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=n_layers,
+                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                        rope_theta=100000.0, attn_implementation=kt.NAME)
+    return T.LlamaForCausalLM(cfg).eval()
+
+
+class _Clock:
+    """A logits processor (transformers calls it once per generated token) that records the time of
+    each call, and the resident set and cache bytes at the marks."""
+
+    def __init__(self, marks, cache):
+        self.marks, self.cache, self.stamps, self.at = set(marks), cache, [], {}
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        n = len(self.stamps)
+        if n in self.marks:
+            self.at[n] = (rss_mib()["rss_MiB"], self.cache.nbytes)
+        return scores
+
+
+def bench_sink(tokens, threads, window=1020, n_keep=4, marks=SINK_MARKS, progress=None, span=200):
+    """Rows of op "hf-sink": generate with KVSimdSinkCache, tok/s over the ``span`` steps before
+    each mark of generated tokens (marks beyond ``tokens`` dropped; ``tokens`` itself always one)."""
+    import kvsimd
+    torch, T, kt = _libs()
+    model = sink_model()
+    marks = sorted({m for m in marks if m <= tokens} | {tokens})
+    rows = []
+    for nt in threads[:1]:           # the flatness over 10^5 tokens, not thread scaling, is the point here
+        torch.set_num_threads(nt)
+        kvsimd.set_num_threads(nt)
+        cache = kt.KVSimdSinkCache(model, window=window, n_keep=n_keep)
+        clock = _Clock(marks, cache)
+        ids = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, past_key_values=cache,
+                       logits_processor=T.LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None)
+        dts, at = np.diff(np.asarray(clock.stamps)), clock.at
+        for m in marks:
+            part = dts[max(0, m - 1 - span):m - 1]
+            rate, ci = _ci_rate(list(part))
+            rss, nbytes = at[m]
+            row = dict(op="hf-sink", model="SmolLM2-shaped Llama, 4 layers, random weights", impl="kvsimd",
+                       generated=m, threads=nt, tok_per_s=rate, tok_per_s_ci95=ci, rss_MiB=rss, cache_bytes=nbytes,
+                       window=window, n_keep=n_keep)
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def run(depths, threads, steps, rounds, sink_tokens, text_path=None, progress=None):
+    from kvsimd.loaders import registry as models
+    path = models.smollm2_path()
+    rows = []
+    if depths:
+        model = load_smollm2(path)
+        ids = prompt_ids(path, max(depths) + 1, text_path)
+        rows += bench_decode(model, ids, depths, threads, steps, rounds, progress)
+        del model
+    if sink_tokens:
+        rows += bench_sink(sink_tokens, threads, progress=progress)
+    return rows
