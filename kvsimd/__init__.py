@@ -11,7 +11,10 @@ import os as _os
 # BLAS (float32 weights: 3.1 tok/s spinning without limit, 21 at 30000 spins, 43 at 1000, 50
 # passive).  So spin briefly, then sleep -- unless the user chose a policy or a spin count.
 # Read by libgomp when the extension loads, so set before importing it.
-_SPIN_SET = not _os.environ.get("OMP_WAIT_POLICY") and not _os.environ.get("GOMP_SPINCOUNT")
+# One libgomp serves the process: torch, loaded first, has already read the environment (and
+# inside torch the brief spin costs torch's own threads: see kvsimd.integrations.transformers).
+_SPIN_SET = (not _os.environ.get("OMP_WAIT_POLICY") and not _os.environ.get("GOMP_SPINCOUNT")
+             and "torch" not in __import__("sys").modules)
 if _SPIN_SET:   # (the bench gives its peers' processes libgomp's own default back)
     _os.environ["GOMP_SPINCOUNT"] = "1000"
 

@@ -23,7 +23,11 @@ FAMILIES = {
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(num_key_value_heads=1)),
     "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
     "mistral-window": (T.MistralConfig, T.MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=7)),
+    # soft-capped scores, sliding-window layers alternating with full ones (transformers: eager only)
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                                        attn_logit_softcapping=5.0, pad_token_id=0)),
 }
+STOCK = {"gemma2": "eager"}
 
 
 def tiny(family, seed=0, attn="sdpa"):
@@ -57,9 +61,9 @@ def prompt(seed, B=1, n=11):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_dynamic_cache(family):
-    m = tiny(family)
-    ids = prompt(1)
-    ref_tok, ref_log = run(m, ids, "sdpa")
+    m = tiny(family, attn=STOCK.get(family, "sdpa"))
+    ids = prompt(1, n=14)
+    ref_tok, ref_log = run(m, ids, STOCK.get(family, "sdpa"))
     for dtype in ("float32", "float16"):
         tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype))
         assert torch.equal(tok, ref_tok), (family, dtype)
@@ -207,6 +211,9 @@ def test_refusals():
                      torch.ones(1, 2, 1, 16), torch.ones(1, 1, 1, 1, dtype=torch.bool))
     with pytest.raises(KVSimdError):
         kt.KVSimdCache(m, dtype="int3")
+    with pytest.raises(KVSimdValueError, match="s_aux"):        # e.g. gpt-oss's learned attention sinks
+        kt.attention(m.model.layers[0].self_attn, torch.ones(1, 4, 1, 16), torch.ones(1, 2, 1, 16),
+                     torch.ones(1, 2, 1, 16), None, s_aux=torch.zeros(4))
 
 
 def test_a_failed_pass_leaves_the_sink_cache_as_it_was():

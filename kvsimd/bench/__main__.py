@@ -215,8 +215,8 @@ def run_quality(args, roof):
 
 def _show_hf(r):
     if r["op"] == "hf-sink":
-        print("hf sink    generated=%-7d threads=%d %8.1f tok/s [%.1f, %.1f]   RSS %.1f MiB, cache %d bytes"
-              % (r["generated"], r["threads"], r["tok_per_s"], *r["tok_per_s_ci95"], r["rss_MiB"], r["cache_bytes"]),
+        print("hf sink    %-8s generated=%-7d threads=%d %8.1f tok/s [%.1f, %.1f]   RSS %.1f MiB, cache %d bytes"
+              % (r.get("how", ""), r["generated"], r["threads"], r["tok_per_s"], *r["tok_per_s_ci95"], r["rss_MiB"], r["cache_bytes"]),
               flush=True)
         return
     extra = ""

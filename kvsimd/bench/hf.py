@@ -137,27 +137,37 @@ class _Clock:
 
 
 def bench_sink(tokens, threads, window=1020, n_keep=4, marks=SINK_MARKS, progress=None, span=200):
-    """Rows of op "hf-sink": generate with KVSimdSinkCache, tok/s over the ``span`` steps before
-    each mark of generated tokens (marks beyond ``tokens`` dropped; ``tokens`` itself always one)."""
+    """Rows of op "hf-sink" (see the module docstring), two ways: ``generate`` as a user calls it
+    (its own bookkeeping included: it concatenates input_ids and the attention mask every step,
+    O(tokens)), and ``forward``, the model's one-token passes in a loop (positions from the cache):
+    the cache's and the model's cost alone."""
     import kvsimd
     torch, T, kt = _libs()
     model = sink_model()
     marks = sorted({m for m in marks if m <= tokens} | {tokens})
+    ids = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     rows = []
-    for nt in threads[:1]:           # the flatness over 10^5 tokens, not thread scaling, is the point here
-        torch.set_num_threads(nt)
-        kvsimd.set_num_threads(nt)
+    nt = threads[0]                  # the flatness over 10^5 tokens, not thread scaling, is the point here
+    torch.set_num_threads(nt)
+    kvsimd.set_num_threads(nt)
+    for how in ("generate", "forward"):
         cache = kt.KVSimdSinkCache(model, window=window, n_keep=n_keep)
         clock = _Clock(marks, cache)
-        ids = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, past_key_values=cache,
-                       logits_processor=T.LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None)
+        if how == "generate":
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, past_key_values=cache,
+                           logits_processor=T.LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None)
+        else:
+            with torch.no_grad():
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                for _ in range(tokens):
+                    tok = out.logits[:, -1:].argmax(-1)
+                    clock(None, None)
+                    out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
         dts, at = np.diff(np.asarray(clock.stamps)), clock.at
         for m in marks:
-            part = dts[max(0, m - 1 - span):m - 1]
-            rate, ci = _ci_rate(list(part))
+            rate, ci = _ci_rate(list(dts[max(0, m - 1 - span):m - 1]))
             rss, nbytes = at[m]
-            row = dict(op="hf-sink", model="SmolLM2-shaped Llama, 4 layers, random weights", impl="kvsimd",
+            row = dict(op="hf-sink", model="SmolLM2-shaped Llama, 4 layers, random weights", impl="kvsimd", how=how,
                        generated=m, threads=nt, tok_per_s=rate, tok_per_s_ci95=ci, rss_MiB=rss, cache_bytes=nbytes,
                        window=window, n_keep=n_keep)
             rows.append(row)
@@ -167,6 +177,38 @@ def bench_sink(tokens, threads, window=1020, n_keep=4, marks=SINK_MARKS, progres
 
 
 def run(depths, threads, steps, rounds, sink_tokens, text_path=None, progress=None):
+    """The rows of both parts.  Where kvsimd's import set its brief OpenMP spin (GOMP_SPINCOUNT=1000),
+    they run in a child process with libgomp's default (300000): torch shares the process's
+    libgomp, and a transformers user who imports torch first, as the README's example does, runs
+    with the default (see kvsimd.integrations.transformers)."""
+    import kvsimd
+    if kvsimd._SPIN_SET:
+        return _in_child(dict(depths=list(depths), threads=list(threads), steps=steps, rounds=rounds,
+                              sink_tokens=sink_tokens, text_path=text_path), progress)
+    return _run(depths, threads, steps, rounds, sink_tokens, text_path, progress)
+
+
+def _in_child(kw, progress):
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    env = dict(os.environ, GOMP_SPINCOUNT="300000")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        p = subprocess.Popen([sys.executable, "-m", "kvsimd.bench.hf", json.dumps(kw), out], env=env,
+                             stdout=subprocess.PIPE, text=True)
+        for line in p.stdout:                 # one JSON row per line, as they come
+            if progress and line.startswith("{"):
+                progress(json.loads(line))
+        if p.wait():
+            from kvsimd.errors import KVSimdError
+            raise KVSimdError("the hf bench's child process failed (exit status %d)" % p.returncode)
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def _run(depths, threads, steps, rounds, sink_tokens, text_path=None, progress=None):
     from kvsimd.loaders import registry as models
     path = models.smollm2_path()
     rows = []
@@ -178,3 +220,22 @@ def run(depths, threads, steps, rounds, sink_tokens, text_path=None, progress=No
     if sink_tokens:
         rows += bench_sink(sink_tokens, threads, progress=progress)
     return rows
+
+
+def _child(argv):
+    import json
+    import sys
+    kw, out = json.loads(argv[0]), argv[1]
+
+    def emit(row):
+        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.flush()
+    rows = _run(progress=emit, **kw)
+    with open(out, "w") as fh:
+        json.dump(rows, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_child(sys.argv[1:]))

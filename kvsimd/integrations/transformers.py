@@ -49,17 +49,38 @@ from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
 NAME = "kvsimd"
+
+# kvsimd's import sets GOMP_SPINCOUNT=1000 (threads sleep soon after each OpenMP region) unless the
+# user chose a spin or wait policy or torch was already loaded.  torch and kvsimd share the
+# process's one libgomp, so torch's own threads then sleep between its operators too: transformers
+# SmolLM2 decode at 2 threads measured 20 tok/s that way against 31 with libgomp's default.
+if getattr(__import__("kvsimd"), "_SPIN_SET", False):
+    warnings.warn("kvsimd was imported before torch and set GOMP_SPINCOUNT=1000 for the process's OpenMP, which "
+                  "torch shares: torch's threads now sleep between operators (slower with 2+ threads).  Import "
+                  "torch (or transformers) before kvsimd, or set GOMP_SPINCOUNT yourself", RuntimeWarning,
+                  stacklevel=2)
 #: families whose attention the sink cache knows (transformers' NeoX-layout RoPE on q and k)
 SINK_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 # ---------------------------------------------------------------------------------------- backend
+#: keyword arguments models pass to attention functions that do not change what attention computes
+_HARMLESS = frozenset(("position_ids", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+                       "cache_position", "is_causal"))
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
               softcap=None, **kwargs):
     """transformers' attention-function signature: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, N, D]`` (the cache's, or tensors), ``attention_mask`` what :func:`attention_mask`
     made (None or a 2-D boolean ``[B, N]`` of the keys that are not padding).  Returns
     ``([B, T, H, D] in query's dtype, None)``: there are no attention weights to return."""
+    if kwargs and (not _HARMLESS.issuperset(kwargs) or kwargs.get("is_causal", True) is False):
+        unknown = sorted(set(kwargs) - _HARMLESS)
+        raise KVSimdValueError("kvsimd attention does not apply %s, which %s passes (attention sinks, packed "
+                               "sequences, non-causal attention, ...): refused rather than ignored"
+                               % (", ".join("%s=%r" % (k, kwargs[k]) for k in unknown) or "is_causal=False",
+                                  type(module).__name__))
     if dropout:
         raise KVSimdValueError("kvsimd attention runs inference only, got dropout=%r (is the model in training "
                                "mode? call model.eval())" % (dropout,))
@@ -287,11 +308,12 @@ class _KVSimdCacheBase(Cache):
 
     # -- the forward pass
     def _update(self, layer, key_states, value_states):
-        impl = getattr(self._config, "_attn_implementation", None)
-        if impl != NAME:
-            raise KVSimdValueError("%s stores K/V in kvsimd's own layout, read by attn_implementation='kvsimd'; this "
-                                   "model runs %r: load it with attn_implementation='kvsimd' or call "
-                                   "kvsimd.integrations.transformers.enable(model)" % (type(self).__name__, impl))
+        if layer == 0:
+            impl = getattr(self._config, "_attn_implementation", None)
+            if impl != NAME:
+                raise KVSimdValueError("%s stores K/V in kvsimd's own layout, read by attn_implementation='kvsimd'; "
+                                       "this model runs %r: load it with attn_implementation='kvsimd' or call "
+                                       "kvsimd.integrations.transformers.enable(model)" % (type(self).__name__, impl))
         if key_states.ndim != 4 or key_states.shape != value_states.shape:
             raise KVSimdValueError("key/value states must be [batch, kv_heads, tokens, head_dim], got %s and %s"
                                    % (tuple(key_states.shape), tuple(value_states.shape)))
@@ -415,6 +437,11 @@ class KVSimdCache(_KVSimdCacheBase):
     def _attend_rows(self, layer, q, out, mask, scale, softcap, window, p):
         N, T = p["extent"], p["T"]
         for b in range(p["B"]):
+            if T == 1 and mask is None and (not window or window >= N):
+                # a decode step over every key: the cache's own single-query call (one range)
+                self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale,
+                               softcap=softcap, out=out[b, 0])
+                continue
             K, V = self._blocks[layer][b]
             _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b])
 
