@@ -364,6 +364,16 @@ class _KVSimdCacheBase(Cache):
     def _streaming(self):
         return {}
 
+    def _same_batch(self, B):
+        """The KVCache, or None when there is none yet or an empty one of another batch size."""
+        kv = self.kv
+        if kv is not None and kv.batch != B:
+            if self.get_seq_length():
+                raise KVSimdValueError("the cache holds %d sequences, this pass has %d: reset() it or make a new one"
+                                       % (kv.batch, B))
+            kv = self.kv = None
+        return kv
+
     def _abort(self):
         self._pending = None
 
@@ -415,12 +425,7 @@ class KVSimdCache(_KVSimdCacheBase):
         return self.kv.length(0)
 
     def _begin(self, B, T):
-        kv = self.kv
-        if kv is not None and kv.batch != B:
-            if self.get_seq_length():
-                raise KVSimdValueError("the cache holds %d sequences, this pass has %d: reset() it or make a new one"
-                                       % (kv.batch, B))
-            kv = self.kv = None
+        kv = self._same_batch(B)
         L = 0 if kv is None else kv.length(0)
         if kv is None or L + T > kv.capacity:
             cap = max(L + T, 256 if self.capacity is None else self.capacity)
@@ -481,12 +486,7 @@ class KVSimdSinkCache(_KVSimdCacheBase):
         return int(self.kv.seen[0])
 
     def _begin(self, B, T):
-        kv = self.kv
-        if kv is not None and kv.batch != B:
-            if self.get_seq_length():
-                raise KVSimdValueError("the cache holds %d sequences, this pass has %d: reset() it or make a new one"
-                                       % (kv.batch, B))
-            kv = None
+        kv = self._same_batch(B)
         if kv is None:
             self._make(B, self.n_keep + self.window)
             kv = self.kv
