@@ -153,3 +153,15 @@ def test_rows_both_tile_paths_in_one_call(row, rng, dtype):
     # keys come in chunks of 1024: rows 0..22 see keys of the first chunk only, row 63 (the
     # lanes tile's last) none of it
     check(row, q, k, v, "two tiles, window 40 across a chunk end", causal_offset=1000, window=40)
+
+
+@pytest.mark.parametrize("D", [256, 512])
+def test_rows_lanes_path_accurate_with_large_scores(row, rng, D):
+    """Scores with std ~8 over a long head dimension: the lanes path sums each score in partial
+    chains of 16 elements of d (a single chain over all of D was up to 1.9x the bound on avx2,
+    where the one-vector path of the same rows stays near 0.25x)."""
+    T, H, N = 64, 1, 200
+    q = (8 * rng.standard_normal((T, H, D))).astype(np.float32)
+    k = rng.standard_normal((1, N, D)).astype(np.float32)
+    v = rng.standard_normal((1, N, D)).astype(np.float32)
+    check(row, q, k, v, "lanes, D=%d, large scores" % D, causal=False)

@@ -591,34 +591,52 @@ KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
 #endif
 #define KV_LANE_FAR 33554432.0f   /* 2^25: beyond every key index (< 2^24), exact in fp32 */
 
-/* sT[j][u] = sum_d kb[j][d] qT[d][u], keys j < NJ (kb rows of stride Dp), NQ vectors of lanes. */
+#ifndef KV_LANE_SB
+#define KV_LANE_SB 16     /* head-dim elements per partial sum of a lanes score (see kv_lane_scores) */
+#endif
+
+/* sT[j][u] = sum_d kb[j][d] qT[d][u], keys j < NJ (kb rows of stride Dp), NQ vectors of lanes.
+   Each score is the sum of partial FMA chains over KV_LANE_SB elements of d, added in order: a
+   chain of KV_LANE_SB + D / KV_LANE_SB roundings, as short as the one-vector path's lane chains
+   and add tree (one chain over all of D rounded up to 8x more for D = 256 on avx2). */
 KV_AINLINE void kv_lane_scores(const float *qT, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
                                const int NQ, const int NJ)
 {
     vf a[KV_LJ][KV_LQ];
+    for (int64_t d0 = 0; d0 < D; d0 += KV_LANE_SB) {
+        const int64_t d1 = D - d0 > KV_LANE_SB ? d0 + KV_LANE_SB : D;
 #pragma GCC unroll 8
-    for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 8
-        for (int u = 0; u < NQ; u++)
-            a[j][u] = vf_zero();
-    for (int64_t d = 0; d < D; d++) {
-        vf q[KV_LQ];
-#pragma GCC unroll 8
-        for (int u = 0; u < NQ; u++)
-            q[u] = vf_load(qT + d * MP + u * KV_W);
-#pragma GCC unroll 8
-        for (int j = 0; j < NJ; j++) {
-            const vf b = vf_set1(kb[j * Dp + d]);
+        for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
             for (int u = 0; u < NQ; u++)
-                a[j][u] = vf_fmadd(b, q[u], a[j][u]);
+                a[j][u] = vf_zero();
+        for (int64_t d = d0; d < d1; d++) {
+            vf q[KV_LQ];
+#pragma GCC unroll 8
+            for (int u = 0; u < NQ; u++)
+                q[u] = vf_load(qT + d * MP + u * KV_W);
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++) {
+                const vf b = vf_set1(kb[j * Dp + d]);
+#pragma GCC unroll 8
+                for (int u = 0; u < NQ; u++)
+                    a[j][u] = vf_fmadd(b, q[u], a[j][u]);
+            }
+        }
+        if (d0 == 0) {
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < NQ; u++)
+                    vf_store(sT + j * MP + u * KV_W, a[j][u]);
+        } else {
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 8
+                for (int u = 0; u < NQ; u++)
+                    vf_store(sT + j * MP + u * KV_W, vf_add(vf_load(sT + j * MP + u * KV_W), a[j][u]));
         }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 8
-        for (int u = 0; u < NQ; u++)
-            vf_store(sT + j * MP + u * KV_W, a[j][u]);
 }
 
 /* accT[d][u] += sum_j pT[j][u] vb[j][d] for ND elements d (accT, vb from the first) and NQ
