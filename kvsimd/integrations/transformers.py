@@ -352,7 +352,7 @@ class _KVSimdCacheBase(Cache):
                 if L:
                     kv.append(b, L)
         self.kv = kv
-        with warnings.catch_warnings():      # read-only storage: transformers never writes it (tested)
+        with warnings.catch_warnings():      # read-only storage: transformers' models only read what update returns
             warnings.simplefilter("ignore", UserWarning)
             self._views = [(torch.from_numpy(kv._layer_view(l, 0)), torch.from_numpy(kv._layer_view(l, 1)))
                            for l in range(self.n_layers)]
