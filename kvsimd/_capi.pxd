@@ -132,6 +132,7 @@ cdef extern from "kvsimd.h" nogil:
     void kv_set_num_threads(int n) noexcept
     int kv_get_num_threads() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
+    int64_t kv_attend_pieces(const kv_attn_params *p, int threads) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, const double *inv, double scale, kv_rope_style style,
                             int64_t rotary_dim) noexcept

@@ -76,6 +76,21 @@ def _attn_workspace_bytes(H, Hkv, D):
     return n
 
 
+def _attend_pieces(H, Hkv, D, T, keys, threads):
+    """Split-K pieces per KV head kv_attend uses for T query rows over ``keys`` keys with
+    ``threads`` threads (1: no split; tests check which calls split)."""
+    cdef kv_attn_params p
+    cdef int64_t rng[4]
+    cdef int64_t h = _need_int(H, "H", 1), g = _need_int(Hkv, "Hkv", 1), d = _need_int(D, "D", 1, KV_MAX_HEAD_DIM)
+    cdef int64_t t = _need_int(T, "T", 1), n = _need_int(keys, "keys", 1, KV_MAX_TOKENS)
+    cdef int nt = _need_int(threads, "threads", 1, KV_MAX_THREADS)
+    if h % g:
+        raise KVSimdValueError("H=%d must be a multiple of Hkv=%d" % (h, g))
+    rng[0], rng[1], rng[2], rng[3] = 0, 0, n, 0
+    _attn_init(&p, NULL, NULL, NULL, NULL, NULL, NULL, NULL, rng, 1, h, g, d, n, 1.0, 0.0, KV_F16, t)
+    return kv_attend_pieces(&p, nt)
+
+
 def _rope_table(units, theta, R, rotary_dim, inv_freq=None, attn_factor=1.0):
     """The (cos, sin) float32 pairs ops.c hands the rotation kernel for ``units`` positions."""
     u = _need_real(units, "units")

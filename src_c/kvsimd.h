@@ -109,6 +109,11 @@ static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : K
  *   position is range.query_pos + t.  Rows are taken kv_attn_row_tile(G) at a time: each K/V
  *   row is read once per group and per tile, each row keeps its own online softmax.  Every row
  *   must see at least one key (the caller checks).
+ *   A piece of a split-K call (kv_attend sets these; callers leave them 0): with part_hi > 0 the
+ *   kernel reads only keys part_lo..part_hi-1 of the ranges counted end to end (range 0's
+ *   first key is 0); with part_ml != NULL it writes each vector's unnormalized weighted sum to
+ *   out and its softmax (max, sum) to part_ml[(t * H + h) * 2 + 0, 1] (a piece with no key:
+ *   -inf, 0 and zeros), for the caller to merge.
  *
  * Four int64s per range: the layout a KVCache step plan keeps per range. */
 #define KV_ATTN_RANGE_FIELDS(F) \
@@ -139,7 +144,10 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, window, 'q')         /* > 0: row t reads keys >= causal_end + t - window; 0: no cut */ \
     F(float, scale, 'f') \
     F(float, softcap, 'f')          /* > 0: scores capped to +-softcap; 0: off */ \
-    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */
+    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */ \
+    F(int64_t, part_lo, 'q')        /* split-K piece (ops.c): see above */ \
+    F(int64_t, part_hi, 'q') \
+    F(float *, part_ml, 'Q')
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
@@ -268,6 +276,7 @@ void kv_set_num_threads(int n);
 int kv_get_num_threads(void);
 size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads); /* what kv_attend needs */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads);
+int64_t kv_attend_pieces(const kv_attn_params *p, int threads); /* split-K pieces per KV head (ops.c) */
 /* RoPE of x [H, N, D] at positions[t]: pair r turns by positions[t] * inv[r] (inv: rotary_dim / 2
    inverse frequencies, from kv_rope_inv_freq or a scaled spec), and is multiplied by `scale`
    (the attention factor of YaRN-style scaling; 1 otherwise). */

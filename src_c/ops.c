@@ -49,18 +49,104 @@ int kv_get_num_threads(void) { return __atomic_load_n(&kv_threads, __ATOMIC_RELA
 
 static int clamp_threads(int threads) { return threads < 1 ? 1 : threads > KV_MAX_THREADS ? KV_MAX_THREADS : threads; }
 
+/* Split-K ("flash decoding"): a single query row has one work item per KV head, so when the
+   KV heads do not divide evenly among the threads (SmolLM2's 3 on 2 threads; an MQA model's 1),
+   each head's keys are cut into S pieces as well: S is the smallest count that makes heads x S a
+   multiple of the threads.  Each piece keeps its own softmax (max, sum, unnormalized weighted
+   sum of V) and one merge combines them.  The cuts depend only on the keys and the thread
+   count, so results are identical for a given count (and within the attention bound of the
+   unsplit result).  Pieces of fewer than KV_SPLIT_MIN keys are not worth a thread. */
+#define KV_SPLIT_MIN 512
+#define KV_SPLIT_ALIGN 64   /* cuts on multiples of 64 keys of the ranges counted end to end */
+
+static int64_t range_keys(const kv_attn_params *p)
+{
+    int64_t keys = 0;
+    for (int64_t r = 0; r < p->n_ranges; r++)
+        keys += p->ranges[r].t1 - p->ranges[r].t0;
+    return keys;
+}
+
+int64_t kv_attend_pieces(const kv_attn_params *p, int threads)
+{
+    threads = clamp_threads(threads);
+    if (p->T != 1 || threads < 2)
+        return 1;
+    int64_t s = 1;
+    while (s < threads && (p->Hkv * s) % threads != 0)
+        s++;
+    return range_keys(p) / s >= KV_SPLIT_MIN ? s : 1;
+}
+
+/* floats of the split-K area: per piece (at most `threads`), [H, D] sums and [H, 2] (max, sum) */
+static int split_floats(int64_t H, int64_t D, int threads, size_t *r)
+{
+    size_t per;
+    return mul_add((size_t)H, (size_t)D + 2, 0, &per) && mul_add(per, (size_t)threads, 0, r);
+}
+
 size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
 {
     const size_t one = kv_attn_workspace_bytes(H, Hkv, D);
-    size_t total;
-    if (one == 0 || one > SIZE_MAX - 63 || !mul_add((one + 63) / 64 * 64, (size_t)clamp_threads(threads), 64, &total))
+    size_t total, part;
+    threads = clamp_threads(threads);
+    if (one == 0 || one > SIZE_MAX - 63 || !split_floats(H, D, threads, &part) ||
+        !mul_add((one + 63) / 64 * 64, (size_t)threads, 64, &total) ||
+        !mul_add(part, sizeof(float), total, &total))
         return 0;
     return total;
 }
 
+/* Pieces s = 0..S-1 of one query row, then out[h] = sum_s e^(m_s - m) acc_s[h] / sum_s e^(m_s - m) l_s
+   with m the largest max (a piece without keys, l = 0, weighs nothing; NaN propagates). */
+static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *workspace, size_t one, int nt, int64_t S,
+                         int64_t keys)
+{
+    const int64_t H = p->H, D = p->D, heads = p->Hkv, items = heads * S;
+    float *acc = (float *)(workspace + one * (size_t)nt), *ml = acc + S * H * D;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+#endif
+    for (int64_t i = 0; i < items; i++) {
+#if defined(_OPENMP)
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        const int64_t g = i / S, s = i % S;
+        kv_attn_params piece = *p;
+        piece.part_lo = s == 0 ? 0 : (keys / S * s + keys % S * s / S) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
+        piece.part_hi = s == S - 1 ? keys : (keys / S * (s + 1) + keys % S * (s + 1) / S) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
+        piece.out = acc + s * H * D;
+        piece.out_stride = H * D;
+        piece.part_ml = ml + s * H * 2;
+        row->attn(&piece, g, g + 1, 0, 1, workspace + (size_t)tid * one);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float m = -FLT_MAX;
+        for (int64_t s = 0; s < S; s++)
+            if (ml[(s * H + h) * 2 + 1] != 0.0f && ml[(s * H + h) * 2] > m)
+                m = ml[(s * H + h) * 2];
+        double l = 0.0, w[KV_MAX_THREADS];
+        for (int64_t s = 0; s < S; s++) {
+            const float ms = ml[(s * H + h) * 2], ls = ml[(s * H + h) * 2 + 1];
+            w[s] = ls != 0.0f ? exp((double)ms - (double)m) : 0.0;
+            l += w[s] * ls;
+        }
+        float *o = p->out + h * D;
+        for (int64_t d = 0; d < D; d++) {
+            double a = 0.0;
+            for (int64_t s = 0; s < S; s++)
+                a += w[s] * acc[(s * H + h) * D + d];
+            o[d] = (float)(a / l);
+        }
+    }
+}
+
 /* Work is split across threads by KV head and, with several query rows, by tiles of
    kv_attn_row_tile rows: a (head, tile) item is computed by the same code whatever the thread
-   count, and a row's keys are never split, so results are bit-identical for any count.
+   count, and a row's keys are never split, so results are bit-identical for any count -- except
+   a single query row under split-K (above), identical for a given count.
    `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
@@ -68,12 +154,17 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
     const int64_t heads = p->Hkv, T = p->T, tile = kv_attn_row_tile(p->H / p->Hkv);
     const int64_t tiles = (T + tile - 1) / tile, items = heads * tiles;
     threads = clamp_threads(threads);
+    const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
+    const int64_t S = kv_attend_pieces(p, threads);
+    if (S > 1) {
+        attend_split(row, p, (char *)workspace, one, threads, S, range_keys(p));
+        return;
+    }
     const int nt = (int)(items < threads ? items : threads);
     if (nt <= 1) {
         row->attn(p, 0, heads, 0, T, workspace);
         return;
     }
-    const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
     /* the last tiles of a causal pass read the most keys: they go first */
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)

@@ -171,8 +171,11 @@ class EmulatedRow:
         return data
 
     def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
-               ranges=None, q_alt=None, out=None, softcap=None, causal_offset=None, causal=True, window=None):
-        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row)."""
+               ranges=None, q_alt=None, out=None, softcap=None, causal_offset=None, causal=True, window=None,
+               part=None):
+        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row).  ``part=(lo, hi)``:
+        one split-K piece, keys lo..hi-1 of the ranges end to end; returns (unnormalized out,
+        [T, H, 2] (max, sum))."""
         g = self.guest
         g.reset_arena()
         rows = q.ndim == 3
@@ -186,6 +189,7 @@ class EmulatedRow:
         packed = b"".join(self._pack("kv_attn_range", {"query": int(r[2]), "t0": r[0], "t1": r[1], "query_pos": r[3]})
                           for r in rows_)
         dst = g.put(np.zeros(T * H * D, np.float32), guard=self.GUARD)
+        ml = g.put(np.zeros(T * H * 2, np.float32), guard=self.GUARD) if part is not None else 0
         prm = self._pack("kv_attn_params", {
             "q": g.put(q), "k": g.put(k, offset=2), "v": g.put(v, offset=2), "out": dst,
             "alibi": g.put(alibi_slopes) if alibi_slopes is not None else 0,
@@ -194,10 +198,13 @@ class EmulatedRow:
             "ranges": g.put(packed), "n_ranges": len(rows_), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
             "T": T, "q_stride": H * D, "out_stride": H * D, "causal_end": cend, "window": window or 0,
             "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
-            "dtype": 1 if k.dtype == np.float16 else 0})
+            "dtype": 1 if k.dtype == np.float16 else 0,
+            **({} if part is None else {"part_lo": part[0], "part_hi": part[1], "part_ml": ml})})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
         g.call(self._fn("attn"), g.put(prm), 0, Hkv, 0, T, ws)
         res = np.frombuffer(self._read_guarded(dst, 4 * T * H * D), np.float32).reshape(q.shape)
+        if part is not None:
+            return res.copy(), np.frombuffer(self._read_guarded(ml, 8 * T * H), np.float32).reshape(T, H, 2).copy()
         if out is None:
             return res.copy()
         out[...] = res

@@ -1,4 +1,5 @@
-"""Threads: attention split across KV heads gives bit-identical results for any thread count."""
+"""Threads: attention split across KV heads and row tiles gives bit-identical results for any thread
+count (a single row whose heads do not divide among the threads is split along its keys: test_split_k.py)."""
 import os
 import subprocess
 import sys

@@ -552,6 +552,19 @@ KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t r
     return NULL;
 }
 
+/* What finalize multiplies vector i's sum by: 1 / l, or for a split-K piece 1 (the sum is
+   written as it is) after storing (m, l) for the merge (kvsimd.h). */
+KV_AINLINE float KV_FN(attn_part)(KV_FN(attn_state) *st, int64_t i, float m, float l)
+{
+    const kv_attn_params *p = st->p;
+    if (!p->part_ml)
+        return 1.0f / l;
+    float *ml = p->part_ml + ((st->r0 + i / st->G) * p->H + st->h0 + i % st->G) * 2;
+    ml[0] = m;
+    ml[1] = l;
+    return 1.0f;
+}
+
 /* out = acc / l for the query vectors of the current KV head and tile. */
 KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
 {
@@ -559,7 +572,7 @@ KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
     const int64_t D = st->D, Dp = st->Dp, G = st->G;
     for (int64_t i = 0; i < st->M; i++) {
         float *o = p->out + (st->r0 + i / G) * p->out_stride + (st->h0 + i % G) * D;
-        const vf inv = vf_set1(1.0f / st->l[i]);
+        const vf inv = vf_set1(KV_FN(attn_part)(st, i, st->m[i], st->l[i]));
         int64_t c = 0;
         for (; c + KV_W <= D; c += KV_W)
             vf_store(o + c, vf_mul(vf_load(st->acc + i * Dp + c), inv));
@@ -846,7 +859,7 @@ KV_AINLINE void KV_FN(lane_finalize)(KV_FN(attn_state) *st)
     const int64_t D = st->D, G = st->G, MP = st->MP;
     for (int64_t i = 0; i < st->M; i++) {
         float *o = p->out + (st->r0 + i / G) * p->out_stride + (st->h0 + i % G) * D;
-        const float inv = 1.0f / st->l[i];
+        const float inv = KV_FN(attn_part)(st, i, st->m[i], st->l[i]);
         for (int64_t d = 0; d < D; d++)
             o[d] = st->acc[d * MP + i] * inv;
     }
@@ -877,10 +890,17 @@ static void KV_FN(attn)(const kv_attn_params *p, int64_t g0, int64_t g1, int64_t
                 KV_FN(lane_head_start)(&st, g, ta, tb);
             else
                 KV_FN(attn_head_start)(&st, g, ta, tb);
-            for (int64_t ri = 0; ri < p->n_ranges; ri++) {
+            for (int64_t ri = 0, before = 0; ri < p->n_ranges; ri++) {
                 const kv_attn_range *r = &p->ranges[ri];
                 const float *qs = r->query && p->q_alt ? st.qalt : st.qbuf;
-                const int64_t e0 = r->t0 > lo ? r->t0 : lo, e1 = r->t1 < hi_last ? r->t1 : hi_last;
+                int64_t t0 = r->t0, t1 = r->t1;
+                if (p->part_hi > 0) {   /* a split-K piece: its keys of this range */
+                    const int64_t n = t1 - t0;
+                    t1 = p->part_hi - before < n ? t0 + (p->part_hi - before) : t1;
+                    t0 = p->part_lo > before ? t0 + (p->part_lo - before) : t0;
+                    before += n;
+                }
+                const int64_t e0 = t0 > lo ? t0 : lo, e1 = t1 < hi_last ? t1 : hi_last;
                 for (int64_t c0 = e0, c1; c0 < e1; c0 = c1) {
                     c1 = kv_grid_end(c0, KV_CHUNK, e1);
                     if (lanes) {
