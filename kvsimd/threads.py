@@ -79,7 +79,9 @@ def blas_scope():
 
 def set_num_threads(n):
     """Use ``n`` threads (1 to MAX_THREADS = 1024): for kvsimd's attention kernels (split by KV
-    head, so results are bit-identical for any ``n``) and for the BLAS library behind NumPy's
+    head, so results are bit-identical for any ``n``; a single query row whose KV heads do not
+    divide among the ``n`` threads is split along its keys too, identical for a given ``n`` and
+    within the attention bound otherwise) and for the BLAS library behind NumPy's
     matrix products inside kvsimd's prefill and decode steps (the host's own products keep
     their thread count).  A bad ``n`` raises KVSimdValueError and changes nothing."""
     n = check_thread_count(n)
