@@ -215,29 +215,42 @@ def test_cpu_without_vnni_never_selects_avx512():
 _FP16_INSN = re.compile(r"^v\w*(ph|sh|phx|psx)$|^vmovw$|^vcvtsh2\w+$|^vcvt\w+2sh$")
 
 
-def _fp16_instructions(suffix):
+def _mnemonics(suffix):
+    """{function name: set of mnemonics} of the extension's functions named kv_..._<suffix>."""
     import kvsimd._kvsimd as ext
     r = subprocess.run(["objdump", "-d", "--no-show-raw-insn", ext.__file__], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    cur, found, funcs = None, {}, 0
+    cur, funcs = None, {}
     for line in r.stdout.splitlines():
         if line.endswith(">:"):
             name = line.split("<", 1)[1][:-2]
-            cur = name if name.endswith("_" + suffix) else None
-            funcs += cur is not None
-        elif cur and "\t" in line:
-            mnem = line.split("\t")[1].split()[0] if len(line.split("\t")) > 1 else ""
-            if _FP16_INSN.match(mnem) and mnem not in ("vcvtps2ph",):
-                found.setdefault(mnem, set()).add(cur)
-    return funcs, found
+            cur = name if name.startswith("kv_") and name.endswith("_" + suffix) else None
+            if cur:
+                funcs[cur] = set()
+        elif cur and len(line.split("\t")) > 1:
+            funcs[cur].add(line.split("\t")[1].split()[0])
+    return funcs
 
 
-def test_avx512_object_code_has_no_fp16_instruction():
-    funcs, found = _fp16_instructions("avx512")
-    assert funcs > 20 and not found, found
+def _fp16(funcs):
+    found = {}
+    for name, mnems in funcs.items():
+        for m in mnems:
+            if _FP16_INSN.match(m) and m != "vcvtps2ph":
+                found.setdefault(m, set()).add(name)
+    return found
+
+
+def test_avx512_object_code_has_no_fp16_instruction_and_uses_vnni():
+    funcs = _mnemonics("avx512")
+    assert len(funcs) > 20 and not _fp16(funcs), _fp16(funcs)
     # the check can fail: the avx512fp16 row's code has them
-    funcs16, found16 = _fp16_instructions("avx512fp16")
-    assert funcs16 > 20 and {"vfmulcph", "vfmaddcph", "vcvtph2psx"} <= set(found16), sorted(found16)
+    funcs16 = _mnemonics("avx512fp16")
+    assert len(funcs16) > 20 and {"vfmulcph", "vfmaddcph", "vcvtph2psx"} <= set(_fp16(funcs16))
+    # VPDPBUSD for the int8 products (every one of them), VCVTPH2PS zmm for the fp16 rows
+    x8 = {name: m for name, m in funcs.items() if name.startswith("kv_gemv_x8_")}
+    assert x8 and all("vpdpbusd" in m for m in x8.values()), sorted(n for n, m in x8.items() if "vpdpbusd" not in m)
+    assert "vcvtph2ps" in set().union(*funcs.values())
 
 
 if __name__ == "__main__":
