@@ -1,6 +1,6 @@
 """kvsimd: SIMD kernels, KV caches and decoders for incremental transformer decoding on the CPU.
 
-The ISA path (``scalar``, ``avx2``, ``avx512fp16``) is chosen once at import from CPUID;
+The ISA path (``scalar``, ``avx2``, ``avx512``, ``avx512fp16``) is chosen once at import from CPUID;
 ``KVSIMD_FORCE_ISA`` forces one.  See :func:`isa_info` and :func:`show_runtime`."""
 import os as _os
 

@@ -63,7 +63,7 @@ def _kernel_addresses():
         "kv_cpu_features": <size_t>kv_cpu_features,
         "kv_select_isa": <size_t>kv_select_isa,
         "structs": _struct_layouts(),
-        "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512fp16": KV_FEAT_AVX512FP16},
+        "feature_bits": {"avx2": KV_FEAT_AVX2, "avx512": KV_FEAT_AVX512, "avx512fp16": KV_FEAT_AVX512FP16},
         "isa_index": {kv_isa_name(i).decode(): i for i in range(kv_isa_count())},
     }
 

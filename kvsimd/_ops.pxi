@@ -139,7 +139,7 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, in
     ``inv_freq`` (rotary_dim/2 positive reals, e.g. from kvsimd.nn.config.rope_frequencies)
     defaults to ``theta ** (-2i / rotary_dim)``.  The rotated pairs are multiplied by
     ``attn_factor`` (YaRN's attention factor; default 1).  fp16 results are rounded as
-    :func:`kvsimd.bounds.rope_bound` states (once on the scalar and avx2 rows, each component
+    :func:`kvsimd.bounds.rope_bound` states (once on the scalar, avx2 and avx512 rows, each component
     twice on avx512fp16)."""
     _need_array(x, "x", _KV_DTYPES, 3, "[H, N, D]", writeable=True)
     cdef int64_t H = x.shape[0], N = x.shape[1], D = x.shape[2]

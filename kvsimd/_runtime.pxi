@@ -8,7 +8,7 @@ _FEATURE_BITS = (
     ("osxsave", KV_FEAT_OSXSAVE), ("os_ymm_state", KV_FEAT_OS_YMM), ("os_zmm_state", KV_FEAT_OS_ZMM),
     ("avx", KV_FEAT_AVX), ("avx2", KV_FEAT_AVX2_ONLY), ("fma", KV_FEAT_FMA), ("f16c", KV_FEAT_F16C),
     ("avx512f", KV_FEAT_AVX512F), ("avx512bw", KV_FEAT_AVX512BW), ("avx512vl", KV_FEAT_AVX512VL),
-    ("avx512vnni", KV_FEAT_AVX512VNNI), ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
+    ("avx512dq", KV_FEAT_AVX512DQ), ("avx512vnni", KV_FEAT_AVX512VNNI), ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
 )
 
 
@@ -37,7 +37,7 @@ def _isa_names(which):
 
 
 def active_isa():
-    """Name of the ISA path in use: ``"scalar"``, ``"avx2"`` or ``"avx512fp16"``."""
+    """Name of the ISA path in use: ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512fp16"``."""
     return kv_isa_name(kv_active_isa()).decode()
 
 

@@ -1,8 +1,8 @@
 """kvsimd's accuracy promises as functions: the one place that states each bound.
 
 Every test that checks a kernel against :mod:`kvsimd.reference` takes its tolerance from
-here, with the ISA row that actually ran (a native row, or ``"avx512fp16"`` when the row runs
-in the emulator), and the README's Accuracy table and :mod:`kvsimd.ops` state the same
+here, with the ISA row that actually ran (natively, or in the emulator when this CPU lacks it),
+and the README's Accuracy table and :mod:`kvsimd.ops` state the same
 numbers.  Users can call these to check kvsimd on their own data.
 
 Notation: ``u = 2**-11`` is the unit roundoff of fp16 (half an ulp, relative), ``u32 = 2**-24``
@@ -27,8 +27,10 @@ U32 = 2.0 ** -24
 #
 # float32, every row: fp32 FMA arithmetic on fp32 (cos, sin); measured errors are ~1e-7 |pair|,
 #   the bound keeps the historical 1e-5.
-# float16, scalar and avx2: widened to fp32, rotated (<= 2 u32 |pair| + the fp32 cos/sin's
-#   u32 |pair|, below 2^-20 |pair|), rounded to fp16 once (u |out|).
+# float16, scalar, avx2 and avx512: widened to fp32, rotated (<= 2 u32 |pair| + the fp32 cos/sin's
+#   u32 |pair|, below 2^-20 |pair|), rounded to fp16 once (u |out|).  avx512 runs the very code of
+#   avx2 (rope.inc.h without KV_HAVE_CMUL_F16: one multiply and one FMA per component in fp32),
+#   16 lanes instead of 8; the lanes are independent, so the bound is the same.
 # float16, avx512fp16: the (cos, sin) multiplier m is split into fp16 hi + lo (m - hi - lo:
 #   <= u^2 |m| + 2^-25 per component, plus fp32 cos/sin's u32); p = VFMULCPH(x, lo) (|p| <= u|pair|,
 #   two roundings: <= 2 u^2 |pair| + 2 * 2^-25 with fp16 underflow), then VFMADDCPH(x, hi, p) rounds
@@ -40,9 +42,11 @@ U32 = 2.0 ** -24
 _ROPE = {
     ("float32", "scalar"): (0.0, 1e-5, 1e-30),
     ("float32", "avx2"): (0.0, 1e-5, 1e-30),
+    ("float32", "avx512"): (0.0, 1e-5, 1e-30),
     ("float32", "avx512fp16"): (0.0, 1e-5, 1e-30),
     ("float16", "scalar"): (U16, 2.0 ** -20, 2.0 ** -25),
     ("float16", "avx2"): (U16, 2.0 ** -20, 2.0 ** -25),
+    ("float16", "avx512"): (U16, 2.0 ** -20, 2.0 ** -25),
     ("float16", "avx512fp16"): (U16, U16 + 2.0 ** -18, 2.0 ** -23),
 }
 
@@ -207,7 +211,7 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 #    exact product), the same single rounding gguf's NumPy float32 arithmetic makes.
 #    (test_qmatmul.py checks QMatrix.dequantize bitwise against gguf for every type and row.)
 # 2. Summation.  Per output, the kernel keeps NA vector accumulators of KV_W lanes (KV_W: 1
-#    scalar, 8 avx2, 16 avx512fp16; NA = 4, 2 or 1 for slices of 1, 2 or >= 3 rows of x, at most
+#    scalar, 8 avx2, 16 avx512 and avx512fp16; NA = 4, 2 or 1 for slices of 1, 2 or >= 3 rows of x, at most
 #    the block's vector count), each lane a chain of FMAs (x * w exact inside the FMA, one
 #    rounding per step; the scalar row rounds the product first: one more).  A lane's chain is
 #    at most floor(k / (NA KV_W)) + NA long (the float types' last < NA vectors, the last maybe
@@ -242,7 +246,7 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
 #    gamma_h sum_blocks M (sum |x| + 16 d_x).
 #    Not covered either: a block of x whose largest |x| is below 2^-119 (its step is a subnormal
 #    float, rounded coarsely, or zero).
-GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512fp16": 16}   # KV_W of each row's vec_*.h
+GEMV_LANES = {"scalar": 1, "avx2": 8, "avx512": 16, "avx512fp16": 16}   # KV_W of each row's vec_*.h
 
 
 def matmul_depth(k: int, isa: str) -> int:

@@ -19,7 +19,7 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
   the capped score), the cap's own rounding (:func:`kvsimd.bounds.softcap_score_error`).
 * ``apply_rope`` / ``shift_keys``: angles are computed in double precision from the integer
   position or delta (exact up to 2**53).  float32: ``<= 1e-5 * |pair|`` per component.
-  float16 on the scalar and avx2 paths: rotated in fp32 and rounded to fp16 once,
+  float16 on the scalar, avx2 and avx512 paths: rotated in fp32 and rounded to fp16 once,
   ``<= u * |out| + 2**-20 * |pair| + 2**-25``.  float16 on the avx512fp16 path: the
   (cos, sin) multiplier split into fp16 hi + lo, ``x * lo`` by VFMULCPH then ``x * hi`` plus
   that by VFMADDCPH, which rounds each component twice:

@@ -48,6 +48,7 @@ uint32_t kv_cpu_features(void)
         const uint32_t ebx7 = r[1], ecx7 = r[2], edx7 = r[3];
         if (BIT(ebx7, 5)) f |= KV_FEAT_AVX2_ONLY;
         if (BIT(ebx7, 16)) f |= KV_FEAT_AVX512F;
+        if (BIT(ebx7, 17)) f |= KV_FEAT_AVX512DQ;
         if (BIT(ebx7, 30)) f |= KV_FEAT_AVX512BW;
         if (BIT(ebx7, 31)) f |= KV_FEAT_AVX512VL;
         if (BIT(ecx7, 11)) f |= KV_FEAT_AVX512VNNI;
@@ -55,9 +56,11 @@ uint32_t kv_cpu_features(void)
     }
     const uint32_t avx2 = KV_FEAT_OS_YMM | KV_FEAT_AVX | KV_FEAT_AVX2_ONLY | KV_FEAT_FMA | KV_FEAT_F16C;
     const uint32_t avx512 = avx2 | KV_FEAT_OS_ZMM | KV_FEAT_AVX512F | KV_FEAT_AVX512BW |
-                            KV_FEAT_AVX512VL | KV_FEAT_AVX512VNNI | KV_FEAT_AVX512_FP16_ONLY;
+                            KV_FEAT_AVX512VL | KV_FEAT_AVX512DQ | KV_FEAT_AVX512VNNI;
+    const uint32_t avx512fp16 = avx512 | KV_FEAT_AVX512_FP16_ONLY;
     if ((f & avx2) == avx2) f |= KV_FEAT_AVX2;
-    if ((f & avx512) == avx512) f |= KV_FEAT_AVX512FP16;
+    if ((f & avx512) == avx512) f |= KV_FEAT_AVX512;
+    if ((f & avx512fp16) == avx512fp16) f |= KV_FEAT_AVX512FP16;
     return f;
 }
 #endif

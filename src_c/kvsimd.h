@@ -55,7 +55,8 @@ typedef enum kv_wtype {
 
 /* CPU features, as a bitmask (cpu.c). */
 #define KV_FEAT_AVX2 (1u << 0)        /* AVX + AVX2 + FMA + F16C, OS saves YMM state */
-#define KV_FEAT_AVX512FP16 (1u << 1)  /* AVX512 F/BW/VL/VNNI + AVX512_FP16, OS saves ZMM/opmask */
+#define KV_FEAT_AVX512FP16 (1u << 1)  /* KV_FEAT_AVX512 + AVX512_FP16 */
+#define KV_FEAT_AVX512 (1u << 2)      /* KV_FEAT_AVX2 + AVX512 F/BW/VL/DQ/VNNI, OS saves ZMM/opmask */
 #define KV_FEAT_OSXSAVE (1u << 8)
 #define KV_FEAT_OS_YMM (1u << 9)
 #define KV_FEAT_OS_ZMM (1u << 10)
@@ -68,6 +69,7 @@ typedef enum kv_wtype {
 #define KV_FEAT_AVX512VL (1u << 17)
 #define KV_FEAT_AVX512_FP16_ONLY (1u << 18)
 #define KV_FEAT_AVX512VNNI (1u << 19)
+#define KV_FEAT_AVX512DQ (1u << 20)
 
 #define KV_MAX_HEAD_DIM 512
 #define KV_MAX_TOKENS (1LL << 24)

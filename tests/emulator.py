@@ -37,8 +37,11 @@ PAGE_TABLES_END = IMAGE_BASE
 OBJECT_BASE = 0x20000000   # further objects (Guest.load_object), 16 MiB apart
 OBJECT_STRIDE = 0x01000000
 
-# Bochs 3.0 cpudb order (as bundled in bochscpu-python 0.4.0): indices of the models we use.
-CPU_MODEL_INDEX = {"tigerlake": 29, "sapphire_rapids": 30}
+# Bochs 3.0 cpudb order (as bundled in bochscpu-python 0.4.0; the list is in
+# ../shared/tools/avx512fp16-emu/bochs_runner.py, CPU_MODELS): indices of the models we use.
+# corei7_skylake_x: AVX-512 F/CD/BW/DQ/VL without VNNI; tigerlake: + VNNI, no FP16;
+# sapphire_rapids: + AVX512-FP16.
+CPU_MODEL_INDEX = {"corei7_skylake_x": 26, "tigerlake": 29, "sapphire_rapids": 30}
 
 XCR0_ZMM = 0xE7   # x87, SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
 XCR0_YMM = 0x07   # an OS that saves no AVX-512 state
@@ -389,8 +392,10 @@ def pack_struct(layout, values):
 
 
 def child_main():
-    """``python tests/emulator.py MODEL SO_PATH``: detection and an FP16 kernel on another CPU model,
-    printed as ``key=value`` lines (run in a child process: one emulated CPU per process)."""
+    """``python tests/emulator.py MODEL SO_PATH``: detection, and one conversion kernel of every
+    vector row, on another CPU model, printed as ``key=value`` lines (run in a child process: one
+    emulated CPU per process): ``features_zmm`` / ``select_zmm`` (and ``_ymm``: an OS that saves
+    no ZMM state), ``kernel_<row>=ran`` or the guest fault."""
     model, so_path = sys.argv[1], sys.argv[2]
     # the package that holds SO_PATH, whether installed or built in place
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(so_path))))
@@ -401,11 +406,14 @@ def child_main():
         feats = g.call(g.guest_address(info["kv_cpu_features"]), xcr0=xcr0)
         print("features_%s=%d" % (name, feats))
         print("select_%s=%d" % (name, g.call(g.guest_address(info["kv_select_isa"]), feats, xcr0=xcr0)))
-    try:
-        g.call(g.guest_address(info["rows"]["avx512fp16"]["f16_to_f32"]), g.alloc(64), g.alloc(64), 16)
-        print("fp16_kernel=ran")
-    except EmuError as e:
-        print("fp16_kernel=%s" % e)
+    for row in info["rows"]:
+        if row == "scalar":
+            continue
+        try:
+            g.call(g.guest_address(info["rows"][row]["f16_to_f32"]), g.alloc(64), g.alloc(64), 16)
+            print("kernel_%s=ran" % row)
+        except EmuError as e:
+            print("kernel_%s=%s" % (row, e))
 
 
 if __name__ == "__main__":

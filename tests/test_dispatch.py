@@ -57,13 +57,42 @@ def test_detection_agrees_with_the_kernel():
     if not flags:
         pytest.skip("no /proc/cpuinfo on this system")
     feats = set(kvsimd.cpu_features())
-    for name in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"):
+    for name in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"):
         assert (name in feats) == (name in flags), name
     assert ("avx512fp16" in feats) == ("avx512_fp16" in flags)
     assert ("avx512vnni" in feats) == ("avx512_vnni" in flags)
     supported = kvsimd.isa_info()["supported"]
     assert ("avx2" in supported) == ({"avx2", "fma", "f16c"} <= flags)
-    assert ("avx512fp16" in supported) == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_fp16"} <= flags)
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    assert ("avx512" in supported) == (avx512 <= flags)
+    assert ("avx512fp16" in supported) == (avx512 | {"avx512_fp16"} <= flags)
+
+
+def test_select_isa_with_synthetic_feature_masks():
+    """kv_select_isa (the table of isa_rows.def) on feature masks no CPU here has: the last row
+    whose required bits the mask covers.  cpu.c sets a row's composite bit only when every part
+    is there (avx512: the avx2 features + AVX-512 F/BW/VL/DQ/VNNI + ZMM state), so a part alone
+    (AVX-512F without VNNI, say) selects nothing beyond avx2."""
+    import ctypes
+
+    from kvsimd import _kvsimd
+    info = _kvsimd._kernel_addresses()
+    select = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint32)(info["kv_select_isa"])
+    bits, idx = info["feature_bits"], info["isa_index"]
+    parts = {name: bit for name, bit in _kvsimd._FEATURE_BITS}
+    every_part = 0
+    for bit in parts.values():
+        every_part |= bit
+    assert select(0) == idx["scalar"]
+    assert select(every_part) == idx["scalar"]         # parts, no composite: nothing but scalar
+    assert select(bits["avx2"]) == idx["avx2"]
+    assert select(bits["avx2"] | every_part) == idx["avx2"]
+    assert select(bits["avx512"]) == idx["scalar"]     # the avx512 row needs the avx2 features too
+    assert select(bits["avx2"] | bits["avx512"]) == idx["avx512"]
+    assert select(bits["avx2"] | bits["avx512fp16"]) == idx["avx2"]   # FP16 alone does not make a row
+    assert select(bits["avx2"] | bits["avx512"] | bits["avx512fp16"]) == idx["avx512fp16"]
+    assert select(0xFFFFFFFF) == len(ALL) - 1
+    assert ALL.index("avx2") < ALL.index("avx512") < ALL.index("avx512fp16")
 
 
 def test_default_choice_is_the_best_supported():
@@ -109,10 +138,10 @@ def test_use_isa_switches_and_restores():
         assert kvsimd.active_isa() == before
 
 
-@pytest.mark.parametrize("name", ["nope", "avx512fp16"])
+@pytest.mark.parametrize("name", ["nope", "avx512", "avx512fp16"])
 def test_use_isa_rejects_bad_names(name):
     if name in NATIVE_ISAS:
-        pytest.skip("this CPU runs avx512fp16 natively")
+        pytest.skip("this CPU runs %s natively" % name)
     before = kvsimd.active_isa()
     with pytest.raises(KVSimdISAError, match="compiled: .*supported on this CPU"):
         with use_isa(name):

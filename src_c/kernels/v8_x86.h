@@ -1,6 +1,6 @@
 /* v8_x86.h - the 8-lane forms of the int8-activation product (gemv_x8.inc.h) on the x86 rows:
  * 256-bit registers, lane c = weight column c.  v8b: 32 bytes (4 per lane), v8i: 8 int32,
- * v8f: 8 floats.  The avx512fp16 row (compiled with VNNI) sums u8 x s8 products with VPDPBUSD;
+ * v8f: 8 floats.  The avx512 and avx512fp16 rows (compiled with VNNI) sum u8 x s8 products with VPDPBUSD;
  * avx2 with VPMADDUBSW + VPMADDWD, whose 16-bit pair sums must not saturate: unsigned bytes
  * <= 128 times signed ones in [-127, 127] (2 * 128 * 127 < 2^15), which is what the decoders
  * give it. */

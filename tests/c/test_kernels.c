@@ -183,14 +183,19 @@ static void test_dispatch(void)
     char msg[256];
     CHECK(kv_select_isa(0) == KV_ISA_SCALAR, "no features -> scalar");
     CHECK(kv_select_isa(KV_FEAT_AVX2) == KV_ISA_AVX2, "avx2 features -> avx2");
-    const int best = kv_isa_compiled(KV_ISA_AVX512FP16) ? KV_ISA_AVX512FP16 : KV_ISA_AVX2;
-    CHECK(kv_select_isa(KV_FEAT_AVX2 | KV_FEAT_AVX512FP16) == best, "avx512fp16 features -> best compiled");
+    const int best512 = kv_isa_compiled(KV_ISA_AVX512) ? KV_ISA_AVX512 : KV_ISA_AVX2;
+    CHECK(kv_select_isa(KV_FEAT_AVX2 | KV_FEAT_AVX512) == best512, "avx512 features -> best compiled");
+    const int best = kv_isa_compiled(KV_ISA_AVX512FP16) ? KV_ISA_AVX512FP16 : best512;
+    CHECK(kv_select_isa(KV_FEAT_AVX2 | KV_FEAT_AVX512 | KV_FEAT_AVX512FP16) == best, "avx512fp16 features -> best compiled");
+    CHECK(kv_select_isa(KV_FEAT_AVX2 | KV_FEAT_AVX512FP16) == KV_ISA_AVX2, "FP16 without the avx512 row's features");
     CHECK(kv_set_isa("nonsense", 1, msg, sizeof msg) == KV_ERR_ISA, "unknown name accepted");
     CHECK(strstr(msg, "unknown ISA 'nonsense'") != NULL, "message: %s", msg);
     CHECK(kv_set_isa("scalar", 1, msg, sizeof msg) == KV_OK && kv_active_isa() == KV_ISA_SCALAR && kv_forced(), "scalar not settable");
     const uint32_t f = kv_cpu_features();
     CHECK(!(f & KV_FEAT_AVX2) || (f & KV_FEAT_OS_YMM), "AVX2 usable without OS YMM state");
-    CHECK(!(f & KV_FEAT_AVX512FP16) || (f & KV_FEAT_OS_ZMM), "AVX512 usable without OS ZMM state");
+    CHECK(!(f & KV_FEAT_AVX512) || (f & KV_FEAT_OS_ZMM), "AVX512 usable without OS ZMM state");
+    CHECK(!(f & KV_FEAT_AVX512) || (f & KV_FEAT_AVX512VNNI), "avx512 row usable without VNNI");
+    CHECK(!(f & KV_FEAT_AVX512FP16) || (f & KV_FEAT_AVX512), "AVX512-FP16 usable without the avx512 row's features");
 }
 
 /* Sizes from caller integers are checked before use: no product wraps. */

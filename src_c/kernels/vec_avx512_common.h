@@ -1,0 +1,177 @@
+/* vec_avx512_common.h - the part of the vector layer both AVX-512 rows share (avx512 and
+ * avx512fp16): 16 floats per vector, AVX-512 F/BW/VL code only, plus the int8 products of
+ * v8_x86.h (VPDPBUSD: both rows are compiled with VNNI).
+ *
+ * A row's vec_<isa>.h defines KV_ISA and kv_widen16 (16 halves -> 16 floats, however its ISA
+ * does it), includes this file, then adds what is its own (kv_half, vf_half; complex fp16 on
+ * avx512fp16).  Everything here must stay freestanding (no libc): the tests run both rows'
+ * machine code in an instruction-level emulator, where a libc call would fault.
+ */
+#ifndef KV_VEC_AVX512_COMMON_H
+#define KV_VEC_AVX512_COMMON_H
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__)
+#error "vec_avx512_common.h needs -mavx512f -mavx512bw -mavx512vl -mavx512vnni"
+#endif
+#ifndef KV_ISA
+#error "include a row's vec_<isa>.h, which defines KV_ISA and kv_widen16 first"
+#endif
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fp16_soft.h"
+
+#define KV_W 16
+#define KV_B 16
+#define KV_GS 8
+#define KV_ACC 16
+
+typedef __m512 vf;
+
+static inline __mmask16 kv_m16(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFFu : ((1u << n) - 1u)); }
+static inline __mmask32 kv_m32(int64_t n) { return (__mmask32)(n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u)); }
+
+/* upper 256 bits of a (AVX512F only: extractf32x8 would need AVX512DQ) */
+static inline __m256 kv_hi256(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_load_part(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(kv_m16(n), p); }
+static inline void vf_store_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, kv_m16(n), v); }
+
+/* 16 halves widened to 16 floats by the row's kv_widen16 */
+static inline vf vf_load_h(const uint16_t *p) { return kv_widen16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return kv_widen16(_mm256_maskz_loadu_epi16(kv_m16(n), p)); }
+static inline void vf_store_h(uint16_t *p, vf v)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n)
+{
+    _mm256_mask_storeu_epi16(p, kv_m16(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* NumPy-identical conversions: hardware quiets NaNs, NumPy does not; patch NaN lanes. */
+static inline void vf_store_h_exact(uint16_t *p, vf v)
+{
+    vf_store_h(p, v);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, v);
+        for (int i = 0; i < 16; i++)
+            if (nan >> i & 1)
+                p[i] = kv_f2h_soft(tmp[i]);
+    }
+}
+static inline vf vf_load_h_exact(const uint16_t *p)
+{
+    vf v = vf_load_h(p);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, v);
+        for (int i = 0; i < 16; i++)
+            if (nan >> i & 1)
+                tmp[i] = kv_h2f_soft(p[i]);
+        v = _mm512_loadu_ps(tmp);
+    }
+    return v;
+}
+
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+/* lane-wise a < b ? x : y (false for NaN lanes) */
+static inline vf vf_select_lt(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
+static inline float vf_hmax(vf a)
+{
+    __m256 x = _mm256_max_ps(_mm512_castps512_ps256(a), kv_hi256(a));
+    __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+    y = _mm_max_ss(y, _mm_movehdup_ps(y));
+    return _mm_cvtss_f32(y);
+}
+static inline float vf_hsum(vf a)
+{
+    __m256 x = _mm256_add_ps(_mm512_castps512_ps256(a), kv_hi256(a));
+    __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    y = _mm_add_ps(y, _mm_movehl_ps(y, y));
+    y = _mm_add_ss(y, _mm_movehdup_ps(y));
+    return _mm_cvtss_f32(y);
+}
+static inline float vf_first(vf a) { return _mm512_cvtss_f32(a); }
+static inline vf vf_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_pow2i(vf n)
+{
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+
+/* out[j] = sum of the 16 lanes of a[j], for 16 vectors at once (a transposing add tree). */
+static inline void vf_reduce_block(const vf *a, float *out)
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) {   /* 256-bit half 0: item 2i, half 1: item 2i+1 */
+        __m512 x = a[2 * i], y = a[2 * i + 1];
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; i++) {   /* 128-bit lane k: item 4i+k */
+        __m512 x = b[2 * i], y = b[2 * i + 1];
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int i = 0; i < 2; i++) {   /* lane k: [X_a, Y_a, X_b, Y_b], X = item 8i+k, Y = item 8i+4+k */
+        __m512 x = c[2 * i], y = c[2 * i + 1];
+        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    /* lane k: [item k, item 4+k, item 8+k, item 12+k] */
+    __m512d x = _mm512_castps_pd(d[0]), y = _mm512_castps_pd(d[1]);
+    __m512 e = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    /* position 4k+s holds item 4s+k */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, e));
+}
+
+static inline vf vf_swap_pairs(vf x) { return _mm512_permute_ps(x, 0xB1); }
+
+/* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
+#define KV_VREGS 32   /* vector registers (gemv.inc.h sizes its register tiles by it) */
+typedef __m512i vi;
+static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_and(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_shr(vi a, int s) { return _mm512_srli_epi32(a, (unsigned)s); }
+static inline vi vi_shl(vi a, int s) { return _mm512_slli_epi32(a, (unsigned)s); }
+static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_andv(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vi_srlv(vi a, vi n) { return _mm512_srlv_epi32(a, n); }
+/* lane l: p16[idx[l]], or 0 where idx[l] < 0 (p16: 16 readable bytes; idx: KV_W entries) */
+static inline vi vi_gather_u8(const uint8_t *p16, const int8_t *idx)
+{
+    const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p16), _mm_loadu_si128((const __m128i *)idx));
+    return _mm512_cvtepu8_epi32(b);
+}
+static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+/* lane l: t[idx[l] mod 16] (VPERMPS reads the low 4 bits of each index) */
+#define KV_HAVE_LUT16 1
+static inline vf vf_lut16(vf t, vi idx) { return _mm512_permutexvar_ps(idx, t); }
+static inline vf vf_iota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* lane l: (t0, t1)[idx[l] mod 32] (VPERMT2PS reads the low 5 bits) */
+static inline vf vf_lut32(vf t0, vf t1, vi idx) { return _mm512_permutex2var_ps(t0, idx, t1); }
+static inline vf vf_load_bf16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#include "v8_x86.h"   /* the int8-activation product's 8-lane forms */
+
+#endif
