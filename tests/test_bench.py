@@ -64,6 +64,14 @@ def test_subcommand_quick_json(tmp_path, sub):
         assert {"kvsimd", "numpy", "torch-sdpa"} <= impls
         assert {r["isa"] for r in rows if r["impl"] == "kvsimd"} == set(doc["header"]["isa"]["supported"])
         assert not HAVE_MATPLOTLIB or (tmp_path / "attention.png").stat().st_size > 1000
+        ceil = [r for r in rows if r["op"] == "attend-ceiling"]
+        assert {r["isa"] for r in ceil} == set(doc["header"]["isa"]["supported"]) and {r["threads"] for r in ceil} >= {1}
+        for r in ceil:
+            G = r["H"] // r["Hkv"]
+            assert r["ceiling_GBps"] == min(r["read_GBps"], r["fma_GFLOPs"] / G)
+            assert r["binds"] == ("memory" if r["read_GBps"] <= r["fma_GFLOPs"] / G else "compute")
+            assert abs(r["pct_ceiling"] - 100 * r["GBps"] / r["ceiling_GBps"]) < 1e-9
+        assert "Against its ceiling" in md
     if sub == "roofline":
         assert {r["kind"] for r in rows} == {"read", "write", "copy", "fma"}
         assert {r["where"] for r in rows if r["kind"] != "fma"} == {"dram", "llc"}

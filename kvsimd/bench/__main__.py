@@ -46,6 +46,12 @@ def _fmt_kernel(r):
                key.split("_")[1]))
 
 
+def _fmt_ceiling(r):
+    return ("attend     %-12s %-8s N=%-7d %-10s threads=%d %9.3f ms %7.2f GB/s  ceiling %.2f GB/s (%s) %5.1f%%"
+            % (r["shape"], r["dtype"], r["N"], r["isa"], r["threads"], r["median_s"] * 1e3, r["GBps"],
+               r["ceiling_GBps"], r["binds"], r["pct_ceiling"]))
+
+
 def run_roofline(args, roof):
     rows = common.roofline_table(size=(256 << 20) if args.quick else (1 << 30), repeat=args.repeat or 3)
     for r in rows:
@@ -72,6 +78,13 @@ def _kernel_section(args, roof, isas, op):
         rows = kernels.bench_attention(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
         peers = kernels.bench_peers("attend", shapes, contexts, repeat, roof, threads,
                                     lambda r: print(_fmt_kernel(r), flush=True))
+        # every row and thread count against min(read bandwidth, FMA peak / G); quick: small, one shape
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        peers += kernels.bench_attention_ceiling(
+            isas, cases.CEILING_SHAPES[-1:] if args.quick else cases.CEILING_SHAPES,
+            sorted(set(args.threads or [1, cores])), 3 if args.quick else max(repeat, 7),
+            tokens=4096 if args.quick else None, progress=lambda r: print(_fmt_ceiling(r), flush=True),
+            size=(256 << 20) if args.quick else (1 << 30))
     else:
         rows = kernels.bench_shift(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
         peers = kernels.bench_peers("shift_keys", shapes, contexts, repeat, roof, threads,

@@ -169,15 +169,20 @@ def roofline_table(size=1 << 30, repeat=5, progress=None):
                 if progress:
                     progress(rows[-1])
     for isa in kvsimd.isa_info()["supported"]:
-        flops, secs = _kvsimd._fma_peak(isa, 1000)
-        iters = max(1000, int(1000 * 0.2 / max(secs, 1e-6)))
         for threads in sorted({1, cores}):
-            best = min(_parallel_peak(isa, iters, threads) for _ in range(repeat))
-            rows.append({"kind": "fma", "isa": isa, "threads": threads,
-                         "GFLOPs": flops / 1000 * iters * threads / best / 1e9})
+            rows.append({"kind": "fma", "isa": isa, "threads": threads, "GFLOPs": fma_peak(isa, threads, repeat)})
             if progress:
                 progress(rows[-1])
     return rows
+
+
+def fma_peak(isa, threads, repeat=3):
+    """The fp32 multiply-add throughput of row ``isa`` on ``threads`` concurrent threads, GFLOP/s
+    (best of ``repeat`` runs of about 0.2 s)."""
+    flops, secs = _kvsimd._fma_peak(isa, 1000)
+    iters = max(1000, int(1000 * 0.2 / max(secs, 1e-6)))
+    best = min(_parallel_peak(isa, iters, threads) for _ in range(repeat))
+    return flops / 1000 * iters * threads / best / 1e9
 
 
 def _parallel_peak(isa, iters, threads):

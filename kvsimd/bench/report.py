@@ -93,6 +93,19 @@ def _kernel_md(rows, kind):
     return _table(["shape H/Hkv/D", "N"] + ["%s %s" % c for c in cols] + [ratio], body)
 
 
+def ceiling_md(rows):
+    """Decode attention against min(read bandwidth, FMA peak / G), per row and thread count."""
+    body = [["%s %d/%d/%d" % (r["shape"], r["H"], r["Hkv"], r["D"]), r["H"] // r["Hkv"], r["N"], r["isa"], r["threads"],
+             _f(r["GBps"]), "%s / %s" % (_f(r["read_GBps"]), _f(r["fma_GFLOPs"] / (r["H"] // r["Hkv"]))),
+             "%s (%s)" % (_f(r["pct_ceiling"], 1), r["binds"])] for r in rows]
+    return ("Against its ceiling: a group of G query heads over float16 K/V does G FLOP per byte, so a decode step "
+            "cannot beat min(read bandwidth, FMA peak / G) GB/s of K+V (both measured in the same run; float16, "
+            "beyond the LLC, cold, median of repeats).  Targets on the best row: >= 85% for MHA, G = 8 and MQA, "
+            ">= 75% for GQA 32/8/128 and SmolLM2, on 1 thread and on every core.\n\n"
+            + _table(["shape H/Hkv/D", "G", "N", "row", "threads", "GB/s", "ceilings GB/s: read / FMA peak / G",
+                      "% of the lower (binds)"], body))
+
+
 def _targets_md(rows, kind):
     """The rows the targets are about: fp16, best path, beyond the LLC; % with its interval."""
     key = "pct_%s_roofline" % kind
@@ -427,11 +440,15 @@ def render(doc, quality=None, images=None):
     if "roofline" in res:
         parts += ["### Roofline", roofline_md(res["roofline"])]
     if "attention" in res:
-        parts += _kernel_section(res["attention"], "read", "### Decode attention (`attend`)",
+        ceiling = [r for r in res["attention"] if r["op"] == "attend-ceiling"]
+        parts += _kernel_section([r for r in res["attention"] if r["op"] != "attend-ceiling"], "read",
+                                 "### Decode attention (`attend`)",
                                  "GB/s of K+V read per call, cold caches, 1 thread, median of repeats, K/V arrays "
                                  "64-byte aligned (as a KVCache stores them); in brackets the % of a plain streaming "
                                  "read of the same bytes timed beside it.  Targets beyond the LLC (fp16): "
                                  "MHA >= 80%, GQA >= 70%.")
+        if ceiling:
+            parts += [ceiling_md(ceiling)]
     if "rope" in res:
         parts += _kernel_section(res["rope"], "copy", "### K-cache shift (`shift_keys`, shift-RoPE-K)",
                                  "GB/s read + written (in place), in brackets the % of a plain copy of the same bytes "

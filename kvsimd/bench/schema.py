@@ -12,7 +12,8 @@ Sections and the keys every row has (figures are positive and finite):
 * roofline   -- kind ("read" | "write" | "copy" | "fma"), threads, and GBps (memory: where =
                 "dram" | "llc") or GFLOPs (fma: isa)
 * attention  -- op "attend", impl ("kvsimd" | "numpy" | "torch-sdpa"), shape, H, Hkv, D, N, dtype,
-                median_s, GBps, pct_read_roofline (kvsimd rows: isa)
+                median_s, GBps, pct_read_roofline (kvsimd rows: isa); op "attend-ceiling" (kvsimd, float16,
+                beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling, binds
 * rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
                 median_s, GBps, pct_copy_roofline
 * decode     -- model, impl ("kvsimd" | "transformers" | "weights floor" | "llama.cpp"), context (>= 0),
@@ -47,7 +48,10 @@ SCHEMA_VERSION = 1
 ROW_KEYS = {
     "roofline": {None: ["kind", "threads"]},
     "attention": {None: ["op", "impl", "shape", "H", "Hkv", "D", "N", "dtype", "median_s", "GBps",
-                         "pct_read_roofline"]},
+                         "pct_read_roofline"],
+                  "attend-ceiling": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads",
+                                     "median_s", "GBps", "read_GBps", "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
+                                     "binds"]},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
@@ -68,7 +72,8 @@ ROW_KEYS = {
     "hf": {"hf-decode": ["model", "impl", "context", "threads", "tok_per_s", "tok_per_s_ci95", "steps", "rounds"],
            "hf-sink": ["impl", "generated", "threads", "tok_per_s", "tok_per_s_ci95", "rss_MiB", "cache_bytes"]},
 }
-POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline",
+POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline", "read_GBps",
+            "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
             "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
             "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
             "vs_1_thread", "rounds", "generated", "cache_bytes", "steps"}
