@@ -9,6 +9,7 @@ import tempfile
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_clib import build_clib as _build_clib
 
 BASE_CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function", "-fvisibility=hidden",
                # kernels never call libc (no memcpy/memset from loop idioms), so that the same
@@ -89,7 +90,23 @@ ext = Extension(
     libraries=["m"],
 )
 
+class build_clib(_build_clib):
+    """The kernel rows compiled side by side, one compiler per row and at most one per core: each
+    row is one translation unit of always-inline kernels that takes a minute or more."""
+
+    def build_libraries(self, libraries):
+        jobs = max(1, min(len(libraries), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 1)))
+        if jobs == 1:
+            return super().build_libraries(libraries)
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(jobs) as pool:   # the compiler runs as a subprocess: threads suffice
+            for f in [pool.submit(super(build_clib, self).build_libraries, [lib]) for lib in libraries]:
+                f.result()
+
+
 setup(
+    cmdclass={"build_clib": build_clib},
     libraries=libraries,
     ext_modules=cythonize([ext], compiler_directives=directives,
                           include_path=["kvsimd"]),

@@ -47,6 +47,16 @@ void kv_set_num_threads(int n)
 }
 int kv_get_num_threads(void) { return __atomic_load_n(&kv_threads, __ATOMIC_RELAXED); }
 
+/* this thread's index in the OpenMP team (its slice of the workspace) */
+static inline int thread_id(void)
+{
+#if defined(_OPENMP)
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static int clamp_threads(int threads) { return threads < 1 ? 1 : threads > KV_MAX_THREADS ? KV_MAX_THREADS : threads; }
 
 /* Split-K ("flash decoding"): a single query row has one work item per KV head, so when the
@@ -108,11 +118,7 @@ static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *w
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
 #endif
     for (int64_t i = 0; i < items; i++) {
-#if defined(_OPENMP)
-        const int tid = omp_get_thread_num();
-#else
-        const int tid = 0;
-#endif
+        const int tid = thread_id();
         const int64_t g = i / S, s = i % S;
         kv_attn_params piece = *p;
         piece.part_lo = s == 0 ? 0 : (keys / S * s + keys % S * s / S) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
@@ -170,11 +176,7 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
 #endif
     for (int64_t i = 0; i < items; i++) {
-#if defined(_OPENMP)
-        const int tid = omp_get_thread_num();
-#else
-        const int tid = 0;
-#endif
+        const int tid = thread_id();
         const int64_t g = i % heads, r0 = (tiles - 1 - i / heads) * tile;
         row->attn(p, g, g + 1, r0, r0 + tile < T ? r0 + tile : T, (char *)workspace + (size_t)tid * one);
     }
