@@ -10,6 +10,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_clib import build_clib as _build_clib
+from setuptools.command.build_ext import build_ext as _build_ext
 
 BASE_CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function", "-fvisibility=hidden",
                # kernels never call libc (no memcpy/memset from loop idioms), so that the same
@@ -105,8 +106,21 @@ class build_clib(_build_clib):
                 f.result()
 
 
+class build_ext(_build_ext):
+    """The extension is rebuilt (relinked) whenever a kernel row's archive or a shared header is newer
+    than it: setuptools alone tracks only the extension's own sources."""
+
+    def run(self):
+        libdir = self.get_finalized_command("build_clib").build_clib
+        deps = [os.path.join(libdir, "libkv_%s.a" % isa) for isa in rows]
+        deps += [os.path.join("src_c", f) for f in ("kvsimd.h", "isa_rows.def", "wtypes.def")]
+        for e in self.extensions:
+            e.depends = list(e.depends or []) + [d for d in deps if d not in (e.depends or [])]
+        super().run()
+
+
 setup(
-    cmdclass={"build_clib": build_clib},
+    cmdclass={"build_clib": build_clib, "build_ext": build_ext},
     libraries=libraries,
     ext_modules=cythonize([ext], compiler_directives=directives,
                           include_path=["kvsimd"]),

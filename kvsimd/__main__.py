@@ -59,7 +59,7 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=_integer(1), default=None,
                    help="threads (at most the cores this process may use; more are capped with a warning)")
-    g.add_argument("--cache-dtype", choices=["float16", "float32"], default="float16")
+    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8"], default="float16")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
                    help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
@@ -137,7 +137,8 @@ def _generate(args, stats):
                      "is %d)" % (len(ids), capacity, cfg.max_positions))
     if n_keep >= capacity - 1:
         raise _Usage("--n-keep %d leaves no sliding window in a %d-token cache (see --window)" % (n_keep, capacity))
-    itemsize = 2 if args.cache_dtype == "float16" else 4
+    D = cfg.head_dim        # bytes of one cached row: int8 adds a float32 scale per 32 values
+    row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * -(-D // 32)}[args.cache_dtype]
     stream = tok.stream()
     out = sys.stdout
     # generate() checks its arguments now and prefills at the first next(): statistics from here on
@@ -145,8 +146,8 @@ def _generate(args, stats):
                          top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
                          cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy,
                          lookup=args.lookup)
-    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * itemsize
-                 / 2**20, started=time.perf_counter())
+    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * row_bytes / 2**20,
+                 started=time.perf_counter())
     try:
         for t in gen:
             if stats["n_new"] == 0:
@@ -166,7 +167,7 @@ def _print_stats(args, stats):
         return
     end = stats.get("end") or time.perf_counter()
     first, n = stats.get("first", end), stats["n_new"]
-    print("load %.2f s | prefill %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | KV cache %.1f MiB %s | isa %s"
+    print("load %.2f s | prefill %d tokens, %.1f tok/s | decode %d tokens, %.1f tok/s | KV cache %.4g MiB %s | isa %s"
           % (stats["load_s"], stats["prompt"], stats["prompt"] / max(first - stats["started"], 1e-9), n,
              max(n - 1, 0) / max(end - first, 1e-9), stats["cache_mib"], args.cache_dtype, kvsimd.active_isa()),
           file=sys.stderr)

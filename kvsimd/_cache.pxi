@@ -6,7 +6,7 @@ import threading as _threading
 
 from kvsimd.errors import KVSimdBusyError, KVSimdCapacityError, KVSimdISAError
 
-_DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32)}
+_DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32), "int8": (KV_I8, _I8)}
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
 cdef enum:
     _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
@@ -17,7 +17,11 @@ cdef class _KVStore:
     shares).
 
     Storage is one 64-byte-aligned C block, ``[layer][K|V][sequence][kv head][slot][head_dim]``,
-    so attention reads each (layer, sequence, head) as one contiguous run.  A forward pass
+    so attention reads each (layer, sequence, head) as one contiguous run.  ``dtype`` "float16",
+    "float32" or "int8": an int8 cache also keeps, for every (slot, kv head) row of K and of V, one
+    float32 scale per block of 32 values (value d stands for its int8 value times scale d // 32:
+    :func:`kvsimd.ops.quantize_kv` quantizes, once, as K/V are written; :meth:`key_scales` /
+    :meth:`value_scales` view the scales).  A forward pass
     writes the new tokens' K/V of each layer with :meth:`write` at slots beyond the committed
     length, then :meth:`commit` makes them part of the cache: a pass that fails half-way
     leaves the cache as it was.  Writing past ``capacity`` raises
@@ -52,9 +56,11 @@ cdef class _KVStore:
         except (TypeError, ValueError):
             key = None
         if key not in _DTYPES:
-            raise KVSimdTypeError("dtype must be float16 or float32, got %r" % (dtype,))
+            raise KVSimdTypeError("dtype must be float16, float32 or int8, got %r" % (dtype,))
         self._kv_dtype, self._np_dtype = _DTYPES[key]
         nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(hd) * self._np_dtype.itemsize  # exact: Python ints
+        if self._kv_dtype == KV_I8:   # the block scales (cache.c)
+            nbytes = (nbytes + 63) // 64 * 64 + int(nl) * 2 * int(bt) * int(hkv) * int(cap) * kv_i8_blocks(hd) * 4
         what = ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
                 % (type(self).__name__, nl, hkv, hd, cap, bt, key, nbytes))
         # the storage is zero-filled at once, and the bookkeeping (positions, rotations, token
@@ -167,12 +173,26 @@ cdef class _KVStore:
             raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
         return l
 
+    cdef int _npy(self) noexcept:
+        return (cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_INT8 if self._kv_dtype == KV_I8
+                else cnp.NPY_FLOAT32)
+
     cdef object _block(self, int64_t layer, int which, int64_t seq, bint writeable):
         """[Hkv, capacity, D] NumPy view of one block; its base keeps this cache alive."""
         cdef cnp.npy_intp dims[3]
         dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self.head_dim
-        arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_FLOAT32,
-                                            kv_cache_block(&self.c, layer, which, seq))
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, self._npy(), kv_cache_block(&self.c, layer, which, seq))
+        cnp.set_array_base(arr, self)
+        if not writeable:
+            arr.flags.writeable = False
+        return arr
+
+    cdef object _scale_block(self, int64_t layer, int which, int64_t seq, bint writeable):
+        """[Hkv, capacity, blocks] float32 view of the scales of one block of an int8 cache; its base
+        keeps this cache alive."""
+        cdef cnp.npy_intp dims[3]
+        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, kv_i8_blocks(self.head_dim)
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_FLOAT32, kv_cache_scales(&self.c, layer, which, seq))
         cnp.set_array_base(arr, self)
         if not writeable:
             arr.flags.writeable = False
@@ -194,8 +214,7 @@ cdef class _KVStore:
         if w not in (0, 1):
             raise KVSimdValueError("which must be 0 (keys) or 1 (values), got %d" % w)
         dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, self.head_dim
-        arr = cnp.PyArray_SimpleNewFromData(4, dims, cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_FLOAT32,
-                                            kv_cache_block(&self.c, l, w, 0))
+        arr = cnp.PyArray_SimpleNewFromData(4, dims, self._npy(), kv_cache_block(&self.c, l, w, 0))
         cnp.set_array_base(arr, self)
         arr.flags.writeable = False
         return arr
@@ -211,9 +230,31 @@ cdef class _KVStore:
         l, s = self._layer(layer), self._seq(seq)
         return self._block(l, 1, s, False)[:, :self._len_arg(s, length)]
 
+    cdef int _need_int8(self, str what) except -1:
+        if self._kv_dtype != KV_I8:
+            raise KVSimdTypeError("%s: this cache stores %s, which has no scales (only dtype=\"int8\" caches do)"
+                                  % (what, self._np_dtype))
+        return 0
+
+    def key_scales(self, layer, seq=0, length=None):
+        """Read-only zero-copy view ``[n_kv_heads, length, ceil(head_dim / 32)]`` (float32) of an int8
+        cache's key scales: ``keys(layer)[h, t, d] * key_scales(layer)[h, t, d // 32]`` is the key
+        value it stands for."""
+        self._need_int8("key_scales")
+        l, s = self._layer(layer), self._seq(seq)
+        return self._scale_block(l, 0, s, False)[:, :self._len_arg(s, length)]
+
+    def value_scales(self, layer, seq=0, length=None):
+        """Read-only zero-copy view ``[n_kv_heads, length, ceil(head_dim / 32)]`` (float32) of an int8
+        cache's value scales."""
+        self._need_int8("value_scales")
+        l, s = self._layer(layer), self._seq(seq)
+        return self._scale_block(l, 1, s, False)[:, :self._len_arg(s, length)]
+
     def write(self, layer, k, v, *, seq=0, start=None):
         """Store float32 ``k``, ``v`` ``[n_kv_heads, T, head_dim]`` at slots ``start..start+T-1``
-        (default: right after the committed tokens) of ``layer``; not visible until committed."""
+        (default: right after the committed tokens) of ``layer``; not visible until committed.
+        An int8 cache quantizes each row (:func:`kvsimd.ops.quantize_kv`)."""
         with self._claim():
             l, s = self._layer(layer), self._seq(seq)
             _need_array(k, "k", (_F32,), 3, "[n_kv_heads, T, head_dim]")
@@ -231,13 +272,49 @@ cdef class _KVStore:
             c0, c1 = <size_t>self.c.data, <size_t>self.c.data + self.c.nbytes
             k, v = (_np.array(a) if _addr(a) < c1 and c0 < _addr(a) + <size_t>a.nbytes else a for a in (k, v))
             for which, src in ((0, k), (1, v)):
-                blk = self._block(l, which, s, True)
-                if self._kv_dtype == KV_F16:
-                    for h in range(self.n_kv_heads):
-                        to_float16(src[h], out=blk[h, t0:t0 + T])
-                else:
-                    blk[:, t0:t0 + T] = src
+                self._put_rows(l, which, s, t0, src)
             self._writer = 0
+
+    cdef int _put_rows(self, int64_t l, int which, int64_t s, int64_t t0, src) except -1:
+        """float32 rows src [Hkv, T, D] (validated, C-contiguous, not in this storage) into slots
+        t0.. of one block, in the cache's dtype (the one conversion of written K/V)."""
+        cdef int64_t T = src.shape[1], D = self.head_dim, C = self.capacity, h, nb = kv_i8_blocks(self.head_dim)
+        cdef int8_t *q
+        cdef float *sc
+        cdef const float *x
+        blk = self._block(l, which, s, True)
+        if self._kv_dtype == KV_F16:
+            for h in range(self.n_kv_heads):
+                to_float16(src[h], out=blk[h, t0:t0 + T])
+        elif self._kv_dtype == KV_I8:
+            for h in range(self.n_kv_heads):
+                q = <int8_t *>kv_cache_block(&self.c, l, which, s) + (h * C + t0) * D
+                sc = kv_cache_scales(&self.c, l, which, s) + (h * C + t0) * nb
+                x = <const float *>_ptr(src) + h * T * D
+                with nogil:
+                    kv_quantize_kv(q, D, sc, x, D, T, D)
+        else:
+            blk[:, t0:t0 + T] = src
+        return 0
+
+    def _saved_rows(self, layer, seq, t0, t1):
+        """A copy of slots t0..t1-1 of one layer and sequence as stored: (k, v) or, int8, (k, v, key
+        scales, value scales) -- what _restore_rows puts back bit for bit (a transaction's record)."""
+        l, s = self._layer(layer), self._seq(seq)
+        out = [_np.array(self._block(l, w, s, False)[:, t0:t1]) for w in (0, 1)]
+        if self._kv_dtype == KV_I8:
+            out += [_np.array(self._scale_block(l, w, s, False)[:, t0:t1]) for w in (0, 1)]
+        return tuple(out)
+
+    def _restore_rows(self, layer, seq, t0, rows):
+        with self._claim():
+            l, s = self._layer(layer), self._seq(seq)
+            for w in (0, 1):
+                blk = self._block(l, w, s, True)
+                blk[:, t0:t0 + rows[w].shape[1]] = rows[w]
+                if self._kv_dtype == KV_I8:
+                    sb = self._scale_block(l, w, s, True)
+                    sb[:, t0:t0 + rows[w].shape[1]] = rows[2 + w]
 
     def commit(self, n, seq=0):
         """Make ``n`` written tokens of sequence ``seq`` part of the cache."""
@@ -324,7 +401,8 @@ cdef class _KVStore:
             rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
             _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
                        kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), alibi, NULL,
-                       <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, cap, self._kv_dtype)
+                       <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, cap, self._kv_dtype,
+                       1, 0, 0, 0, 0, kv_cache_scales(&self.c, l, 0, s), kv_cache_scales(&self.c, l, 1, s))
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)
@@ -805,11 +883,13 @@ cdef class KVCache(_KVStore):
     cdef int _shift(self, int64_t s, int64_t t0, int64_t t1, int64_t delta, RopeSpec rope) except -1:
         cdef kv_status rc
         cdef void *kp
+        cdef float *ksp
         cdef int64_t layer
         for layer in range(self.n_layers):
             kp = kv_cache_block(&self.c, layer, 0, s)
+            ksp = kv_cache_scales(&self.c, layer, 0, s)
             with nogil:
-                rc = kv_shift_keys(kp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta,
+                rc = kv_shift_keys(kp, ksp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta,
                                    rope.inv, rope.st, rope.rotary_dim, t0, t1)
             _check_status(rc, "shift_range")
         return 0
@@ -905,8 +985,7 @@ cdef class _Tx:
     cdef save_kv(self, int64_t b, int64_t t0, int64_t t1):
         k = self.cache
         for l in range(k.n_layers):
-            self.kv.append((l, b, t0, _np.array(k.keys(l, b, length=t1)[:, t0:t1]),
-                            _np.array(k.values(l, b, length=t1)[:, t0:t1])))
+            self.kv.append((l, b, t0, k._saved_rows(l, b, t0, t1)))
 
     def restore(self):
         """Put everything back.  A Ctrl-C (SIGINT) arriving meanwhile is held until the cache is
@@ -933,8 +1012,8 @@ cdef class _Tx:
 
     def _restore(self):
         c = self.cache
-        for l, b, t0, k, v in reversed(self.kv):      # fp16 -> fp32 -> fp16 is exact
-            c.write(l, k.astype(_F32), v.astype(_F32), seq=b, start=t0)
+        for l, b, t0, rows in reversed(self.kv):      # as stored: bit for bit
+            c._restore_rows(l, b, t0, rows)
         # newest record first, so the oldest value of each slot is the one left (a row may be
         # saved after a step changed a slot of it: a truncate in the transaction)
         for b, slot, p, r in reversed(self.cells):

@@ -1,5 +1,5 @@
 # The C contract (src_c/kvsimd.h), and nothing else.
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "kvsimd.h" nogil:
@@ -14,6 +14,7 @@ cdef extern from "kvsimd.h" nogil:
     ctypedef enum kv_dtype:
         KV_F32
         KV_F16
+        KV_I8
 
     ctypedef enum kv_rope_style:
         KV_ROPE_GPTJ
@@ -49,6 +50,10 @@ cdef extern from "kvsimd.h" nogil:
         float scale
         float softcap
         int32_t dtype
+        int64_t part_lo, part_hi
+        float *part_ml
+        const float *k_scale
+        const float *v_scale
 
     ctypedef struct kv_rot_params:
         void *x
@@ -78,6 +83,10 @@ cdef extern from "kvsimd.h" nogil:
     int64_t kv_x8_bytes(int t, int64_t rows, int64_t k) noexcept
     kv_status kv_repack_x8(int t, void *dst, const void *src, int64_t rows, int64_t row_bytes) noexcept nogil
     void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs) noexcept nogil
+    void kv_quantize_kv(int8_t *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
+                        int64_t D) noexcept nogil
+    int64_t kv_i8_blocks(int64_t D) noexcept nogil
+    int KV_I8_BLOCK
     int64_t KV_XQ_ROW_BYTES(int64_t k) noexcept nogil
 
     ctypedef struct kv_field:
@@ -137,7 +146,7 @@ cdef extern from "kvsimd.h" nogil:
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, const double *inv, double scale, kv_rope_style style,
                             int64_t rotary_dim) noexcept
-    kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
+    kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
                             const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
                             int64_t stop) noexcept
     void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs,
@@ -157,6 +166,7 @@ cdef extern from "kvsimd.h" nogil:
 
     ctypedef struct kv_cache:
         void *data
+        float *scales
         size_t nbytes
         int64_t n_layers, batch, n_kv_heads, capacity, head_dim
         kv_dtype dtype
@@ -165,3 +175,4 @@ cdef extern from "kvsimd.h" nogil:
                               int64_t capacity, int64_t head_dim, kv_dtype dtype) noexcept
     void kv_cache_destroy(kv_cache *c) noexcept
     void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq) noexcept
+    float *kv_cache_scales(const kv_cache *c, int64_t layer, int which, int64_t seq) noexcept

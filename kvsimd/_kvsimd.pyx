@@ -3,7 +3,7 @@
 
 One extension module holds all C code, so there is exactly one dispatch table per process."""
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrtf, expf, erff, tanhf
 from cpython.pythread cimport PyThread_get_thread_ident

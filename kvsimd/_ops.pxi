@@ -2,11 +2,14 @@
 
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
-           ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None):
+           ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None, k_scale=None,
+           v_scale=None):
     """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
-    k, v: float16 or float32 ``[Hkv, N, D]`` (same dtype); H a multiple of
+    k, v: float16, float32 or int8 ``[Hkv, N, D]`` (same dtype; int8 with their float32 block
+    scales ``k_scale``, ``v_scale`` ``[Hkv, N, ceil(D / 32)]``: ``k[g, t, d]`` stands for
+    ``k[g, t, d] * k_scale[g, t, d // 32]``, see :func:`quantize_kv`); H a multiple of
     Hkv (GQA/MQA: query head h uses KV head ``h // (H // Hkv)``).  ``scale`` defaults to
     ``1/sqrt(D)``.  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
@@ -32,12 +35,14 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
         raise KVSimdValueError("q must be 2-D [H, D] or 3-D [T, H, D], got shape %s" % (q.shape,))
-    _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]")
-    _need_array(v, "v", _KV_DTYPES, 3, "[Hkv, N, D]")
+    _need_array(k, "k", _KV_STORED, 3, "[Hkv, N, D]")
+    _need_array(v, "v", _KV_STORED, 3, "[Hkv, N, D]")
     if k.dtype != v.dtype:
         raise KVSimdTypeError("k and v must have the same dtype, got %s and %s" % (k.dtype, v.dtype))
     if k.shape != v.shape:
         raise KVSimdValueError("k and v must have the same shape, got %s and %s" % (k.shape, v.shape))
+    k_scale = _need_block_scales(k, k_scale, "k", "k_scale")
+    v_scale = _need_block_scales(v, v_scale, "v", "v_scale")
     cdef bint rows = q.ndim == 3
     cdef int64_t T = q.shape[0] if rows else 1
     cdef int64_t H = q.shape[q.ndim - 2], D = q.shape[q.ndim - 1], Hkv = k.shape[0], N = k.shape[1]
@@ -93,7 +98,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     else:
         _need_array(out, "out", (_F32,), q.ndim, "(q's shape)", writeable=True, shape=q.shape)
         _need_no_overlap(out, "out", (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                                      ("key_positions", key_positions), ("q_alt", q_alt)))
+                                      ("key_positions", key_positions), ("q_alt", q_alt), ("k_scale", k_scale),
+                                      ("v_scale", v_scale)))
     if ranges is not None:
         rng = _np.array(_key_ranges(ranges, N, qpos, False), dtype=_np.int64).reshape(-1, 4)
         if q_alt is None and rng[:, 0].any():
@@ -123,8 +129,9 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ws = _workspace(H, Hkv, D, nt)
     cdef void *wsp = _aligned64(ws)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
-               <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap,
-               KV_F16 if k.dtype == _F16 else KV_F32, T, H * D, H * D, cend, win)
+               <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
+               <const float *>_ptr(k_scale) if k_scale is not None else NULL,
+               <const float *>_ptr(v_scale) if v_scale is not None else NULL)
     with nogil:
         kv_attend(&p, wsp, nt)
     return out
@@ -161,19 +168,28 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, in
     _check_status(s, "apply_rope")
 
 
-def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None):
+def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None,
+               k_scale=None):
     """Rotate an already-RoPE'd cache ``k`` (float16 or float32 ``[Hkv, N, D]``) in place, as if
     tokens ``start..stop-1`` had moved by the integer ``delta`` positions (negative after a discard).
+    An int8 ``k`` comes with its float32 block scales ``k_scale`` ``[Hkv, N, ceil(D / 32)]``
+    (rewritten too): each row is widened, rotated in fp32 and quantized again
+    (:func:`quantize_kv`), which adds at most half a step of the new scale per component
+    (:func:`kvsimd.bounds.int8_shift_bound`).
 
     Same pairing and frequencies (``inv_freq``) as :func:`apply_rope`, and no attention factor:
     a key rotated with one already carries it, and the shift only turns it.  The angle comes from
     the integer delta in double precision and each call adds at most one
     :func:`kvsimd.bounds.rope_bound` of rounding, so ``apply_rope`` at p then ``shift_keys(delta)``
     equals ``apply_rope`` at ``p + delta`` up to rounding."""
-    _need_array(k, "k", _KV_DTYPES, 3, "[Hkv, N, D]", writeable=True)
+    _need_array(k, "k", _KV_STORED, 3, "[Hkv, N, D]", writeable=True)
     cdef int64_t H = k.shape[0], N = k.shape[1], D = k.shape[2]
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("k is empty (shape %s)" % (k.shape,))
+    k_scale = _need_block_scales(k, k_scale, "k", "k_scale")
+    if k_scale is not None:
+        _need_array(k_scale, "k_scale", (_F32,), 3, "[Hkv, N, blocks]", writeable=True)
+        _need_no_overlap(k_scale, "k_scale", (("k", k),))
     cdef RopeSpec spec = RopeSpec(theta, style, rotary_dim, D, inv_freq)
     d = _need_pos(delta, "delta")
     t0 = _need_int(start, "start")
@@ -183,12 +199,34 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
     cdef const double *inv = spec.inv
     cdef kv_rope_style cst = spec.st
     cdef int64_t crd = spec.rotary_dim, cd = d, c0 = t0, c1 = t1
-    cdef kv_dtype dt = KV_F16 if k.dtype == _F16 else KV_F32
+    cdef kv_dtype dt = _kv_code(k)
     cdef void *kp = _ptr(k)
+    cdef float *ksp = <float *>_ptr(k_scale) if k_scale is not None else NULL
     cdef kv_status s
     with nogil:
-        s = kv_shift_keys(kp, dt, H, N, D, cd, inv, cst, crd, c0, c1)
+        s = kv_shift_keys(kp, ksp, dt, H, N, D, cd, inv, cst, crd, c0, c1)
     _check_status(s, "shift_keys")
+
+
+def quantize_kv(x):
+    """Quantize float32 ``x`` (any shape ``[..., D]``) to int8 as an int8 KV cache stores K and V:
+    each row of the last axis in blocks of 32 values (the last one shorter when D is not a
+    multiple), one float32 scale per block.  Returns ``(q, scale)``, int8 ``x.shape`` and float32
+    ``x.shape[:-1] + (ceil(D / 32),)``, with ``scale = max |block| / 127`` and ``q = block / scale``
+    rounded to nearest (ties to even): ``|x - q * scale| <= scale / 2``.  A block holding NaN or
+    infinity gets scale NaN (and q 0), so it reads as NaN."""
+    _need_array(x, "x", (_F32,), -1, "[..., D]")
+    if x.ndim < 1 or x.shape[x.ndim - 1] < 1:
+        raise KVSimdValueError("x must have a non-empty last axis, got shape %s" % (x.shape,))
+    cdef int64_t D = x.shape[x.ndim - 1], n = x.size // D
+    q = _np.empty(x.shape, dtype=_I8)
+    scale = _np.empty(x.shape[:-1] + (kv_i8_blocks(D),), dtype=_F32)
+    cdef int8_t *qp = <int8_t *>_ptr(q)
+    cdef float *sp = <float *>_ptr(scale)
+    cdef const float *xp = <const float *>_ptr(x)
+    with nogil:
+        kv_quantize_kv(qp, D, sp, xp, D, n, D)
+    return q, scale
 
 
 def _convert_out(x, out, dtype):

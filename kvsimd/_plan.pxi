@@ -240,7 +240,11 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef void *wsp = _aligned64(plan.ws)
     cdef char *kc
     cdef char *vc
-    cdef size_t es = 2 if store._kv_dtype == KV_F16 else 4
+    cdef float *ksc
+    cdef float *vsc
+    cdef kv_dtype dt = store._kv_dtype
+    cdef int64_t nsb = kv_i8_blocks(D)    # int8: scales per row
+    cdef size_t es = 2 if dt == KV_F16 else 1 if dt == KV_I8 else 4
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
     store._acquire()
@@ -262,9 +266,16 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                     kv_rotate_rows(krow, KV_F32, Hkv, 1, D, csp + 2 * r * rd, st, rd, 0, 1)
                 kc = <char *>kv_cache_block(&store.c, lb, 0, sqp[r])
                 vc = <char *>kv_cache_block(&store.c, lb, 1, sqp[r])
+                ksc = kv_cache_scales(&store.c, lb, 0, sqp[r])
+                vsc = kv_cache_scales(&store.c, lb, 1, sqp[r])
                 slot = slp[r]
                 for h in range(Hkv):
-                    if es == 2:
+                    if dt == KV_I8:
+                        kv_quantize_kv(<int8_t *>(kc + (h * C + slot) * D), D, ksc + (h * C + slot) * nsb, krow + h * D,
+                                       D, 1, D)
+                        kv_quantize_kv(<int8_t *>(vc + (h * C + slot) * D), D, vsc + (h * C + slot) * nsb, vrow + h * D,
+                                       D, 1, D)
+                    elif es == 2:
                         kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
                         kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)
                     else:
@@ -277,15 +288,16 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 sq = sqp[0]
                 _attn_init(&p, qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
                            out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
-                           H, Hkv, D, C, plan.scale, plan.softcap, store._kv_dtype, R, width, HD, plan.band_end,
-                           window)
+                           H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
+                           window, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq))
                 kv_attend(&p, wsp, nt)
             for r in range(R if not (plan.band and R > 1) else 0):
                 sq = sqp[r]
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
-                           rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, store._kv_dtype)
+                           rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, dt,
+                           1, 0, 0, 0, 0, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq))
                 kv_attend(&p, wsp, nt)
         if lb == plan.done:
             plan.done += 1
@@ -321,7 +333,8 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                 rng[2] = lens[s]
                 _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
                            kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
-                           H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype)
+                           H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype,
+                           1, 0, 0, 0, 0, kv_cache_scales(&cross.c, l, 0, s), kv_cache_scales(&cross.c, l, 1, s))
                 kv_attend(&p, wsp, nt)
     finally:
         cross._release()

@@ -14,7 +14,9 @@ from kvsimd.errors import (KVSimdCapacityError, KVSimdISAError, KVSimdMemoryErro
 _F16 = _np.dtype(_np.float16)
 _F32 = _np.dtype(_np.float32)
 _I64 = _np.dtype(_np.int64)
+_I8 = _np.dtype(_np.int8)
 _KV_DTYPES = (_F16, _F32)
+_KV_STORED = (_F16, _F32, _I8)   # what attention and shift_keys read: int8 with block scales
 _STYLES = {"gptj": KV_ROPE_GPTJ, "neox": KV_ROPE_NEOX}
 _I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
 _MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kpos cannot overflow int64
@@ -59,6 +61,25 @@ def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False, s
 
 cdef inline size_t _addr(cnp.ndarray a) noexcept:
     return <size_t>cnp.PyArray_DATA(a)
+
+
+cdef kv_dtype _kv_code(a):
+    """The kv_dtype of a validated K/V array (float16, float32 or int8)."""
+    return KV_F16 if a.dtype == _F16 else KV_I8 if a.dtype == _I8 else KV_F32
+
+
+def _need_block_scales(x, scale, str xname, str sname):
+    """The block scales of an int8 ``x`` [H, N, D]: float32 [H, N, ceil(D / 32)], C-contiguous (None
+    for a float ``x``, which has none).  Returns the scales (or None)."""
+    if x.dtype != _I8:
+        if scale is not None:
+            raise KVSimdValueError("%s is %s: %s applies to int8 only" % (xname, x.dtype, sname))
+        return None
+    shape = (x.shape[0], x.shape[1], kv_i8_blocks(x.shape[2]))
+    if scale is None:
+        raise KVSimdValueError("%s is int8: it needs %s, its float32 block scales %s (one per %d values of a row; "
+                               "kvsimd.ops.quantize_kv makes both)" % (xname, sname, shape, KV_I8_BLOCK))
+    return _need_array(scale, sname, (_F32,), 3, "[H, N, blocks]", shape=shape)
 
 
 def _need_no_overlap(out, str oname, inputs):
@@ -378,7 +399,8 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
                             float *out, const float *alibi, const int64_t *key_pos, const int64_t *ranges,
                             int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
                             float softcap, kv_dtype dtype, int64_t T=1, int64_t q_stride=0, int64_t out_stride=0,
-                            int64_t causal_end=0, int64_t window=0) noexcept nogil:
+                            int64_t causal_end=0, int64_t window=0, const float *k_scale=NULL,
+                            const float *v_scale=NULL) noexcept nogil:
     """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows;
     softcap 0: no soft cap, else a value _need_softcap accepted).  T query rows at q + t * q_stride
     (q_alt the same), out + t * out_stride; causal_end > 0: row t reads keys < causal_end + t, and
@@ -395,3 +417,4 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
     p.scale = scale
     p.softcap = softcap
     p.dtype = dtype
+    p.k_scale, p.v_scale = k_scale, v_scale

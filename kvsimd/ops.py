@@ -29,6 +29,6 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
   the per-call bound.  A cache design must bound how many rotations any cached token sees.
 * ``to_float16`` / ``to_float32``: bit-identical to NumPy's casts, NaN payloads included.
 """
-from kvsimd._kvsimd import apply_rope, attend, shift_keys, to_float16, to_float32
+from kvsimd._kvsimd import apply_rope, attend, quantize_kv, shift_keys, to_float16, to_float32
 
-__all__ = ["attend", "apply_rope", "shift_keys", "to_float16", "to_float32"]
+__all__ = ["attend", "apply_rope", "quantize_kv", "shift_keys", "to_float16", "to_float32"]

@@ -283,6 +283,37 @@ def int8_rows(x):
     return (q * step).reshape(np.shape(x))
 
 
+KV_I8_BLOCK = 32   # values per scale of an int8 KV row (kvsimd.h)
+
+
+def quantize_kv(x):
+    """The int8 KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the last
+    axis in blocks of 32 values (the last shorter), ``scale = max |block| / 127`` and
+    ``q = rint(block / scale)`` (ties to even), clipped to +-127; a block with NaN or infinity gets
+    scale NaN and q 0.  Returns (q int8 x.shape, scale float32 x.shape[:-1] + (blocks,))."""
+    x = np.asarray(x, np.float32)
+    D = x.shape[-1]
+    nb = -(-D // KV_I8_BLOCK)
+    pad = np.zeros(x.shape[:-1] + (nb * KV_I8_BLOCK,), np.float32)
+    pad[..., :D] = x
+    b = pad.reshape(x.shape[:-1] + (nb, KV_I8_BLOCK))
+    amax = np.abs(b).max(axis=-1)
+    bad = ~np.isfinite(b).all(axis=-1)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.rint(np.where(scale[..., None] > 0, b / np.where(scale > 0, scale, 1)[..., None], 0))
+    q = np.clip(np.where(bad[..., None], 0, q), -127, 127).astype(np.int8)
+    return q.reshape(pad.shape)[..., :D].copy(), np.where(bad, np.float32(np.nan), scale).astype(np.float32)
+
+
+def dequantize_kv(q, scale):
+    """The float32 values int8 K/V stand for, ``q[d] * scale[d // 32]`` (one float32 rounding):
+    what the attention kernels widen each row to."""
+    q = np.asarray(q)
+    per = np.repeat(np.asarray(scale, np.float32), KV_I8_BLOCK, axis=-1)[..., :q.shape[-1]]
+    return (q.astype(np.float32) * per).astype(np.float32)
+
+
 def _linear(x, w, b=None):
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     if any(getattr(p, "activations", None) == "int8" for p in parts):   # each part sees x its own way
@@ -330,10 +361,11 @@ def _head_norm(cfg, nw, x):
     return norm(cfg, nw, x)
 
 
-def _self_attention(cfg, a, h, positions, window=0, qk=None):
+def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
     """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
     without position terms when ``positions`` is None (the encoder).  ``qk``: the norms of each
-    q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window."""
+    q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window; ``kv``
+    "int8": K (after RoPE) and V read as an int8 cache stores them (:func:`quantize_kv`)."""
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
@@ -349,14 +381,18 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
+    if kv == "int8":
+        k, v = (dequantize_kv(*quantize_kv(x)).astype(np.float64) for x in (k, v))
     scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
     return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
 
-def _cross_attention(cfg, a, h, enc_out):
+def _cross_attention(cfg, a, h, enc_out, kv="float"):
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
+    if kv == "int8":
+        k, v = (dequantize_kv(*quantize_kv(x)).astype(np.float64) for x in (k, v))
     return _linear(_attention(q, k, v), a.wo, a.bo)
 
 
@@ -368,12 +404,13 @@ def _check_layer_rules(cfg, what, cross):
         raise KVSimdValueError("%s.parallel_residual=True with cross-attention is not defined" % what)
 
 
-def layer(cfg, lw, x, positions=None, enc_out=None, window=0):
+def layer(cfg, lw, x, positions=None, enc_out=None, window=0, kv="float"):
     """One float64 layer over the rows ``x [T, d_model]``.  ``positions`` (``[T]``) makes the
     self-attention causal at those positions (RoPE / ALiBi); None makes it bidirectional with no
     position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it.
     ``window`` > 0: each query reads its last ``window`` keys only.  With ``cfg.post_norms`` the
-    attention and FFN outputs are normed (post_norm1, post_norm2) before their residual adds."""
+    attention and FFN outputs are normed (post_norm1, post_norm2) before their residual adds.
+    ``kv="int8"``: the self- and cross-attention read K/V as int8 caches store them."""
     x = np.asarray(x, dtype=np.float64)
     cross = enc_out is not None
     _check_layer_rules(cfg, "cfg", cross)
@@ -382,7 +419,7 @@ def layer(cfg, lw, x, positions=None, enc_out=None, window=0):
     post = getattr(cfg, "post_norms", False)
 
     def attn(h):
-        a = _self_attention(cfg, lw.attn, h, pos, window, qk)
+        a = _self_attention(cfg, lw.attn, h, pos, window, qk, kv)
         return norm(cfg, lw.post_norm1, a) if post else a
 
     def ff(h):
@@ -395,11 +432,11 @@ def layer(cfg, lw, x, positions=None, enc_out=None, window=0):
             return x + a + ff(norm(cfg, lw.norm2, x))
         x = x + a
         if cross:
-            x = x + _cross_attention(cfg, lw.cross, norm(cfg, lw.norm_cross, x), enc_out)
+            x = x + _cross_attention(cfg, lw.cross, norm(cfg, lw.norm_cross, x), enc_out, kv)
         return x + ff(norm(cfg, lw.norm2, x))
     x = norm(cfg, lw.norm1, x + attn(x))
     if cross:
-        x = norm(cfg, lw.norm_cross, x + _cross_attention(cfg, lw.cross, x, enc_out))
+        x = norm(cfg, lw.norm_cross, x + _cross_attention(cfg, lw.cross, x, enc_out, kv))
     return norm(cfg, lw.norm2, x + ffn(cfg, lw.ffn, x))
 
 
@@ -465,8 +502,9 @@ def encode(model, src):
     return x if fn is None else norm(ec, fn, x)
 
 
-def forward(model, tokens, src=None, positions=None):
-    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch.
+def forward(model, tokens, src=None, positions=None, kv="float"):
+    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch (``kv="int8"``:
+    the self-attention K/V quantized as an int8 cache stores them, :func:`quantize_kv`).
 
     ``model``: a decoder (``cfg``, ``embed``, ``layers``, ``final_norm``, ``lm_head``, ``lm_bias``,
     ``pos_embed``, ``embed_norm``), or an encoder-decoder with ``src`` (its source ids, run through
@@ -489,7 +527,7 @@ def forward(model, tokens, src=None, positions=None):
                t, pos, "tokens")
     windows = getattr(cfg, "attn_windows", None) or (0,) * len(model.layers)
     for lw, w in zip(model.layers, windows):
-        x = layer(cfg, lw, x, pos, enc_out, int(w))
+        x = layer(cfg, lw, x, pos, enc_out, int(w), kv)
     fn = _norm_weights(cfg, "final_norm", model.final_norm, "final_norm", "cfg")
     if fn is not None:
         x = norm(cfg, fn, x)

@@ -316,39 +316,55 @@ kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int
     return KV_OK;
 }
 
+/* The one int8 rounding rule (int8 activations and the int8 KV cache): n values into q with one
+   step, max |x| / 127, q = x / step to nearest (ties to even), clamped to +-127; returns the step,
+   NaN (q all 0) when a value is NaN or infinite.  Returns sum(q) in *sum. */
+static float quantize_run(int8_t *q, const float *v, int64_t n, int32_t *sum)
+{
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(v[i]);
+        finite &= a <= FLT_MAX;          /* false for NaN and infinity */
+        amax = a > amax ? a : amax;
+    }
+    *sum = 0;
+    if (!finite) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
+    const float step = amax / 127.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float r = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        q[i] = (int8_t)r;
+        *sum += (int32_t)r;
+    }
+    return step;
+}
+
 void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
 {
     const int64_t nb = k / 32;
     for (int64_t b = 0; b < B; b++) {
         int8_t *q = (int8_t *)xq + b * KV_XQ_ROW_BYTES(k);
         float *d = (float *)(q + k), *s = d + nb;
-        const float *xr = x + b * xs;
         for (int64_t ib = 0; ib < nb; ib++) {
-            const float *v = xr + 32 * ib;
-            float amax = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < 32; i++) {
-                const float a = fabsf(v[i]);
-                finite &= a <= FLT_MAX;          /* false for NaN and infinity */
-                amax = a > amax ? a : amax;
-            }
-            int32_t sum = 0;
-            if (!finite) {
-                d[ib] = s[ib] = NAN;
-                memset(q + 32 * ib, 0, 32);
-                continue;
-            }
-            const float step = amax / 127.0f;
-            for (int i = 0; i < 32; i++) {
-                float r = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
-                r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-                q[32 * ib + i] = (int8_t)r;
-                sum += (int32_t)r;
-            }
-            d[ib] = step;
-            s[ib] = step * (float)sum;
+            int32_t sum;
+            d[ib] = quantize_run(q + 32 * ib, x + b * xs + 32 * ib, 32, &sum);
+            s[ib] = d[ib] * (float)sum;
         }
     }
+}
+
+void kv_quantize_kv(int8_t *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n, int64_t D)
+{
+    const int64_t nb = kv_i8_blocks(D);
+    int32_t sum;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0, d = 0; b < nb; b++, d += KV_I8_BLOCK)
+            scale[r * nb + b] = quantize_run(q + r * qs + d, x + r * xs + d, D - d < KV_I8_BLOCK ? D - d : KV_I8_BLOCK,
+                                             &sum);
 }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 
@@ -391,17 +407,37 @@ kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D
 
 /* A key rotated at p (its attention factor applied then) is moved to p + delta by the rotation
    of delta alone: scale 1, or the factor would be applied again at every shift. */
-kv_status kv_shift_keys(void *k, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta, const double *inv,
-                        kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop)
+kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
+                        const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop)
 {
     if (rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > D || D > KV_MAX_HEAD_DIM)
         return KV_ERR_ARG;
     if (start < 0 || stop > N || start > stop)
         return KV_ERR_POSITION;
+    if (dtype == KV_I8 && !k_scale)
+        return KV_ERR_ARG;
     const int64_t R = rotary_dim / 2;
     float cs[KV_MAX_HEAD_DIM];
     kv_rope_table(cs, (double)delta, inv, R, 1.0);
-    kv_rotate_rows(k, dtype, Hkv, N, D, cs, style, rotary_dim, start, stop);
+    if (dtype != KV_I8) {
+        kv_rotate_rows(k, dtype, Hkv, N, D, cs, style, rotary_dim, start, stop);
+        return KV_OK;
+    }
+    /* int8: SHIFT_ROWS rows at a time widened into buf, rotated there in fp32, quantized back */
+    enum { SHIFT_ROWS = 16 };
+    float buf[SHIFT_ROWS * KV_MAX_HEAD_DIM];
+    const int64_t nb = kv_i8_blocks(D);
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t t = start; t < stop; t += SHIFT_ROWS) {
+            const int64_t n = stop - t < SHIFT_ROWS ? stop - t : SHIFT_ROWS;
+            int8_t *q = (int8_t *)k + (g * N + t) * D;
+            float *sc = k_scale + (g * N + t) * nb;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t d = 0; d < D; d++)
+                    buf[r * D + d] = (float)q[r * D + d] * sc[r * nb + d / KV_I8_BLOCK];
+            kv_rotate_rows(buf, KV_F32, 1, n, D, cs, style, rotary_dim, 0, n);
+            kv_quantize_kv(q, D, sc, buf, D, n, D);
+        }
     return KV_OK;
 }
 

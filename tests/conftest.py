@@ -172,8 +172,9 @@ class EmulatedRow:
 
     def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
                ranges=None, q_alt=None, out=None, softcap=None, causal_offset=None, causal=True, window=None,
-               part=None):
-        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row).  ``part=(lo, hi)``:
+               part=None, k_scale=None, v_scale=None):
+        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row; int8 k, v with
+        their block scales, at odd byte offsets).  ``part=(lo, hi)``:
         one split-K piece, keys lo..hi-1 of the ranges end to end; returns (unnormalized out,
         [T, H, 2] (max, sum))."""
         g = self.guest
@@ -190,15 +191,17 @@ class EmulatedRow:
                           for r in rows_)
         dst = g.put(np.zeros(T * H * D, np.float32), guard=self.GUARD)
         ml = g.put(np.zeros(T * H * 2, np.float32), guard=self.GUARD) if part is not None else 0
+        i8 = k.dtype == np.int8
+        scales = {"k_scale": g.put(k_scale, offset=4), "v_scale": g.put(v_scale, offset=4)} if i8 else {}
         prm = self._pack("kv_attn_params", {
-            "q": g.put(q), "k": g.put(k, offset=2), "v": g.put(v, offset=2), "out": dst,
+            "q": g.put(q), "k": g.put(k, offset=3 if i8 else 2), "v": g.put(v, offset=3 if i8 else 2), "out": dst,
             "alibi": g.put(alibi_slopes) if alibi_slopes is not None else 0,
             "key_pos": g.put(key_positions) if key_positions is not None else 0,
             "q_alt": g.put(q_alt) if q_alt is not None else 0,
             "ranges": g.put(packed), "n_ranges": len(rows_), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
             "T": T, "q_stride": H * D, "out_stride": H * D, "causal_end": cend, "window": window or 0,
             "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
-            "dtype": 1 if k.dtype == np.float16 else 0,
+            "dtype": 2 if i8 else 1 if k.dtype == np.float16 else 0, **scales,
             **({} if part is None else {"part_lo": part[0], "part_hi": part[1], "part_ml": ml})})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
         g.call(self._fn("attn"), g.put(prm), 0, Hkv, 0, T, ws)
@@ -230,9 +233,18 @@ class EmulatedRow:
         self._rotate(x, cs, rd, style, rd)
 
     def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0,
-                   stop=None):
+                   stop=None, k_scale=None):
+        """As ops.shift_keys; int8 k as ops.c does it around the row's rotate kernel: rows widened
+        (q * scale, in float32), rotated by the row, quantized again by the C rule."""
         rd = k.shape[-1] if rotary_dim is None else rotary_dim
-        self._rotate(k, ext._rope_table(float(delta), theta, rd // 2, rd, inv_freq), 0, style, rd, start, stop)
+        cs = ext._rope_table(float(delta), theta, rd // 2, rd, inv_freq)
+        if k.dtype != np.int8:
+            self._rotate(k, cs, 0, style, rd, start, stop)
+            return
+        t1 = k.shape[1] if stop is None else stop
+        x = np.repeat(k_scale[:, start:t1], 32, axis=-1)[..., :k.shape[-1]] * k[:, start:t1]
+        self._rotate(x, cs, 0, style, rd)
+        k[:, start:t1], k_scale[:, start:t1] = ops.quantize_kv(x)
 
     def _convert(self, name, src, dtype):
         g = self.guest

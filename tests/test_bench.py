@@ -72,6 +72,14 @@ def test_subcommand_quick_json(tmp_path, sub):
             assert r["binds"] == ("memory" if r["read_GBps"] <= r["fma_GFLOPs"] / G else "compute")
             assert abs(r["pct_ceiling"] - 100 * r["GBps"] / r["ceiling_GBps"]) < 1e-9
         assert "Against its ceiling" in md
+        i8 = [r for r in rows if r["op"] == "attend-int8"]
+        assert {r["isa"] for r in i8} == set(doc["header"]["isa"]["supported"])
+        for r in i8:
+            nb = -(-r["D"] // 32)
+            assert r["bytes_per_token"] == 2 * r["Hkv"] * (r["D"] + 4 * nb)      # int8 + float32 block scales
+            assert r["fp16_bytes_per_token"] == 2 * r["Hkv"] * r["D"] * 2
+            assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
+        assert "An int8 KV cache" in md
     if sub == "roofline":
         assert {r["kind"] for r in rows} == {"read", "write", "copy", "fma"}
         assert {r["where"] for r in rows if r["kind"] != "fma"} == {"dram", "llc"}

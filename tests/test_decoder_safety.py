@@ -359,9 +359,9 @@ def new_cache_policy_none():
     model().new_cache(policy=None)
 
 
-@case(r"dtype must be float16 or float32, got 'int8'")
-def new_cache_dtype_int8():
-    model().new_cache(dtype="int8")
+@case(r"dtype must be float16, float32 or int8, got 'int16'")
+def new_cache_dtype_int16():
+    model().new_cache(dtype="int16")
 
 
 @case(r"tokens must be a non-empty 1-D sequence of integer token ids, got \[\]")

@@ -68,6 +68,15 @@ def test_greedy_matches_dynamic_cache(family):
         tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype))
         assert torch.equal(tok, ref_tok), (family, dtype)
         assert rel(log, ref_log) <= REFERENCE_BOUNDS[dtype], (family, dtype, rel(log, ref_log))
+    # int8 storage: the tokens and logits of kvsimd's own Decoder with the same weights on an int8
+    # cache (the same quantization rule and kernels; K/V differ by float32 rounding only)
+    tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="int8"))
+    dec = Decoder.from_transformers(m)
+    mine = list(dec.generate(ids[0].tolist(), max_new_tokens=24, cache_dtype="int8"))
+    assert tok[0, ids.shape[1]:].tolist() == mine, family
+    c8 = dec.new_cache(capacity=64, dtype="int8")
+    want = [dec.prefill(ids[0].tolist(), cache=c8)] + [dec.step([t], cache=c8)[0] for t in mine[:-1]]
+    assert rel(log[:, 0], np.array(want)) <= REFERENCE_BOUNDS["int8"], (family, rel(log[:, 0], np.array(want)))
     # the backend over transformers' own DynamicCache (tensors handed in, no kvsimd cache)
     tok, log = run(m, ids, kt.NAME)
     assert torch.equal(tok, ref_tok) and rel(log, ref_log) <= REFERENCE_BOUNDS["float32"]
@@ -131,7 +140,8 @@ def test_sink_cache_equals_kvsimd_decoder_sink_query():
     dec = Decoder.from_transformers(m)
     ids = prompt(8, n=12)
     m.set_attn_implementation(kt.NAME)
-    for dtype in ("float32", "float16"):
+    m.generation_config.eos_token_id = None     # the Decoder's generate does not stop at it either
+    for dtype in ("float32", "float16", "int8"):
         cache = kt.KVSimdSinkCache(m, window=20, n_keep=4, dtype=dtype)
         got = m.generate(ids, max_new_tokens=90, do_sample=False, past_key_values=cache, pad_token_id=0)
         mine = list(dec.generate(ids[0].tolist(), max_new_tokens=90, capacity=24, n_keep=4, policy="sink_query",

@@ -140,11 +140,11 @@ def test_second_interrupt_during_the_rollback_waits_for_it(monkeypatch, policy):
     class SignalCache(KVCache):      # a second SIGINT as the rollback starts restoring K/V
         armed = False
 
-        def write(self, *a, **k):
+        def _restore_rows(self, *a, **k):    # what the rollback puts K/V back with
             if SignalCache.armed:
                 SignalCache.armed = False
                 os.kill(os.getpid(), signal.SIGINT)
-            return KVCache.write(self, *a, **k)
+            return KVCache._restore_rows(self, *a, **k)
 
     dec = random_decoder(n_layers=2)
     cache = SignalCache(2, dec.cfg.n_kv_heads, dec.cfg.head_dim, 12, dtype="float32", policy=policy, n_keep=2)

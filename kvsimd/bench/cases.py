@@ -14,6 +14,14 @@ CEILING_SHAPES = [
     ("smollm2-gqa", 9, 3, 64),      # G = 3
     ("mqa-128", 32, 1, 128),        # G = 32: multi-query attention
 ]
+# the int8 KV cache beside float16 (python -m kvsimd.bench attention)
+INT8_SHAPES = [
+    ("smollm2-gqa", 9, 3, 64),
+    ("llama-gqa", 32, 8, 128),
+    ("mha-128", 32, 32, 128),
+    ("g8-128", 64, 8, 128),
+]
+INT8_CONTEXTS = [8192, 32768]
 CONTEXTS = [512, 2048, 8192, 32768]
 QUICK_CONTEXTS = [512, 2048]
 DTYPES = ["float16", "float32"]

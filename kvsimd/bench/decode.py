@@ -219,8 +219,10 @@ def run(contexts, threads, steps, progress=None, models=None):
 
 # ------------------------------------------------------------------------------ GGUF files, beside llama.cpp
 GGUF_PEERS = ("llama.cpp", "transformers")
-PEER_HINTS = {"llama.cpp": 'pip install -e ".[peers]" (built natively: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install '
-                           '--no-binary llama-cpp-python llama-cpp-python)',
+KV_INT8_PEERS = ("kvsimd-int8", "llama.cpp-q8_0")    # --kv-int8: the quantized caches beside the float16 ones
+_LLAMA_HINT = ('pip install -e ".[peers]" (built natively: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install '
+               '--no-binary llama-cpp-python llama-cpp-python)')
+PEER_HINTS = {"llama.cpp": _LLAMA_HINT, "llama.cpp-q8_0": _LLAMA_HINT,
               "transformers": "pip install transformers 'torch==2.13.0'"}
 
 
@@ -324,7 +326,9 @@ def available_peers(path, n_params, peers):
     out = {}
     for impl in peers:
         try:
-            if impl == "llama.cpp":
+            if impl.startswith("kvsimd"):
+                pass
+            elif impl.startswith("llama.cpp"):
                 import llama_cpp  # noqa: F401
             else:
                 import torch  # noqa: F401

@@ -1,7 +1,9 @@
 """One implementation per process: the workers of the GGUF decode bench (:mod:`.decode`).
 
 ``python -m kvsimd.bench.peers IMPL PATH --n-ctx N`` loads GGUF file PATH with IMPL (``kvsimd``:
-``Decoder.from_gguf``; ``llama.cpp``: ``llama_cpp.Llama`` on the same file, f16 KV cache;
+``Decoder.from_gguf``, float16 KV cache, ``kvsimd-int8`` the same with an int8 cache;
+``llama.cpp``: ``llama_cpp.Llama`` on the same file, f16 KV cache, ``llama.cpp-q8_0`` with q8_0
+K and V (which llama.cpp runs with flash attention only);
 ``transformers``: ``AutoModelForCausalLM.from_pretrained(gguf_file=...)``, float32 weights) and
 answers JSON commands, one per line on stdin, one reply line each on its stdout:
 
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-IMPLS = ("kvsimd", "llama.cpp", "transformers")
+IMPLS = ("kvsimd", "kvsimd-int8", "llama.cpp", "llama.cpp-q8_0", "transformers")
 
 
 def rss_mib():
@@ -46,22 +48,22 @@ def rss_mib():
 
 
 class KVSimdRunner:
-    def __init__(self, path, n_ctx, fill="prefill"):
+    def __init__(self, path, n_ctx, fill="prefill", dtype="float16"):
         import kvsimd
         self.kvsimd = kvsimd
         self.m = kvsimd.Decoder.from_gguf(path)
-        self.n_ctx, self.fill_mode = n_ctx, fill
+        self.n_ctx, self.fill_mode, self.dtype = n_ctx, fill, dtype
         self.cache, self.fill_cache, self.saved, self.context, self.depth, self.next = None, None, None, [], 0, None
 
     def info(self):
-        return {"version": self.kvsimd.__version__, "isa": self.kvsimd.active_isa(), "cache": "float16",
+        return {"version": self.kvsimd.__version__, "isa": self.kvsimd.active_isa(), "cache": self.dtype,
                 "fill": self.fill_mode}
 
     def threads(self, n):
         self.kvsimd.set_num_threads(n)
 
     def prefill(self, tokens):
-        cache = self.m.new_cache(capacity=len(tokens) + 8)
+        cache = self.m.new_cache(capacity=len(tokens) + 8, dtype=self.dtype)
         t0 = time.perf_counter()
         logits = self.m.prefill(tokens, cache=cache)
         dt = time.perf_counter() - t0
@@ -70,37 +72,40 @@ class KVSimdRunner:
     def fill(self, tokens, chunk=512):
         """The context: the prompt prefilled in chunks into a cache kept for it (a context that
         extends the previous one prefills only the new tokens), or with fill="random" random K/V
-        of the same length (decode speed does not depend on the values).  Its K/V are kept
-        (float16) and put into the decode cache at every ``start``."""
+        of the same length (decode speed does not depend on the values).  Its K/V are kept (as
+        the cache stores them) and put into the decode cache at every ``start``."""
         cfg = self.m.cfg
         tokens = list(tokens)
         if self.fill_mode == "random":
             rng = np.random.default_rng(len(tokens))
             t0 = time.perf_counter()
             self.saved = [tuple((rng.standard_normal((cfg.n_kv_heads, len(tokens), cfg.head_dim), dtype=np.float32)
-                                 * 0.5).astype(np.float16) for _ in range(2)) for _ in range(cfg.n_layers)]
+                                 * 0.5) for _ in range(2)) for _ in range(cfg.n_layers)]
             dt, new = time.perf_counter() - t0, []          # nothing prefilled: not a prefill figure
         else:
             if self.fill_cache is None or not self.context or tokens[:len(self.context)] != self.context:
-                self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx), []
+                self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx, dtype=self.dtype), []
             new = tokens[len(self.context):]
             t0 = time.perf_counter()
             for i in range(0, len(new), chunk):
                 self.m.prefill(new[i:i + chunk], cache=self.fill_cache)
             dt = time.perf_counter() - t0
             c = self.fill_cache
-            self.saved = [(np.array(c.keys(layer)), np.array(c.values(layer))) for layer in range(cfg.n_layers)]
+            self.saved = [c._saved_rows(layer, 0, 0, len(tokens)) for layer in range(cfg.n_layers)]
         self.context, self.depth = tokens, len(tokens)
         if self.cache is None:
-            self.cache = self.m.new_cache(capacity=self.n_ctx)
+            self.cache = self.m.new_cache(capacity=self.n_ctx, dtype=self.dtype)
         return {"seconds": dt, "tokens": len(new)}
 
     def start(self, first):
         c = self.cache
         c.reset()
         if self.depth:
-            for layer, (k, v) in enumerate(self.saved):
-                c.write(layer, k.astype(np.float32), v.astype(np.float32))
+            for layer, rows in enumerate(self.saved):
+                if self.fill_mode == "random":
+                    c.write(layer, *rows)
+                else:                               # as stored, bit for bit
+                    c._restore_rows(layer, 0, 0, rows)
             c.commit(self.depth)
         self.next = int(first)
         return {"length": c.length()}
@@ -118,18 +123,20 @@ class KVSimdRunner:
 
 
 class LlamaCppRunner:
-    def __init__(self, path, n_ctx, flash_attn=False):
+    def __init__(self, path, n_ctx, flash_attn=False, kv="f16"):
         import llama_cpp
         self.lc = llama_cpp
-        self.flash_attn = bool(flash_attn)
+        self.kv = kv
+        self.flash_attn = bool(flash_attn) or kv != "f16"     # a quantized V needs flash attention
+        t = llama_cpp.GGML_TYPE_F16 if kv == "f16" else llama_cpp.GGML_TYPE_Q8_0
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=1,
-                                   n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F16, type_v=llama_cpp.GGML_TYPE_F16,
+                                   n_threads_batch=1, type_k=t, type_v=t,
                                    flash_attn=self.flash_attn, use_mmap=True, verbose=False)
         self.nv = self.llm.n_vocab()
         self.context, self.depth, self.next = [], 0, None
 
     def info(self):
-        return {"version": self.lc.__version__, "cache": "f16", "flash_attn": self.flash_attn,
+        return {"version": self.lc.__version__, "cache": self.kv, "flash_attn": self.flash_attn,
                 "n_ctx": self.llm.n_ctx(), "system": self.lc.llama_print_system_info().decode(errors="replace").strip()}
 
     def threads(self, n):
@@ -241,11 +248,11 @@ class TransformersRunner:
 
 
 def _import(impl):
-    if impl == "kvsimd":
+    if impl.startswith("kvsimd"):
         import kvsimd  # noqa: F401
         import kvsimd.loaders.gguf  # noqa: F401
         import kvsimd.loaders.tokenizer  # noqa: F401
-    elif impl == "llama.cpp":
+    elif impl.startswith("llama.cpp"):
         import llama_cpp  # noqa: F401
     else:
         import torch  # noqa: F401
@@ -278,10 +285,10 @@ def serve(impl, path, n_ctx, fill="prefill", flash_attn=False, limit_memory=True
     before = rss_mib()
     t0 = time.perf_counter()
     try:
-        if impl == "kvsimd":
-            runner = KVSimdRunner(path, n_ctx, fill)
-        elif impl == "llama.cpp":
-            runner = LlamaCppRunner(path, n_ctx, flash_attn)
+        if impl.startswith("kvsimd"):
+            runner = KVSimdRunner(path, n_ctx, fill, "int8" if impl == "kvsimd-int8" else "float16")
+        elif impl.startswith("llama.cpp"):
+            runner = LlamaCppRunner(path, n_ctx, flash_attn, "q8_0" if impl == "llama.cpp-q8_0" else "f16")
         else:
             runner = TransformersRunner(path, n_ctx)
     except BaseException as e:         # MemoryError, a file the library refuses, ...

@@ -44,9 +44,21 @@ def load_tokens(model, text_path, n_tokens):
     return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
 
 
-def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None, oracle=True, dense=True):
+def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None, oracle=True, dense=True,
+        dtypes=("float16",)):
+    """NLL per position of every configuration, for each KV-cache dtype of ``dtypes`` (float16's
+    configurations keep their plain names, another dtype's carry it as a suffix, e.g. "dense int8")."""
     n = len(tokens)
     curves = {}
+    for dt in dtypes:
+        tag = "" if dt == "float16" else " " + dt
+        _run_dtype(model, tokens, windows, n_keep, oracle_every, oracle and dt == dtypes[0], dense, dt, tag, curves,
+                   progress)
+    return curves
+
+
+def _run_dtype(model, tokens, windows, n_keep, oracle_every, oracle, dense, dtype, tag, curves, progress):
+    n = len(tokens)
 
     def log(name, nll):
         curves[name] = np.array(nll)
@@ -55,28 +67,27 @@ def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=No
 
     # dense: all tokens cached, one step at a time
     if dense:
-        cache = model.new_cache(capacity=n + 1)
+        cache = model.new_cache(capacity=n + 1, dtype=dtype)
         nll = []
         logits = model.prefill(tokens[:1], cache=cache)
         for i in range(1, n):
             nll.append(_nll(logits, tokens[i]))
             logits = model.step([tokens[i]], cache=cache)[0]
-        log("dense", nll)
+        log("dense" + tag, nll)
     for W in windows:
         configs = [("window, no sinks", dict(n_keep=0, policy="sink_query"))] + \
                   [("%d sinks + %s" % (n_keep, p), dict(n_keep=n_keep, policy=p))
                    for p in ("sink_query", "shift", "reevaluate")]
         for name, kw in configs:
-            cache = model.new_cache(capacity=W, **kw)
+            cache = model.new_cache(capacity=W, dtype=dtype, **kw)
             nll = []
             logits = model.prefill(tokens[:1], cache=cache)
             for i in range(1, n):
                 nll.append(_nll(logits, tokens[i]))
                 logits = model.step([tokens[i]], cache=cache)[0]
-            log("W=%d %s" % (W, name), nll)
+            log("W=%d %s%s" % (W, name, tag), nll)
         if oracle:
             log("W=%d oracle (re-prefill)" % W, oracle_shard(model, tokens, W, every=oracle_every))
-    return curves
 
 
 def summarize(curves, oracle_every):
@@ -111,7 +122,7 @@ def plot(curves, path):
     plt.close(fig)
 
 
-def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None):
+def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None, dtypes=("float16",)):
     """Every configuration over the text ``text_path`` (None: as :func:`kvsimd.bench.common.text_path`
     finds it; KVSimdValueError before the model loads when it finds none)."""
     text_path = find_text(text_path)
@@ -119,7 +130,7 @@ def main(n_tokens=2304, windows=(256, 512), oracle_every=8, text_path=None):
     model = kvsimd.Decoder.from_gguf(models.smollm2_path())
     tokens = load_tokens(model, text_path, n_tokens)
     t0 = time.perf_counter()
-    curves = run(model, tokens, windows, oracle_every=oracle_every,
+    curves = run(model, tokens, windows, oracle_every=oracle_every, dtypes=dtypes,
                  progress=lambda name, c: print("quality  %-32s PPL %.3f  (%d scored, %.0f s)"
                                                 % (name, float(np.exp(np.nanmean(c))), int(np.isfinite(c).sum()),
                                                    time.perf_counter() - t0), flush=True))
@@ -143,6 +154,8 @@ def _cli(argv=None):
     ap.add_argument("inputs", nargs="*")
     ap.add_argument("--window", type=int, action="append", help="window(s) (default 256 and 512)")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8"),
+                    help="KV-cache dtype(s) of the policies run (default float16)")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tokens", type=int, default=2304)
     ap.add_argument("--out")
@@ -166,6 +179,7 @@ def _cli(argv=None):
             np.save(a.out, oracle_shard(model, tokens, (a.window or [256])[0], k, n))
         else:
             curves = run(model, tokens, windows=a.window or (256, 512), oracle=False, dense=not a.no_dense,
+                         dtypes=tuple(a.kv_dtype or ("float16",)),
                          progress=lambda name, c: print(
                 "quality  %-32s PPL %.3f" % (name, float(np.exp(np.mean(c)))), flush=True))
             np.savez(a.out, **curves)

@@ -13,7 +13,9 @@ Sections and the keys every row has (figures are positive and finite):
                 "dram" | "llc") or GFLOPs (fma: isa)
 * attention  -- op "attend", impl ("kvsimd" | "numpy" | "torch-sdpa"), shape, H, Hkv, D, N, dtype,
                 median_s, GBps, pct_read_roofline (kvsimd rows: isa); op "attend-ceiling" (kvsimd, float16,
-                beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling, binds
+                beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling, binds; op
+                "attend-int8" (kvsimd, int8 beside float16, cold): isa, threads, median_s, fp16_median_s, GBps,
+                fp16_GBps, ratio (int8 / float16 time), ratio_ci95, bytes_per_token, fp16_bytes_per_token
 * rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
                 median_s, GBps, pct_copy_roofline
 * decode     -- model, impl ("kvsimd" | "transformers" | "weights floor" | "llama.cpp"), context (>= 0),
@@ -51,7 +53,10 @@ ROW_KEYS = {
                          "pct_read_roofline"],
                   "attend-ceiling": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads",
                                      "median_s", "GBps", "read_GBps", "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
-                                     "binds"]},
+                                     "binds"],
+                  "attend-int8": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads", "median_s",
+                                  "fp16_median_s", "GBps", "fp16_GBps", "ratio", "ratio_ci95", "bytes_per_token",
+                                  "fp16_bytes_per_token"]},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
@@ -73,7 +78,8 @@ ROW_KEYS = {
            "hf-sink": ["impl", "generated", "threads", "tok_per_s", "tok_per_s_ci95", "rss_MiB", "cache_bytes"]},
 }
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline", "read_GBps",
-            "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
+            "fma_GFLOPs", "ceiling_GBps", "pct_ceiling", "fp16_median_s", "fp16_GBps", "ratio", "bytes_per_token",
+            "fp16_bytes_per_token",
             "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
             "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
             "vs_1_thread", "rounds", "generated", "cache_bytes", "steps"}

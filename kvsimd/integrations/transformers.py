@@ -15,9 +15,10 @@ its caches, without leaving the model, the tokenizer or ``generate``::
   (zero copy: no torch tensor is built per step); over any other cache (e.g. transformers'
   ``DynamicCache``) it reads the key/value tensors it is given, also without copying when they are
   float32 or float16 and contiguous per sequence.
-- :class:`KVSimdCache`: transformers' Cache API over a :class:`kvsimd.KVCache` (float16 or float32
-  storage), growing by doubling like ``DynamicCache``; ``crop`` (assisted / prompt-lookup
-  decoding) truncates.
+- :class:`KVSimdCache`: transformers' Cache API over a :class:`kvsimd.KVCache` (float16, float32 or
+  int8 storage: int8 with a float32 scale per 32 values, half the bytes a float16 cache streams per
+  step), growing by doubling like ``DynamicCache``; ``crop`` (assisted / prompt-lookup decoding)
+  truncates.
 - :class:`KVSimdSinkCache`: StreamingLLM -- ``n_keep`` attention sinks and a window of recent
   tokens that never fills: the kvsimd cache's ``sink_query`` policy (no key is ever rewritten;
   the sinks are read with the query rotated to its position in the cache, the window at true
@@ -139,17 +140,20 @@ def _runs(mask, b, N):
     return [(int(a), int(c)) for a, c in zip(edges[::2], edges[1::2])]
 
 
-def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, q_alt=None):
+def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None, None)):
     """One sequence: qb ``[H, T, D]`` (its last T tokens are keys N-T..N-1) over the keys of
-    ``runs`` in K/V ``[Hkv, >= N, D]``; outb ``[T, H, D]``.  Rows that see no key (padding before
-    the first real token) get zeros, as no softmax is defined for them."""
+    ``runs`` in K/V ``[Hkv, >= N, D]`` (int8: with ``scales``, their block scales); outb
+    ``[T, H, D]``.  Rows that see no key (padding before the first real token) get zeros, as no
+    softmax is defined for them."""
+    ks, vs = scales
     if T == 1:
         lo = N - window if window else 0
         rr = [(max(a, lo), c) for a, c in runs if c > lo]
         if not rr:
             outb[0] = 0.0
             return
-        ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=rr, scale=scale, softcap=softcap, out=outb[0])
+        ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=rr, scale=scale, softcap=softcap, out=outb[0],
+                   k_scale=ks, v_scale=vs)
         return
     if window and len(runs) > 1:
         raise KVSimdValueError("a sliding window over a mask with holes (padding between real tokens) is not "
@@ -160,7 +164,7 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, q_alt=None):
     if t0 < T:
         qt = np.ascontiguousarray(qb[:, t0:, :].transpose(1, 0, 2))
         ops.attend(qt, K, V, ranges=runs, causal_offset=N - T + t0, window=window or None, scale=scale,
-                   softcap=softcap, out=outb[t0:])
+                   softcap=softcap, out=outb[t0:], k_scale=ks, v_scale=vs)
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -255,8 +259,8 @@ class _KVSimdCacheBase(Cache):
             self.dtype = np.dtype(dtype).name
         except (TypeError, ValueError):
             self.dtype = None
-        if self.dtype not in ("float16", "float32"):
-            raise KVSimdTypeError("dtype must be float16 or float32, got %r" % (dtype,))
+        if self.dtype not in ("float16", "float32", "int8"):
+            raise KVSimdTypeError("dtype must be float16, float32 or int8, got %r" % (dtype,))
         super().__init__(layers=[_Layer(self, i) for i in range(self.n_layers)])
         self.kv = None
         self._pending = None          # the forward pass in progress: dict, or None
@@ -347,8 +351,8 @@ class _KVSimdCacheBase(Cache):
         if old is not None:
             for b in range(B):
                 L = old.length(b)
-                for l in range(self.n_layers):
-                    kv.write(l, old.keys(l, b).astype(np.float32), old.values(l, b).astype(np.float32), seq=b, start=0)
+                for l in range(self.n_layers):       # as stored, bit for bit
+                    kv._restore_rows(l, b, 0, old._saved_rows(l, b, 0, L))
                 if L:
                     kv.append(b, L)
         self.kv = kv
@@ -358,6 +362,9 @@ class _KVSimdCacheBase(Cache):
                            for l in range(self.n_layers)]
         self._blocks = [[(kv.keys(l, b, length=capacity), kv.values(l, b, length=capacity)) for b in range(B)]
                         for l in range(self.n_layers)]
+        i8 = self.dtype == "int8"
+        self._scales = [[(kv.key_scales(l, b, length=capacity), kv.value_scales(l, b, length=capacity)) if i8
+                         else (None, None) for b in range(B)] for l in range(self.n_layers)]
         for layer in self.layers:
             layer.is_initialized = True
 
@@ -448,7 +455,7 @@ class KVSimdCache(_KVSimdCacheBase):
                                softcap=softcap, out=out[b, 0])
                 continue
             K, V = self._blocks[layer][b]
-            _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b])
+            _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b], self._scales[layer][b])
 
 
 class KVSimdSinkCache(_KVSimdCacheBase):
@@ -533,9 +540,10 @@ class KVSimdSinkCache(_KVSimdCacheBase):
         rows = p.get("rows")
         for b in range(p["B"]):
             K, V = self._blocks[layer][b]
+            ks, vs = self._scales[layer][b]
             if rows is None:
                 N = p["extent"]
-                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b])
+                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs))
                 continue
             _, slot, kpos, spos, ranges = rows[b]
             q2 = np.ascontiguousarray(q[b, :, 0, :])
@@ -546,7 +554,7 @@ class KVSimdSinkCache(_KVSimdCacheBase):
                                inv_freq=self.rope.inv_freq)
                 alt = alt[0]
             ops.attend(q2, K, V, ranges=[(t0, t1, bool(u)) for u, t0, t1, _ in ranges], q_alt=alt, scale=scale,
-                       softcap=softcap, out=out[b, 0])
+                       softcap=softcap, out=out[b, 0], k_scale=ks, v_scale=vs)
 
 
 __all__ = ["attention", "attention_mask", "register", "enable", "KVSimdCache", "KVSimdSinkCache", "NAME",

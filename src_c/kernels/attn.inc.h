@@ -14,8 +14,9 @@
  * softmax.  Tokens are taken in chunks and blocks on the absolute token grid, and the rows of
  * the block ahead are prefetched spread over the work on the current block.
  * Head dims are padded with zeros to a multiple of KV_W in the workspace, so the inner
- * loops have no tails.  fp16 rows are widened to fp32 as they are loaded; all arithmetic
- * and accumulation is fp32.
+ * loops have no tails.  fp16 rows are widened to fp32 as they are loaded, int8 rows (KV_I8)
+ * widened and multiplied by their block scales into the workspace block; all arithmetic and
+ * accumulation is fp32.
  */
 #include "kvsimd.h"
 
@@ -68,10 +69,15 @@ KV_AINLINE vf vf_tanh(vf x)
 
 static inline float KV_FN(expf1)(float x) { return vf_first(vf_exp(vf_set1(x))); }
 
-enum { KV_ROWS_F32 = 0, KV_ROWS_F16 = 1 };
+/* How the inner loops read a block's rows: fp32 (the cache's, or a widened copy in the
+   workspace), fp16 widened in registers, or int8 widened in registers and multiplied by the
+   scale of its 32-value block (sc[si]: int8 only; a vector never straddles two blocks). */
+enum { KV_ROWS_F32 = 0, KV_ROWS_F16 = 1, KV_ROWS_I8 = 2 };
 
-KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off)
+KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off, const float *sc, int64_t si)
 {
+    if (mode == KV_ROWS_I8)
+        return vf_mul(vf_load_i8((const int8_t *)base + off), vf_set1(sc[si]));
     return mode == KV_ROWS_F16 ? vf_load_h((const uint16_t *)base + off) : vf_load((const float *)base + off);
 }
 
@@ -105,14 +111,16 @@ KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
 }
 
 /* What to prefetch while working on the block at token t of a pass ending at c1: the block
-   KV_PF blocks ahead; in the pass's last block, the first rows of the pass that follows
-   (``next``, may be NULL), so that no pass starts on a cold stream.  NULL: nothing. */
+   KV_PF blocks ahead (int8 rows: 2 KV_PF, the same distance in bytes as fp16); in the pass's last
+   block, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
+   on a cold stream.  NULL: nothing. */
 KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize, const char *next)
 {
-    if (KV_PF <= 0)
+    const int64_t pf = esize == 1 ? 2 * KV_PF : KV_PF;
+    if (pf <= 0)
         return NULL;
-    if (t + (KV_PF + 1) * KV_B <= c1)
-        return base + (size_t)((t + KV_PF * KV_B) * D) * esize;
+    if (t + (pf + 1) * KV_B <= c1)
+        return base + (size_t)((t + pf * KV_B) * D) * esize;
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
@@ -122,8 +130,8 @@ KV_AINLINE const char *kv_line_floor(const char *p) { return (const char *)((uin
 KV_AINLINE int64_t kv_lines(const char *p, const char *end) { return (int64_t)((end - p + 63) / 64); }
 
 /* R rows from j0: per column chunk, NH query loads and R key loads feed R * NH FMAs. */
-KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red,
-                               const int NH, const int j0, const int R, const char *pf, size_t pf_row)
+KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp,
+                               vf *red, const int NH, const int j0, const int R, const char *pf, size_t pf_row)
 {
     /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column chunk:
        prefetches issued in bursts measured far slower from DRAM than spread ones */
@@ -142,7 +150,7 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
             qc[i] = vf_load(q + i * Dp + c);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c);
+            const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c, ksc, (j0 + r) * kv_i8_blocks(ks) + c / KV_I8_BLOCK);
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
                 a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
@@ -160,23 +168,23 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
 /* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
  * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  About KV_ACC accumulators per
  * pass (RP rows x NH heads: independent FMA chains), the last pass takes the rows left. */
-KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, const int NH,
-                          const char *pf, size_t pf_row)
+KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
+                          const int NH, const char *pf, size_t pf_row)
 {
     const int RP0 = KV_ACC / NH > 0 ? KV_ACC / NH : 1;
     const int RP = RP0 > KV_B ? KV_B : RP0;
     int j0 = 0;
     for (; j0 + RP <= KV_B; j0 += RP)
-        kv_scores_rows(q, kb, mode, ks, Dp, red, NH, j0, RP, pf, pf_row);
+        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, j0, RP, pf, pf_row);
     if (KV_B % RP)
-        kv_scores_rows(q, kb, mode, ks, Dp, red, NH, j0, KV_B % RP, pf, pf_row);
+        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, j0, KV_B % RP, pf, pf_row);
 }
 
 /* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); p_ij is
  * w[i * ws + j], broadcast straight from memory.  CG column chunks at a time: per row, CG V
  * loads and NH broadcast loads feed CG * NH FMAs. */
 KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
-                              int64_t vs, int64_t Dp, const int NH, const char *pf, size_t pf_row)
+                              int64_t vs, const float *vsc, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
     /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
@@ -202,7 +210,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
                 w[i] = vf_set1(pw[i * ws + j]);
 #pragma GCC unroll 16
             for (int u = 0; u < CG; u++) {
-                const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W);
+                const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W, vsc,
+                                          j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK);
 #pragma GCC unroll 8
                 for (int i = 0; i < NH; i++)
                     x[i * CG + u] = vf_fmadd(w[i], vc, x[i * CG + u]);
@@ -220,7 +229,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
         for (int i = 0; i < NH; i++)
             x0[i] = vf_mul(vf_load(acc + i * Dp + c), vf_set1(corr[i]));
         for (int j = 0; j < KV_B; j++) {
-            const vf v0 = kv_load_row(vb, mode, j * vs + c);
+            const vf v0 = kv_load_row(vb, mode, j * vs + c, vsc, j * kv_i8_blocks(vs) + c / KV_I8_BLOCK);
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
                 x0[i] = vf_fmadd(vf_set1(pw[i * ws + j]), v0, x0[i]);
@@ -233,14 +242,17 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
         __builtin_prefetch(pl + m * 64, 0, 3);
 }
 
-/* Instantiate the two helpers for a compile-time head count and row mode. */
-#define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, Dp, red, n, pf, pf_row); } \
-                              else { kv_scores(q, kb, KV_ROWS_F32, ks, Dp, red, n, pf, pf_row); } break;
-#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, Dp, n, pf, pf_row); } \
-                              else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, Dp, n, pf, pf_row); } break;
+/* Instantiate the two helpers for a compile-time head count and row mode (int8 rows: ks / vs is
+   D, the row length, and ksc / vsc the block scales of the block's first row). */
+#define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, ksc, Dp, red, n, pf, pf_row); } \
+                              else if (mode == KV_ROWS_I8) { kv_scores(q, kb, KV_ROWS_I8, ks, ksc, Dp, red, n, pf, pf_row); } \
+                              else { kv_scores(q, kb, KV_ROWS_F32, ks, ksc, Dp, red, n, pf, pf_row); } break;
+#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, vsc, Dp, n, pf, pf_row); } \
+                              else if (mode == KV_ROWS_I8) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I8, vs, vsc, Dp, n, pf, pf_row); } \
+                              else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, vsc, Dp, n, pf, pf_row); } break;
 
-static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, int64_t Dp, vf *red, int nh,
-                            const char *pf, size_t pf_row)
+static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
+                            int nh, const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_SC(1) KV_CASE_SC(2) KV_CASE_SC(3) KV_CASE_SC(4)
@@ -252,7 +264,7 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
 }
 
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
-                                int64_t vs, int64_t Dp, int nh, const char *pf, size_t pf_row)
+                                int64_t vs, const float *vsc, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
@@ -263,8 +275,13 @@ static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, 
     }
 }
 
-/* Copy (widening fp16) rows t..t+nb-1 of one head into a zero-padded [KV_B, Dp] block. */
-static void KV_FN(load_block)(float *dst, const void *src, int32_t dtype, int64_t t, int64_t nb, int64_t D, int64_t Dp)
+_Static_assert(KV_I8_BLOCK % KV_W == 0, "an int8 block must hold whole vectors");
+
+/* Copy rows t..t+nb-1 of one head into a zero-padded fp32 [KV_B, Dp] block: fp16 widened, int8
+   widened and times its block's scale (one fp32 rounding: the value q * scale; a vector of KV_W
+   values never straddles two blocks, KV_W dividing KV_I8_BLOCK). */
+static void KV_FN(load_block)(float *dst, const void *src, const float *scale, int32_t dtype, int64_t t, int64_t nb,
+                              int64_t D, int64_t Dp)
 {
     for (int64_t j = 0; j < KV_B; j++) {
         float *row = dst + j * Dp;
@@ -280,6 +297,13 @@ static void KV_FN(load_block)(float *dst, const void *src, int32_t dtype, int64_
                 vf_store(row + c, vf_load_h(s + c));
             if (c < D)
                 vf_store(row + c, vf_load_h_part(s + c, D - c));
+        } else if (dtype == KV_I8) {
+            const int8_t *s = (const int8_t *)src + (t + j) * D;
+            const float *f = scale + (t + j) * kv_i8_blocks(D);
+            for (; c + KV_W <= D; c += KV_W)
+                vf_store(row + c, vf_mul(vf_load_i8(s + c), vf_set1(f[c / KV_I8_BLOCK])));
+            if (c < D)
+                vf_store(row + c, vf_mul(vf_load_i8_part(s + c, D - c), vf_set1(f[c / KV_I8_BLOCK])));
         } else {
             const float *s = (const float *)src + (t + j) * D;
             for (; c + KV_W <= D; c += KV_W)
@@ -290,17 +314,22 @@ static void KV_FN(load_block)(float *dst, const void *src, int32_t dtype, int64_
     }
 }
 
-/* The KV_B rows t.. of one head: in place when the block is full and needs no padding
-   (fp16 is widened in registers later), else a zero-padded fp32 copy in buf. */
-static inline const void *KV_FN(block_rows)(const char *base, float *buf, int32_t dtype, int64_t t, int64_t nb,
-                                            int64_t D, int64_t Dp, int aligned, int64_t *stride, int *rmode)
+/* The KV_B rows t.. of one head: in place when the block is full and needs no padding (fp16 and
+   int8 are widened in registers later; *rsc: int8's block scales of row t), else a zero-padded fp32
+   copy in buf. */
+static inline const void *KV_FN(block_rows)(const char *base, const float *scale, float *buf, int32_t dtype, int64_t t,
+                                            int64_t nb, int64_t D, int64_t Dp, int aligned, int64_t *stride, int *rmode,
+                                            const float **rsc)
 {
+    *rsc = NULL;
     if (aligned && nb == KV_B) {
         *stride = D;
-        *rmode = dtype == KV_F16 ? KV_ROWS_F16 : KV_ROWS_F32;
-        return base + (size_t)(t * D) * (dtype == KV_F16 ? 2 : 4);
+        *rmode = dtype == KV_F16 ? KV_ROWS_F16 : dtype == KV_I8 ? KV_ROWS_I8 : KV_ROWS_F32;
+        if (dtype == KV_I8)
+            *rsc = scale + t * kv_i8_blocks(D);
+        return base + (size_t)(t * D) * kv_dtype_bytes((kv_dtype)dtype);
     }
-    KV_FN(load_block)(buf, base, dtype, t, nb, D, Dp);
+    KV_FN(load_block)(buf, base, scale, dtype, t, nb, D, Dp);
     *stride = Dp;
     *rmode = KV_ROWS_F32;
     return buf;
@@ -333,6 +362,7 @@ typedef struct KV_FN(attn_state) {
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
     const char *kbase, *vbase;
+    const float *kscale, *vscale;   /* KV_I8: head g's block scales; else NULL */
 } KV_FN(attn_state);
 
 KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p, void *workspace)
@@ -345,10 +375,10 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->MP = (st->MQ + KV_W - 1) / KV_W * KV_W;
     st->N = p->n_total;
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
-    st->esize = p->dtype == KV_F16 ? 2 : 4;
+    st->esize = kv_dtype_bytes((kv_dtype)p->dtype);
     st->row_bytes = (size_t)st->D * st->esize;
-    /* Full blocks are read straight from the cache (fp16 widened in registers); a partial
-       last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
+    /* Full blocks are read straight from the cache (fp16 and int8 widened in registers); a
+       partial last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
     st->aligned = (st->D % KV_W) == 0;
     /* the layout kv_attn_workspace_bytes sizes (ops.c); the lanes path keeps its [Dp, MP] and
@@ -371,6 +401,20 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
         st->one[i] = 1.0f;
 }
 
+/* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
+KV_AINLINE void KV_FN(attn_bind)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
+{
+    const kv_attn_params *p = st->p;
+    st->g = g;
+    st->h0 = g * st->G;
+    st->r0 = r0;
+    st->M = (r1 - r0) * st->G;
+    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
+    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
+    st->kscale = p->dtype == KV_I8 ? p->k_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
+    st->vscale = p->dtype == KV_I8 ? p->v_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
+}
+
 /* Keys row r may read: [*lo, *hi) (the whole int64 range when uncut). */
 KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t *lo, int64_t *hi)
 {
@@ -384,12 +428,7 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G, h0 = g * G;
-    st->g = g;
-    st->h0 = h0;
-    st->r0 = r0;
-    st->M = (r1 - r0) * G;
-    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
-    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
+    KV_FN(attn_bind)(st, g, r0, r1);
     const vf scv = vf_set1(p->scale);
     for (int64_t i = 0; i < st->M; i++) {
         const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
@@ -430,10 +469,12 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
         const char *kpf = kv_ahead(st->kbase, t, c1, D, st->esize, kpf_next);
         int64_t ks;
         int rmode;
-        const void *kb = KV_FN(block_rows)(st->kbase, st->kblk, p->dtype, t, nb, D, Dp, st->aligned, &ks, &rmode);
+        const float *ksc;
+        const void *kb = KV_FN(block_rows)(st->kbase, st->kscale, st->kblk, p->dtype, t, nb, D, Dp, st->aligned, &ks, &rmode,
+                                           &ksc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
-            KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
+            KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
             for (int i = 0; i < nh; i++) {
                 float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
                 for (int jj = 0; jj < KV_B; jj += KV_W)
@@ -528,11 +569,13 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         const char *vpf = kv_ahead(st->vbase, t, c1, D, st->esize, next_k);
         int64_t vs;
         int rmode;
-        const void *vb = KV_FN(block_rows)(st->vbase, st->vblk, p->dtype, t, nb, D, Dp, st->aligned, &vs, &rmode);
+        const float *vsc;
+        const void *vb = KV_FN(block_rows)(st->vbase, st->vscale, st->vblk, p->dtype, t, nb, D, Dp, st->aligned, &vs, &rmode,
+                                           &vsc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
             KV_FN(accumulate_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : st->one,
-                                st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, Dp, nh,
+                                st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, vsc, Dp, nh,
                                 i0 ? NULL : vpf, st->row_bytes);
         }
     }
@@ -747,12 +790,7 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, G = st->G, MP = st->MP, h0 = g * G;
-    st->g = g;
-    st->h0 = h0;
-    st->r0 = r0;
-    st->M = (r1 - r0) * G;
-    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
-    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
+    KV_FN(attn_bind)(st, g, r0, r1);
     st->lo_max = INT64_MIN;
     st->hi_min = INT64_MAX;
     for (int64_t i = 0; i < MP; i++) {
@@ -783,7 +821,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        KV_FN(load_block)(st->kblk, st->kbase, st->p->dtype, t, tn - t, D, Dp);
+        KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv);
     }
 }
@@ -847,7 +885,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        KV_FN(load_block)(st->vblk, st->vbase, st->p->dtype, t, tn - t, D, Dp);
+        KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv);
     }
 }

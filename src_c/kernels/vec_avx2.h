@@ -37,6 +37,19 @@ static inline void vf_store_h(uint16_t *p, vf v)
 {
     _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
+/* 8 int8 values widened to 8 floats (exact: VPMOVSXBD, VCVTDQ2PS); _part: the first n, zeros after
+   (through a small buffer, as the fp16 tails) */
+static inline vf vf_load_i8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
+{
+    int8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++)
+        buf[i] = p[i];
+    return vf_load_i8(buf);
+}
 /* AVX2 has no 16-bit masked moves: tails go through a small buffer, element by element. */
 static inline vf vf_load_h_part(const uint16_t *p, int64_t n)
 {

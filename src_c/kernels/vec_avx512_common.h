@@ -41,6 +41,12 @@ static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vf_load_part(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(kv_m16(n), p); }
 static inline void vf_store_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, kv_m16(n), v); }
 
+/* 16 int8 values widened to 16 floats (exact: VPMOVSXBD, VCVTDQ2PS); _part: the first n, zeros after */
+static inline vf vf_load_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(kv_m16(n), p)));
+}
 /* 16 halves widened to 16 floats by the row's kv_widen16 */
 static inline vf vf_load_h(const uint16_t *p) { return kv_widen16(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return kv_widen16(_mm256_maskz_loadu_epi16(kv_m16(n), p)); }

@@ -20,6 +20,8 @@ static inline vf vf_load_part(const float *p, int64_t n) { return n > 0 ? *p : 0
 static inline void vf_store_part(float *p, vf v, int64_t n) { if (n > 0) *p = v; }
 static inline vf vf_load_h(const uint16_t *p) { return kv_h2f_soft(*p); }
 static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return n > 0 ? kv_h2f_soft(*p) : 0.0f; }
+static inline vf vf_load_i8(const int8_t *p) { return (float)*p; }
+static inline vf vf_load_i8_part(const int8_t *p, int64_t n) { return n > 0 ? (float)*p : 0.0f; }
 static inline void vf_store_h(uint16_t *p, vf v) { *p = kv_f2h_soft(v); }
 static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n) { if (n > 0) *p = kv_f2h_soft(v); }
 /* exact (NumPy-identical) conversions for the public conversion op */

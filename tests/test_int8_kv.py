@@ -1,0 +1,316 @@
+"""The int8 KV cache: the quantization rule against NumPy float32 (kvsimd.reference), attention
+over int8 K/V with row scales on every ISA row against float64 math on the values the rows stand
+for (kvsimd.bounds.attend_bound, dtype "int8"), the int8 shift of keys, the boundary checks, and
+KVCache(dtype="int8") end to end (written rows, views, decode steps, the ring policies,
+transactions)."""
+import numpy as np
+import pytest
+
+import kvsimd
+import kvsimd._kvsimd as ext
+from kvsimd import KVCache, ops, reference
+from kvsimd.bounds import attend_bound, int8_shift_bound, int8_step_bound, pair_norm
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
+from kvsimd.testing import use_isa
+
+from conftest import NATIVE_ISAS
+from test_attend_rows import CASES as ROW_CASES
+
+
+def quantized(rng, shape, spread=1.0):
+    """Random rows with a few outlier channels (as real keys have), as (float32, int8, scales)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., :3] *= np.float32(8 * spread)
+    q, s = ops.quantize_kv(x)
+    return x, q, s
+
+
+def check(row, q, kq, ks, vq, vs, what="", **kw):
+    out = row.attend(q, kq, vq, k_scale=ks, v_scale=vs, **kw)
+    assert out.shape == q.shape and out.dtype == np.float32
+    kd, vd = reference.dequantize_kv(kq, ks), reference.dequantize_kv(vq, vs)
+    ref = reference.attend(q, kd, vd, **kw)
+    err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(q, kd, vd, dtype="int8", **kw), 1e-300)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= 1, f"{row.isa} {what}: error {err.max():.3g} x the bound at {worst}"
+    return out
+
+
+# ---------------------------------------------------------------------------- the rule
+
+@pytest.mark.parametrize("D", [1, 7, 64, 80, 128, 512])
+def test_quantize_kv_is_the_numpy_rule_bit_for_bit(rng, D):
+    x = rng.standard_normal((3, 50, D)).astype(np.float32) * rng.uniform(1e-6, 1e4, (3, 50, 1)).astype(np.float32)
+    x[0, 0] = 0.0                        # a zero row: scale 0, q 0
+    x[0, 1, 0] = np.float32(1e-40)       # a subnormal maximum
+    q, s = ops.quantize_kv(x)
+    rq, rs = reference.quantize_kv(x)
+    nb = -(-D // 32)
+    assert q.dtype == np.int8 and s.dtype == np.float32 and q.shape == x.shape and s.shape == x.shape[:2] + (nb,)
+    assert np.array_equal(q, rq) and np.array_equal(s.view(np.uint32), rs.view(np.uint32))
+    assert np.abs(q.astype(np.int32)).max() <= 127
+    err = np.abs(reference.dequantize_kv(q, s).astype(np.float64) - x)
+    assert (err <= int8_step_bound(s, D)).all()
+    for b in range(nb):   # the largest value of each block is +-127
+        top = np.abs(q[..., 32 * b:32 * b + 32].astype(np.int32)).max(axis=-1)
+        assert (top[s[..., b] > 0] == 127).all()
+    if D > 32:   # a block of its own scale: a row's small block is not crushed by a large one
+        y = x.copy()
+        y[..., :32] *= 1000
+        qy, sy = ops.quantize_kv(y)
+        assert np.array_equal(qy[..., 32:], q[..., 32:]) and np.array_equal(sy[..., 1:], s[..., 1:])
+
+
+def test_quantize_kv_non_finite_rows(rng):
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    x[1, 3], x[2, 0], x[3, 5] = np.nan, np.inf, -np.inf
+    q, s = ops.quantize_kv(x)
+    assert np.isfinite(s[0]) and np.isnan(s[1:]).all() and not q[1:].any()
+    # a NaN row reads as NaN: attention over it is NaN for every head that sees it (as float rows)
+    out = ops.attend(rng.standard_normal((2, 16)).astype(np.float32), q[None], q[None], k_scale=s[None],
+                     v_scale=s[None])
+    assert np.isnan(out).all()
+
+
+def test_quantize_kv_bad_input():
+    with pytest.raises(KVSimdTypeError, match="x must have dtype float32"):
+        ops.quantize_kv(np.zeros((2, 4), np.float64))
+    with pytest.raises(KVSimdValueError, match="non-empty last axis"):
+        ops.quantize_kv(np.zeros((2, 0), np.float32))
+    with pytest.raises(KVSimdValueError, match="C-contiguous"):
+        ops.quantize_kv(np.zeros((4, 4), np.float32)[:, ::2])
+
+
+# ---------------------------------------------------------------------------- attention on every row
+
+@pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 700, 64), (4, 1, 1100, 80), (8, 8, 40, 7), (32, 1, 300, 128),
+                                       (64, 8, 90, 128), (2, 2, 1, 16)])
+def test_attend_int8_single_query(row, rng, H, Hkv, N, D):
+    """One query over int8 K/V: MHA, GQA, MQA on the query-on-lanes path (G = 32), head dims with
+    a vector tail, a partial last block, one key."""
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    _, kq, ks = quantized(rng, (Hkv, N, D))
+    _, vq, vs = quantized(rng, (Hkv, N, D))
+    check(row, q, kq, ks, vq, vs, "plain")
+    slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
+    check(row, 3 * q, kq, ks, vq, vs, "alibi, softcap", alibi_slopes=slopes, softcap=2.0)
+    if N > 8:
+        q_alt = rng.standard_normal((H, D)).astype(np.float32)
+        check(row, q, kq, ks, vq, vs, "ranges, q_alt", ranges=[(N // 2, N), (0, 4, True, 3)], q_alt=q_alt)
+
+
+@pytest.mark.emulated_slow
+@pytest.mark.parametrize("T,H,Hkv,N,D", ROW_CASES)
+def test_attend_int8_rows(row, rng, T, H, Hkv, N, D):
+    """Several query rows (a prefill chunk) over int8 K/V: both tile paths, causal cuts, windows."""
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    _, kq, ks = quantized(rng, (Hkv, N, D))
+    _, vq, vs = quantized(rng, (Hkv, N, D))
+    check(row, q, kq, ks, vq, vs, "causal")
+    check(row, q, kq, ks, vq, vs, "window", window=5)
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 1, 128)])
+def test_attend_int8_split_k_on_two_threads(isa, rng, H, Hkv, D):
+    """Split-K pieces (2 threads, heads that do not divide among them) read int8 rows and their
+    scales from the right keys: within the bound, and the same bits on a repeat."""
+    N = 3000
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    _, kq, ks = quantized(rng, (Hkv, N, D))
+    _, vq, vs = quantized(rng, (Hkv, N, D))
+    assert ext._attend_pieces(H, Hkv, D, 1, N, 2) > 1
+    before = ext._get_kernel_threads()
+    try:
+        ext._set_kernel_threads(2)
+
+        class Native:
+            def attend(self, *a, **kw):
+                with use_isa(isa):
+                    return ops.attend(*a, **kw)
+        Native.isa = isa
+        one = check(Native(), q, kq, ks, vq, vs, "2 threads", ranges=[(N - 2000, N), (0, 4)])
+        two = check(Native(), q, kq, ks, vq, vs, "2 threads", ranges=[(N - 2000, N), (0, 4)])
+        assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+    finally:
+        ext._set_kernel_threads(before)
+
+
+def test_attend_int8_ignores_the_scales_of_keys_it_does_not_read(rng):
+    """The scale of a row outside the ranges is never read: NaN there changes nothing."""
+    H, Hkv, N, D = 4, 2, 64, 32
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    _, kq, ks = quantized(rng, (Hkv, N, D))
+    _, vq, vs = quantized(rng, (Hkv, N, D))
+    a = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, ranges=[(0, 20), (40, 64)])
+    ks2, vs2 = ks.copy(), vs.copy()
+    ks2[:, 20:40] = np.nan
+    vs2[:, 20:40] = np.nan
+    b = ops.attend(q, kq, vq, k_scale=ks2, v_scale=vs2, ranges=[(0, 20), (40, 64)])
+    assert np.array_equal(a, b)
+
+
+def test_attend_int8_bad_input(rng):
+    q = rng.standard_normal((2, 8)).astype(np.float32)
+    _, kq, ks = quantized(rng, (1, 10, 8))
+    kf = kq.astype(np.float32)
+    with pytest.raises(KVSimdValueError, match="k is int8: it needs k_scale"):
+        ops.attend(q, kq, kq, v_scale=ks)
+    with pytest.raises(KVSimdValueError, match="v is int8: it needs v_scale"):
+        ops.attend(q, kq, kq, k_scale=ks)
+    with pytest.raises(KVSimdValueError, match="k is float32: k_scale applies to int8 only"):
+        ops.attend(q, kf, kf, k_scale=ks)
+    with pytest.raises(KVSimdValueError, match=r"k_scale must have shape \(1, 10, 1\)"):
+        ops.attend(q, kq, kq, k_scale=ks[:, :5].copy(), v_scale=ks)
+    with pytest.raises(KVSimdValueError, match=r"k_scale must be 3-D"):
+        ops.attend(q, kq, kq, k_scale=ks[..., 0].copy(), v_scale=ks)
+    with pytest.raises(KVSimdTypeError, match="v_scale must have dtype float32"):
+        ops.attend(q, kq, kq, k_scale=ks, v_scale=ks.astype(np.float64))
+    with pytest.raises(KVSimdTypeError, match="same dtype"):
+        ops.attend(q, kq, kf, k_scale=ks)
+    with pytest.raises(KVSimdValueError, match="out overlaps k_scale"):
+        big = np.zeros(64, np.float32)
+        ops.attend(q, kq, kq, k_scale=big[:10].reshape(1, 10, 1), v_scale=ks, out=big[:16].reshape(2, 8))
+
+
+# ---------------------------------------------------------------------------- shift of int8 keys
+
+@pytest.mark.parametrize("style", ["gptj", "neox"])
+def test_shift_int8_keys_within_the_stated_bound(row, rng, style):
+    Hkv, N, D, rd = 2, 40, 64, 48
+    _, kq, ks = quantized(rng, (Hkv, N, D))
+    before = reference.dequantize_kv(kq, ks).astype(np.float64)
+    k2, s2 = kq.copy(), ks.copy()
+    row.shift_keys(k2, -37, style=style, rotary_dim=rd, start=5, stop=33, k_scale=s2)
+    exact = reference.shift_keys(before, -37, style=style, rotary_dim=rd, start=5, stop=33)
+    got = reference.dequantize_kv(k2, s2).astype(np.float64)
+    bound = int8_shift_bound(row.isa, pair_norm(before, style, rd), exact, s2)
+    assert (np.abs(got - exact) <= bound).all()
+    # rows outside start..stop untouched, bit for bit
+    assert np.array_equal(k2[:, :5], kq[:, :5]) and np.array_equal(k2[:, 33:], kq[:, 33:])
+    assert np.array_equal(s2[:, :5], ks[:, :5]) and np.array_equal(s2[:, 33:], ks[:, 33:])
+    # and the rotation moved them: not a no-op
+    assert np.abs(got[:, 5:33] - before[:, 5:33]).max() > 20 * s2.max()
+
+
+def test_shift_int8_keys_bad_input(rng):
+    _, kq, ks = quantized(rng, (1, 10, 8))
+    with pytest.raises(KVSimdValueError, match="k is int8: it needs k_scale"):
+        ops.shift_keys(kq, 3)
+    with pytest.raises(KVSimdValueError, match="k_scale is read-only"):
+        ro = ks.copy()
+        ro.flags.writeable = False
+        ops.shift_keys(kq, 3, k_scale=ro)
+    with pytest.raises(KVSimdValueError, match="k_scale applies to int8 only"):
+        ops.shift_keys(kq.astype(np.float32), 3, k_scale=ks)
+
+
+# ---------------------------------------------------------------------------- KVCache(dtype="int8")
+
+def test_cache_int8_write_views_and_attend(rng):
+    L, Hkv, D, C = 2, 3, 64, 50
+    c = KVCache(L, Hkv, D, C, dtype="int8")
+    f = KVCache(L, Hkv, D, C, dtype="float32")
+    assert c.dtype == np.int8
+    # values and scales: rows of D bytes + 4 bytes per 32 values, a 64-byte aligned gap at most between them
+    assert L * 2 * Hkv * C * (D + 4 * 2) <= c.nbytes <= L * 2 * Hkv * C * (D + 4 * 2) + 64
+    k = rng.standard_normal((Hkv, 20, D)).astype(np.float32)
+    v = rng.standard_normal((Hkv, 20, D)).astype(np.float32)
+    for cache in (c, f):
+        cache.write(1, k, v)
+        cache.commit(20)
+    rq, rs = reference.quantize_kv(k)
+    assert np.array_equal(c.keys(1), rq) and np.array_equal(c.key_scales(1), rs)
+    vq, vs = reference.quantize_kv(v)
+    assert np.array_equal(c.values(1), vq) and np.array_equal(c.value_scales(1), vs)
+    assert c.key_scales(1).shape == (Hkv, 20, 2) and not c.key_scales(1).flags.writeable
+    assert c.key_scales(0, length=C).shape == (Hkv, C, 2)
+    q = rng.standard_normal((6, D)).astype(np.float32)
+    got = c.attend(1, q)
+    cp = np.ascontiguousarray
+    want = ops.attend(q, cp(c.keys(1)), cp(c.values(1)), k_scale=cp(c.key_scales(1)), v_scale=cp(c.value_scales(1)))
+    assert np.array_equal(got, want)
+    # within the quantization's reach of the float32 cache: |dq| <= scale / 2 per component
+    assert np.abs(got - f.attend(1, q)).max() < 0.05
+    with pytest.raises(KVSimdTypeError, match="has no scales"):
+        f.key_scales(0)
+    with pytest.raises(KVSimdTypeError, match="float16, float32 or int8"):
+        KVCache(1, 1, 8, 4, dtype="int16")
+
+
+def _model(seed=0):
+    from kvsimd.testing import random_decoder
+    # GQA with RoPE (the shift policy needs it), head_dim 32
+    return random_decoder(64, 64, 2, 4, 2, 32, 96, seed=seed, position="rope")
+
+
+def test_decoder_int8_cache_layer0_rows_are_the_float32_rows_quantized():
+    """The write path of a forward pass: layer 0's K/V (the same on both caches: its input does
+    not depend on the cache) are stored as the float32 cache's rows quantized by the rule."""
+    m = _model()
+    toks = list(range(1, 30))
+    c8, c32 = m.new_cache(capacity=64, dtype="int8"), m.new_cache(capacity=64, dtype="float32")
+    m.prefill(toks, cache=c8)
+    m.prefill(toks, cache=c32)
+    for which, scales in ((c8.keys, c8.key_scales), (c8.values, c8.value_scales)):
+        ref_q, ref_s = reference.quantize_kv(np.ascontiguousarray((c32.keys if which == c8.keys
+                                                                          else c32.values)(0)))
+        assert np.array_equal(which(0), ref_q) and np.array_equal(scales(0), ref_s)
+    # a decode step writes its row the same way
+    m.step([7], cache=c8)
+    m.step([7], cache=c32)
+    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.keys(0)[:, -1:]))
+    assert np.array_equal(c8.keys(0)[:, -1:], rq) and np.array_equal(c8.key_scales(0)[:, -1:], rs)
+
+
+@pytest.mark.parametrize("policy", ["sink_query", "shift", "reevaluate"])
+def test_decoder_int8_cache_streams_past_its_window(policy):
+    """Every ring policy runs on an int8 cache past its window, and stays close to the same run on
+    a float32 cache (the logits differ by the quantization of K/V only)."""
+    m = _model()
+    kw = dict(capacity=24, n_keep=4, policy=policy)
+    c8, c32 = m.new_cache(dtype="int8", **kw), m.new_cache(dtype="float32", **kw)
+    toks = [int(t) for t in np.random.default_rng(1).integers(1, 50, 60)]
+    a, b = m.prefill(toks[:10], cache=c8), m.prefill(toks[:10], cache=c32)
+    worst = 0.0
+    for t in toks[10:]:
+        a, b = m.step([t], cache=c8)[0], m.step([t], cache=c32)[0]
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    assert c8.length() <= 24 and c8.length() == c32.length() and c8.tokens == c32.tokens
+    assert 0 < worst < 0.05
+
+
+def test_sink_query_never_rewrites_int8_keys():
+    """sink_query rotates the query, never K: the kept rows and scales keep their bits."""
+    m = _model()
+    c = m.new_cache(capacity=16, n_keep=2, policy="sink_query", dtype="int8")
+    toks = list(range(1, 17))
+    m.prefill(toks, cache=c)
+    before = [(np.array(c.keys(l)), np.array(c.key_scales(l))) for l in range(c.n_layers)]
+    m.step([3], cache=c)          # drops one window token, writes the new one in its slot
+    slot = int(np.flatnonzero([not np.array_equal(c.keys(0)[:, t], before[0][0][:, t]) for t in range(16)])[0])
+    for l in range(c.n_layers):
+        keep = [t for t in range(16) if t != slot]
+        assert np.array_equal(c.keys(l)[:, keep], before[l][0][:, keep])
+        assert np.array_equal(c.key_scales(l)[:, keep], before[l][1][:, keep])
+
+
+@pytest.mark.parametrize("policy", ["shift", "reevaluate", "sink_query"])
+def test_int8_transaction_rollback_restores_bits(policy):
+    """A step that fails after the discard rewrote K (shift) or the ring (every policy) leaves the
+    int8 values and scales exactly as they were."""
+    m = _model()
+    c = m.new_cache(capacity=12, n_keep=2, policy=policy, dtype="int8")
+    m.prefill(list(range(1, 13)), cache=c)
+    snap = [(np.array(c.keys(l, length=12)), np.array(c.key_scales(l, length=12)),
+             np.array(c.values(l, length=12)), np.array(c.value_scales(l, length=12))) for l in range(c.n_layers)]
+    state = (c.lengths.copy(), c.positions.copy(), c.tokens)
+    with pytest.raises(RuntimeError, match="boom"):
+        with c.transaction():
+            m.step([5], cache=c)
+            raise RuntimeError("boom")
+    for l in range(c.n_layers):
+        got = (c.keys(l, length=12), c.key_scales(l, length=12), c.values(l, length=12), c.value_scales(l, length=12))
+        for g, s in zip(got, snap[l]):
+            assert np.array_equal(np.asarray(g).view(np.uint8), s.view(np.uint8))
+    assert np.array_equal(c.lengths, state[0]) and np.array_equal(c.positions, state[1]) and c.tokens == state[2]
