@@ -395,6 +395,58 @@ def _check_ratio(r):
     assert 0 < lo <= r["speedup"] <= hi, r
 
 
+def test_greedy_divergence_finds_the_first_differing_token(tiny_gguf, monkeypatch):
+    """quality.greedy_divergence: None when a cache dtype gives float16's tokens, else the first
+    step where they differ (checked against generate's own tokens; a forced difference found)."""
+    import kvsimd
+    from kvsimd.bench import quality
+    m = kvsimd.Decoder.from_gguf(tiny_gguf)
+    rows = quality.greedy_divergence(m, ("float16", "int8"), n=12, prompts=["abc abc", "hello"])
+    assert [(r["prompt"], r["dtype"]) for r in rows] == [(0, "float16"), (0, "int8"), (1, "float16"), (1, "int8")]
+    for r in rows:
+        ids = m.tokenizer.encode(["abc abc", "hello"][r["prompt"]])
+        a = list(m.generate(ids, max_new_tokens=12, cache_dtype="float16"))
+        b = list(m.generate(ids, max_new_tokens=12, cache_dtype=r["dtype"]))
+        want = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert r["first_divergence"] == want
+    assert all(r["first_divergence"] is None for r in rows if r["dtype"] == "float16")
+    real = m.generate
+
+    def shifted(ids, **kw):            # a cache dtype whose 5th token differs
+        toks = list(real(ids, **kw))
+        if kw.get("cache_dtype") == "int8":
+            toks[4] = (toks[4] + 1) % m.cfg.vocab_size
+        return iter(toks)
+    monkeypatch.setattr(m, "generate", shifted)
+    assert [r["first_divergence"] for r in quality.greedy_divergence(m, ("int8",), n=12, prompts=["abc abc"])] == [4]
+
+
+def test_decode_gguf_kv_int8(tmp_path):
+    """decode --kv-int8: kvsimd with an int8 KV cache and llama.cpp with q8_0 K/V (when installed)
+    beside the float16 ones, each with its paired ratio to kvsimd's float16 cache and its cache named
+    (head_dim 32: llama.cpp quantizes K/V rows in blocks of 32)."""
+    from kvsimd.bench import models
+    path = str(tmp_path / "tiny-random-d32.gguf")
+    models.write_random_llama(path, dict(TINY, heads=2, kv_heads=1, head_dim=32), "Q4_0", seed=1)
+    doc, p = run_bench(tmp_path, "decode", "--model", path, "--threads", "1", "--prefill-tokens", "0", "--kv-int8")
+    schema.validate(doc)
+    rows = doc["results"]["decode"]
+    steps = [r for r in rows if "op" not in r]
+    impls = {"kvsimd", "kvsimd-int8", "transformers"} | ({"llama.cpp", "llama.cpp-q8_0"} if HAVE_LLAMA_CPP else set())
+    assert {r["impl"] for r in steps} == impls
+    caches = {r["impl"]: r.get("cache") for r in steps}
+    assert caches["kvsimd"] == "float16" and caches["kvsimd-int8"] == "int8"
+    if HAVE_LLAMA_CPP:
+        assert caches["llama.cpp"] == "f16" and caches["llama.cpp-q8_0"] == "q8_0"
+        assert all(r["flash_attn"] for r in steps if r["impl"] == "llama.cpp-q8_0")
+    else:
+        assert {r["impl"] for r in rows if r.get("op") == "peer"} >= {"llama.cpp", "llama.cpp-q8_0"}
+    for r in steps:
+        if r["impl"] != "kvsimd":
+            _check_ratio(r)
+    assert not [r for r in rows if r.get("op") == "prefill"]
+
+
 def test_decode_gguf_beside_llama_cpp_and_transformers(tmp_path, tiny_gguf):
     """decode --model PATH: load, prefill and decode rows of kvsimd and both peers (llama.cpp
     when llama-cpp-python is importable, else its "not installed" row), paired ratios inside

@@ -247,7 +247,7 @@ def _show_hf(r):
               flush=True)
         return
     extra = ""
-    if r["impl"] == "kvsimd":
+    if r["impl"].startswith("kvsimd"):
         extra = "   x%.2f [%.2f, %.2f] vs sdpa, x%.2f vs eager" % (r["speedup_vs_sdpa"], *r["speedup_vs_sdpa_ci95"],
                                                                   r["speedup_vs_eager"])
     print("hf decode  context=%-5d threads=%d %-7s %8.1f tok/s [%.1f, %.1f]%s"

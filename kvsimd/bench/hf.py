@@ -4,7 +4,7 @@
 - decode: SmolLM2 loaded by transformers from its GGUF (float32 weights), its cache filled with
   the text's first C tokens (C in --depth, default 128, 4096, 8192), then greedy one-token forward
   passes -- what ``generate`` runs per step -- under eager + DynamicCache, SDPA + DynamicCache and
-  kvsimd + KVSimdCache (float16), in rounds that go round robin over the three (the order rotated
+  kvsimd + KVSimdCache (float16, and int8), in rounds that go round robin over them (the order rotated
   each round), each round starting from the same cache contents (cropped back).  Rows: tok/s
   (median step, 95% interval), and for kvsimd its speed-up over each stock variant: the median
   over rounds of (their round's median step / kvsimd's).
@@ -24,7 +24,8 @@ import numpy as np
 from kvsimd.bench.decode import _ci_rate, _paired_ratio, _rotated, prompt_ids
 from kvsimd.bench.peers import rss_mib
 
-VARIANTS = ("eager", "sdpa", "kvsimd")
+VARIANTS = ("eager", "sdpa", "kvsimd", "kvsimd-int8")
+_CACHE = {"kvsimd": "float16 KVSimdCache", "kvsimd-int8": "int8 KVSimdCache"}
 DEPTHS = (128, 4096, 8192)
 SINK_MARKS = (1000, 10_000, 100_000)
 
@@ -66,12 +67,14 @@ def bench_decode(model, ids, depths, threads, steps, rounds, progress=None, warm
         with torch.no_grad():
             for i in range(0, depth, 512):
                 model(input_ids=torch.tensor([ctx[i:i + 512]]), past_key_values=dyn, use_cache=True, logits_to_keep=1)
-        caches = {"eager": dyn, "sdpa": copy.deepcopy(dyn), "kvsimd": kt.KVSimdCache(model)}
+        caches = {"eager": dyn, "sdpa": copy.deepcopy(dyn), "kvsimd": kt.KVSimdCache(model),
+                  "kvsimd-int8": kt.KVSimdCache(model, dtype="int8")}
         model.set_attn_implementation(kt.NAME)
         with torch.no_grad():
-            for i in range(0, depth, 512):
-                model(input_ids=torch.tensor([ctx[i:i + 512]]), past_key_values=caches["kvsimd"], use_cache=True,
-                      logits_to_keep=1)
+            for v in ("kvsimd", "kvsimd-int8"):
+                for i in range(0, depth, 512):
+                    model(input_ids=torch.tensor([ctx[i:i + 512]]), past_key_values=caches[v], use_cache=True,
+                          logits_to_keep=1)
         for nt in threads:
             torch.set_num_threads(nt)
             kvsimd.set_num_threads(nt)
@@ -80,7 +83,7 @@ def bench_decode(model, ids, depths, threads, steps, rounds, progress=None, warm
             chosen = {v: [] for v in VARIANTS}
             for i in range(rounds + 1):                   # round 0: warm-up, untimed
                 for v in _rotated(list(VARIANTS), i):
-                    model.set_attn_implementation(v if v != "kvsimd" else kt.NAME)
+                    model.set_attn_implementation(kt.NAME if v.startswith("kvsimd") else v)
                     cache = caches[v]
                     cache.crop(-(cache.get_seq_length() - depth)) if cache.get_seq_length() > depth else None
                     tok, times = ids[depth], []
@@ -97,10 +100,10 @@ def bench_decode(model, ids, depths, threads, steps, rounds, progress=None, warm
                 rate, ci = _ci_rate(every[v])
                 row = dict(op="hf-decode", model="SmolLM2-135M (transformers, float32 weights)", impl=v,
                            context=depth, threads=nt, tok_per_s=rate, tok_per_s_ci95=ci, steps=len(every[v]),
-                           rounds=rounds, cache="float16 KVSimdCache" if v == "kvsimd" else "float32 DynamicCache")
-                if v == "kvsimd":
+                           rounds=rounds, cache=_CACHE.get(v, "float32 DynamicCache"))
+                if v.startswith("kvsimd"):
                     for s in ("eager", "sdpa"):
-                        med, lo, hi = _paired_ratio(per_round[s], per_round["kvsimd"])
+                        med, lo, hi = _paired_ratio(per_round[s], per_round[v])
                         row["speedup_vs_%s" % s], row["speedup_vs_%s_ci95" % s] = med, [lo, hi]
                 else:
                     row["same_tokens"] = next((j for j, (a, b) in enumerate(zip(chosen[v], chosen["kvsimd"]))

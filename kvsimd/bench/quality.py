@@ -90,6 +90,29 @@ def _run_dtype(model, tokens, windows, n_keep, oracle_every, oracle, dense, dtyp
             log("W=%d oracle (re-prefill)" % W, oracle_shard(model, tokens, W, every=oracle_every))
 
 
+# the real-model prompts of the tests (tests/test_gguf.py): two texts and a chat turn
+GREEDY_PROMPTS = ["The old king said to his daughters:", "def fibonacci(n):",
+                  [{"role": "user", "content": "Name three colours of the rainbow."}]]
+
+
+def greedy_divergence(model, dtypes=("int8",), n=64, prompts=GREEDY_PROMPTS):
+    """Greedy decoding of each prompt with a float16 cache and with each cache dtype of ``dtypes``:
+    per prompt and dtype, the step at which the tokens first differ from float16's (None: the ``n``
+    tokens are the same), and the two texts from there."""
+    tok = model.tokenizer
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = tok.encode(tok.apply_chat_template(p) if isinstance(p, list) else p)
+        base = list(model.generate(ids, max_new_tokens=n, cache_dtype="float16"))
+        for dt in dtypes:
+            got = list(model.generate(ids, max_new_tokens=n, cache_dtype=dt))
+            first = next((j for j, (a, b) in enumerate(zip(base, got)) if a != b), None)
+            rows.append({"prompt": i, "dtype": dt, "tokens": n, "first_divergence": first,
+                         "float16_text": tok.decode(base[first or 0:]) if first is not None else "",
+                         "text": tok.decode(got[first or 0:]) if first is not None else ""})
+    return rows
+
+
 def summarize(curves, oracle_every):
     """PPL per configuration, on all positions and on the oracle's positions."""
     rows = []
@@ -143,6 +166,7 @@ def _cli(argv=None):
         python -m kvsimd.bench.quality oracle --window 512 --shard 0/2 --out o512_0.npy
         python -m kvsimd.bench.quality policies --out p.npz       # dense + every policy, windows 256 512
         python -m kvsimd.bench.quality merge p.npz o256_*.npy ... --json q.json --plot docs/
+        python -m kvsimd.bench.quality greedy --kv-dtype int8   # first divergence of greedy tokens from float16
     """
     import argparse
     import glob
@@ -150,7 +174,7 @@ def _cli(argv=None):
     import os
     ap = argparse.ArgumentParser(prog="python -m kvsimd.bench.quality", description=_cli.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["oracle", "policies", "merge"])
+    ap.add_argument("what", choices=["oracle", "policies", "merge", "greedy"])
     ap.add_argument("inputs", nargs="*")
     ap.add_argument("--window", type=int, action="append", help="window(s) (default 256 and 512)")
     ap.add_argument("--no-dense", action="store_true")
@@ -164,6 +188,16 @@ def _cli(argv=None):
     ap.add_argument("--text", metavar="PATH", help="the text (default: $KVSIMD_BENCH_TEXT, else "
                                                    "$KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     a = ap.parse_args(argv)
+    if a.what == "greedy":        # greedy tokens of the real-model prompts, each cache dtype beside float16
+        from kvsimd.loaders import registry as models
+        model = kvsimd.Decoder.from_gguf(models.smollm2_path())
+        for r in greedy_divergence(model, tuple(d for d in (a.kv_dtype or ["int8"]) if d != "float16")):
+            print("greedy   prompt %d  %-8s %s" % (r["prompt"], r["dtype"], "same %d tokens" % r["tokens"]
+                                                   if r["first_divergence"] is None else
+                                                   "first divergence at token %d: float16 %r, %s %r"
+                                                   % (r["first_divergence"], r["float16_text"][:60], r["dtype"],
+                                                      r["text"][:60])))
+        return 0
     if a.what in ("oracle", "policies"):
         from kvsimd.errors import KVSimdError
         try:       # before the model loads: one line and exit 2

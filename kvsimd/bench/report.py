@@ -322,15 +322,19 @@ def hf_md(rows):
         for r in dec:
             by.setdefault((r["context"], r["threads"]), {})[r["impl"]] = r
         body = []
+        def vs_sdpa(k):
+            return ("%s [%s, %s]" % (_f(k["speedup_vs_sdpa"], 2), _f(k["speedup_vs_sdpa_ci95"][0], 2),
+                                     _f(k["speedup_vs_sdpa_ci95"][1], 2)) if "speedup_vs_sdpa" in k else "-")
+        int8 = any(r["impl"] == "kvsimd-int8" for r in dec)
         for (ctx, nt), v in sorted(by.items()):
-            k = v.get("kvsimd", {})
-            body.append([ctx, nt] + [_f(v[i]["tok_per_s"]) if i in v else "-" for i in ("eager", "sdpa", "kvsimd")] + [
-                "%s [%s, %s]" % (_f(k["speedup_vs_sdpa"], 2), _f(k["speedup_vs_sdpa_ci95"][0], 2),
-                                 _f(k["speedup_vs_sdpa_ci95"][1], 2)) if "speedup_vs_sdpa" in k else "-",
-                _f(k.get("speedup_vs_eager"), 2)])
-        out += [_table(["context", "threads", "eager + DynamicCache", "SDPA + DynamicCache", "kvsimd + KVSimdCache",
-                        "kvsimd / SDPA", "kvsimd / eager"], body),
-                "tok/s of one-token forward passes (what `generate` runs per step) of %s; the three timed round robin "
+            k, k8 = v.get("kvsimd", {}), v.get("kvsimd-int8", {})
+            impls = ("eager", "sdpa", "kvsimd") + (("kvsimd-int8",) if int8 else ())
+            body.append([ctx, nt] + [_f(v[i]["tok_per_s"]) if i in v else "-" for i in impls] + [vs_sdpa(k)]
+                        + ([vs_sdpa(k8)] if int8 else []) + [_f(k.get("speedup_vs_eager"), 2)])
+        out += [_table(["context", "threads", "eager + DynamicCache", "SDPA + DynamicCache", "kvsimd + KVSimdCache"]
+                       + (["kvsimd + KVSimdCache(int8)"] if int8 else []) + ["kvsimd / SDPA"]
+                       + (["kvsimd int8 / SDPA"] if int8 else []) + ["kvsimd / eager"], body),
+                "tok/s of one-token forward passes (what `generate` runs per step) of %s; the variants timed round robin "
                 "from the same cache contents; ratios: median over rounds of the step-time ratio, 95%% bootstrap "
                 "interval.  Targets: >= 2.5x SDPA at 8192, never slower than stock at 128." % dec[0]["model"]]
     sink = [r for r in rows if r["op"] == "hf-sink"]

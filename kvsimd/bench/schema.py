@@ -38,7 +38,7 @@ Sections and the keys every row has (figures are positive and finite):
                 tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct,
                 overhead_ci95_pct [low, high], rounds)
 * quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results")
-* hf         -- op "hf-decode" (model, impl ("eager" | "sdpa" | "kvsimd"), context, threads, tok_per_s,
+* hf         -- op "hf-decode" (model, impl ("eager" | "sdpa" | "kvsimd" | "kvsimd-int8"), context, threads, tok_per_s,
                 tok_per_s_ci95, steps, rounds; kvsimd rows speedup_vs_sdpa, speedup_vs_eager and their
                 _ci95) or "hf-sink" (impl, generated, threads, tok_per_s, tok_per_s_ci95, rss_MiB, cache_bytes)
 """
