@@ -15,8 +15,9 @@
  * the block ahead are prefetched spread over the work on the current block.
  * Head dims are padded with zeros to a multiple of KV_W in the workspace, so the inner
  * loops have no tails.  fp16 rows are widened to fp32 as they are loaded, int8 rows (KV_I8)
- * widened and multiplied by their block scales into the workspace block; all arithmetic and
- * accumulation is fp32.
+ * widened and multiplied by the scale of their 32-value block (in registers for a full block,
+ * into the workspace block otherwise and on the lanes path); all arithmetic and accumulation
+ * is fp32.
  */
 #include "kvsimd.h"
 
