@@ -85,6 +85,7 @@ typedef enum kv_wtype {
 #define KV_MAX_BLOCK 16
 #define KV_MAX_WIDTH 16
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
+#define KV_MAX_KP 2      /* keys per vector of the scores loop (a query is stored KV_KP times) */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
 #define KV_QVECS 64       /* query vectors (rows x heads of a group) per tile of a multi-row attention */
 

@@ -165,3 +165,15 @@ def test_rows_lanes_path_accurate_with_large_scores(row, rng, D):
     k = rng.standard_normal((1, N, D)).astype(np.float32)
     v = rng.standard_normal((1, N, D)).astype(np.float32)
     check(row, q, k, v, "lanes, D=%d, large scores" % D, causal=False)
+
+
+@pytest.mark.parametrize("D", [256, 512])
+@pytest.mark.parametrize("H,Hkv", [(4, 1), (8, 1), (3, 3)])
+def test_decode_one_vector_path_accurate_with_large_scores(row, rng, D, H, Hkv):
+    """The same scores on the one-vector path (a decode step of a small group): each lane chains
+    D / (KV_W / KV_KP) FMAs (64 at D = 512 on the AVX-512 rows, whose vectors hold two keys of 8
+    elements each, as on avx2) before the add tree."""
+    q = (8 * rng.standard_normal((1, H, D))).astype(np.float32)
+    k = rng.standard_normal((Hkv, 200, D)).astype(np.float32)
+    v = rng.standard_normal((Hkv, 200, D)).astype(np.float32)
+    check(row, q, k, v, "one vector, D=%d, large scores" % D, causal=False)

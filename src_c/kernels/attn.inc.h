@@ -6,7 +6,8 @@
  * that every K and V row is read from the cache once per group and tile.  Each vector keeps its
  * own online softmax; keys a row must not see (past its causal end, before its window) get
  * weight 0.  Keys are taken in blocks of KV_B tokens:
- *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, one add-tree reduction),
+ *   1. scores s[i][j] = (scale * q_i) . k_j       (KV_B dot products, KV_KP keys per vector, one
+ *      add-tree reduction per KV_W keys),
  *      soft-capped to softcap * tanh(s / softcap) when softcap > 0
  *   2. ALiBi bias, then an online-softmax update  (running max m_i, running sum l_i)
  *   3. acc_i = acc_i * exp(m_old - m_new) + sum_j p_ij v_j
@@ -130,55 +131,99 @@ KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t
 KV_AINLINE const char *kv_line_floor(const char *p) { return (const char *)((uintptr_t)p & ~(uintptr_t)63); }
 KV_AINLINE int64_t kv_lines(const char *p, const char *end) { return (int64_t)((end - p + 63) / 64); }
 
-/* R rows from j0: per column chunk, NH query loads and R key loads feed R * NH FMAs. */
-KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp,
-                               vf *red, const int NH, const int j0, const int R, const char *pf, size_t pf_row)
+/* Keys per vector in the scores loop (KV_KP, from the row's vec header; 1 by default): KV_KP key
+   rows side by side in one vector, KV_KW elements of each, so that one horizontal reduction
+   (vf_reduce_keys: KV_W keys from KV_W / KV_KP vectors) finishes KV_KP dot products.  A block's
+   KV_B keys are KV_BV such vectors. */
+#ifndef KV_KP
+#define KV_KP 1
+#endif
+#define KV_KW (KV_W / KV_KP)
+#define KV_BV (KV_B / KV_KP)
+_Static_assert(KV_B % KV_W == 0 && KV_W % KV_KP == 0, "a block holds whole key vectors");
+_Static_assert(KV_KP <= KV_MAX_KP, "the workspace holds each query KV_MAX_KP times");
+
+/* The KV_KP rows from row j (row stride `stride` elements) at column c, side by side (int8: each
+   times its own block scale; sc: the block's scales, KV_I8 rows of `stride` values). */
+KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const float *sc, int64_t j, int64_t c)
 {
-    /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column chunk:
+#if KV_KP == 1
+    return kv_load_row(base, mode, j * stride + c, sc, j * kv_i8_blocks(stride) + c / KV_I8_BLOCK);
+#else
+    _Static_assert(KV_KP == 2, "pairs of keys");
+    const int64_t off = j * stride + c;
+    if (mode == KV_ROWS_I8) {
+        const int64_t si = j * kv_i8_blocks(stride) + c / KV_I8_BLOCK;
+        return vf_mul(vf_load_i8_2((const int8_t *)base + off, (const int8_t *)base + off + stride),
+                      vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
+    }
+    if (mode == KV_ROWS_F16)
+        return vf_load_h2((const uint16_t *)base + off, (const uint16_t *)base + off + stride);
+    return vf_load2((const float *)base + off, (const float *)base + off + stride);
+#endif
+}
+
+/* Column steps per partial sum of a score: each lane of a score chains at most KV_SEG FMAs, then
+   the segments' sums are added in order.  Only the scalar row (one lane: D steps) ever has more
+   than one segment, as KV_MAX_HEAD_DIM / KV_KW <= 64 on the vector rows; one chain of 512 (a
+   multiply and an add each) went to 2.3x the attend bound with large scores at D = 512. */
+#define KV_SEG 64
+
+/* R key vectors from vector v0 (keys v0 KV_KP ..): per column step, NH query loads and R key
+   loads feed R * NH FMAs.  Query i's step c is at q + KV_KP (i Dp + c) (attn_head_start). */
+KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp,
+                               vf *red, const int NH, const int v0, const int R, const char *pf, size_t pf_row)
+{
+    /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column step:
        prefetches issued in bursts measured far slower from DRAM than spread ones */
+    const int j0 = v0 * KV_KP;
     const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
-    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + R) * pf_row) : 0;
-    vf a[KV_ACC];
+    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + R * KV_KP) * pf_row) : 0;
+    for (int64_t c0 = 0; c0 < Dp; c0 += KV_SEG * KV_KW) {   /* one segment on the vector rows */
+        const int64_t c1 = Dp - c0 > KV_SEG * KV_KW ? c0 + KV_SEG * KV_KW : Dp;
+        vf a[KV_ACC];
 #pragma GCC unroll 16
-    for (int x = 0; x < R * NH; x++)
-        a[x] = vf_zero();
-    for (int64_t c = 0; c < Dp; c += KV_W) {
-        if (c / KV_W < nl)
-            __builtin_prefetch(pl + (c / KV_W) * 64, 0, 3);
-        vf qc[KV_GS];
-#pragma GCC unroll 8
-        for (int i = 0; i < NH; i++)
-            qc[i] = vf_load(q + i * Dp + c);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-            const vf kc = kv_load_row(kb, mode, (j0 + r) * ks + c, ksc, (j0 + r) * kv_i8_blocks(ks) + c / KV_I8_BLOCK);
+        for (int x = 0; x < R * NH; x++)
+            a[x] = vf_zero();
+        for (int64_t c = c0; c < c1; c += KV_KW) {
+            if (c / KV_KW < nl)
+                __builtin_prefetch(pl + (c / KV_KW) * 64, 0, 3);
+            vf qc[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
-                a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
-        }
-    }
+                qc[i] = vf_pin(vf_load(q + KV_KP * (i * Dp + c)));   /* loaded once, not at each of its R uses */
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++) {
+                const vf kc = kv_load_keys(kb, mode, ks, ksc, j0 + r * KV_KP, c);
 #pragma GCC unroll 8
-        for (int i = 0; i < NH; i++)
-            red[i * KV_B + j0 + r] = a[r * NH + i];
-    for (int64_t m = Dp / KV_W; m < nl; m++)   /* lines beyond one per column chunk (wide rows) */
+                for (int i = 0; i < NH; i++)
+                    a[r * NH + i] = vf_fmadd(qc[i], kc, a[r * NH + i]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                red[i * KV_BV + v0 + r] = c0 ? vf_add(red[i * KV_BV + v0 + r], a[r * NH + i]) : a[r * NH + i];
+    }
+    for (int64_t m = Dp / KV_KW; m < nl; m++)   /* lines beyond one per column step (wide rows) */
         __builtin_prefetch(pl + m * 64, 0, 3);
 }
 
 /* Partial dot products of NH queries (rows of q, stride Dp) with the KV_B rows at kb:
- * red[i * KV_B + j] holds the KV_W lane sums of q_i . k_j.  About KV_ACC accumulators per
- * pass (RP rows x NH heads: independent FMA chains), the last pass takes the rows left. */
+ * red[i * KV_BV + v] holds the partial sums of q_i with the KV_KP keys of vector v (what
+ * vf_reduce_keys finishes).  About KV_ACC accumulators per pass (RP key vectors x NH heads:
+ * independent FMA chains), the last pass takes the vectors left. */
 KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
                           const int NH, const char *pf, size_t pf_row)
 {
     const int RP0 = KV_ACC / NH > 0 ? KV_ACC / NH : 1;
-    const int RP = RP0 > KV_B ? KV_B : RP0;
-    int j0 = 0;
-    for (; j0 + RP <= KV_B; j0 += RP)
-        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, j0, RP, pf, pf_row);
-    if (KV_B % RP)
-        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, j0, KV_B % RP, pf, pf_row);
+    const int RP = RP0 > KV_BV ? KV_BV : RP0;
+    int v0 = 0;
+    for (; v0 + RP <= KV_BV; v0 += RP)
+        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, v0, RP, pf, pf_row);
+    if (KV_BV % RP)
+        kv_scores_rows(q, kb, mode, ks, ksc, Dp, red, NH, v0, KV_BV % RP, pf, pf_row);
 }
 
 /* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); p_ij is
@@ -349,8 +394,8 @@ typedef struct KV_FN(attn_state) {
     int64_t lo_max, hi_min; /* lanes path: the keys every vector of the tile sees */
     size_t esize, row_bytes;
     int aligned;            /* D % KV_W == 0: full blocks are read in place */
-    float *qbuf;            /* [MQ, Dp] scaled queries */
-    float *qalt;            /* [MQ, Dp] scaled q_alt */
+    float *qbuf;            /* [MQ, KV_KP Dp] scaled queries (store_query) */
+    float *qalt;            /* [MQ, KV_KP Dp] scaled q_alt */
     float *acc;             /* [MQ, Dp] running outputs */
     float *kblk, *vblk;     /* [KV_B, Dp] zero-padded blocks (tails only) */
     vf *red;                /* [KV_GS, KV_B] partial dot products */
@@ -386,8 +431,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
        [KV_CHUNK, MP] arrays where the other keeps [MQ, Dp] and [MQ, KV_CHUNK] ones */
     const int64_t MQp = st->MQp, Dp = st->Dp;
     st->qbuf = (float *)workspace;
-    st->qalt = st->qbuf + MQp * Dp;
-    st->acc = st->qalt + MQp * Dp;
+    st->qalt = st->qbuf + MQp * KV_KP * Dp;
+    st->acc = st->qalt + MQp * KV_KP * Dp;
     st->kblk = st->acc + MQp * Dp;
     st->vblk = st->kblk + KV_B * Dp;
     st->red = (vf *)(st->vblk + KV_B * Dp);
@@ -423,6 +468,26 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
     *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end + r - p->window : INT64_MIN;
 }
 
+/* The query x (D floats) times scale, into the workspace row dst as the scores loop reads it:
+   KV_KW elements at a time, each step's once for every key of a vector (KV_KP copies side by
+   side), zero past D.  tmp: Dp floats of scratch. */
+KV_AINLINE void KV_FN(store_query)(float *dst, const float *x, float scale, int64_t D, int64_t Dp, float *tmp)
+{
+    const vf scv = vf_set1(scale);
+    float *row = KV_KP == 1 ? dst : tmp;
+    int64_t c = 0;
+    for (; c + KV_W <= D; c += KV_W)
+        vf_store(row + c, vf_mul(vf_load(x + c), scv));
+    if (c < D)
+        vf_store(row + c, vf_mul(vf_load_part(x + c, D - c), scv));
+#if KV_KP > 1
+    for (c = 0; c < Dp; c += KV_KW)
+        vf_store(dst + KV_KP * c, vf_load_dup(tmp + c));
+#else
+    (void)Dp;
+#endif
+}
+
 /* Start KV head g for rows r0..r1-1: their scaled queries (and q_alt) in the workspace, a fresh
    softmax state. */
 KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
@@ -430,24 +495,14 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G, h0 = g * G;
     KV_FN(attn_bind)(st, g, r0, r1);
-    const vf scv = vf_set1(p->scale);
     for (int64_t i = 0; i < st->M; i++) {
         const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
-        const float *qi = p->q + at;
-        const float *qa = p->q_alt ? p->q_alt + at : qi;
-        int64_t c = 0;
-        for (; c + KV_W <= D; c += KV_W) {
-            vf_store(st->qbuf + i * Dp + c, vf_mul(vf_load(qi + c), scv));
-            if (p->q_alt)
-                vf_store(st->qalt + i * Dp + c, vf_mul(vf_load(qa + c), scv));
-            vf_store(st->acc + i * Dp + c, vf_zero());
-        }
-        if (c < D) {
-            vf_store(st->qbuf + i * Dp + c, vf_mul(vf_load_part(qi + c, D - c), scv));
-            if (p->q_alt)
-                vf_store(st->qalt + i * Dp + c, vf_mul(vf_load_part(qa + c, D - c), scv));
-            vf_store(st->acc + i * Dp + c, vf_zero());
-        }
+        float *acc = st->acc + i * Dp;   /* also the scratch of store_query, zeroed after */
+        KV_FN(store_query)(st->qbuf + i * KV_KP * Dp, p->q + at, p->scale, D, Dp, acc);
+        if (p->q_alt)
+            KV_FN(store_query)(st->qalt + i * KV_KP * Dp, p->q_alt + at, p->scale, D, Dp, acc);
+        for (int64_t c = 0; c < Dp; c += KV_W)
+            vf_store(acc + c, vf_zero());
         st->m[i] = KV_NEG_INF;
         st->l[i] = 0.0f;
     }
@@ -475,11 +530,11 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
                                            &ksc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
-            KV_FN(scores_n)(qs + i0 * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
+            KV_FN(scores_n)(qs + i0 * KV_KP * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes);
             for (int i = 0; i < nh; i++) {
                 float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
                 for (int jj = 0; jj < KV_B; jj += KV_W)
-                    vf_reduce_block(st->red + i * KV_B + jj, s + jj);
+                    vf_reduce_keys(st->red + i * KV_BV + jj / KV_KP, s + jj);
                 if (capped)   /* softcap * tanh(s / softcap); padded rows (0) become -inf below */
                     for (int jj = 0; jj < KV_B; jj += KV_W)
                         vf_store(s + jj, vf_mul(vf_tanh(vf_mul(vf_load(s + jj), inv_cap)), cap));

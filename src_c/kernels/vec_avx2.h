@@ -93,6 +93,10 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     return v;
 }
 
+/* x, where the compiler likes (vec_avx512_common.h pins it in a register): with 16 registers the
+   accumulators of a scores pass take most of them, and pinned queries spilled (measured 15-20%
+   slower on Zen 4); loads folded into the FMAs are cheap at 256 bits. */
+static inline vf vf_pin(vf x) { return x; }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -126,7 +130,7 @@ static inline vf vf_pow2i(vf n)
 }
 
 /* out[j] = sum of the 8 lanes of a[j], for 8 vectors at once (a transposing add tree). */
-static inline void vf_reduce_block(const vf *a, float *out)
+static inline void vf_reduce_keys(const vf *a, float *out)
 {
     __m256 b[4], c[2];
     for (int i = 0; i < 4; i++) {   /* [x.lo + x.hi | y.lo + y.hi]: items 2i | 2i+1 */

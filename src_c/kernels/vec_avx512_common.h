@@ -86,6 +86,9 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     return v;
 }
 
+/* x, kept in a register: the compiler may not fold its load into each use (an empty asm that
+   "changes" it).  A load folded into R FMAs is R loads, and two per FMA starve the FMA ports. */
+static inline vf vf_pin(vf x) { __asm__("" : "+v"(x)); return x; }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -120,30 +123,52 @@ static inline vf vf_pow2i(vf n)
     return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
 }
 
-/* out[j] = sum of the 16 lanes of a[j], for 16 vectors at once (a transposing add tree). */
-static inline void vf_reduce_block(const vf *a, float *out)
+/* The attention scores hold two keys per vector (KV_KP): key rows side by side, 8 elements of
+   each (attn.inc.h, kv_load_keys).  With one key per vector, each dot product would end in a
+   16-lane reduction of its own -- cross-lane shuffles that cost as much as the products at
+   D = 64 on a core that splits 512-bit shuffles in two (Zen 4); with two, one tree reduces 16. */
+#define KV_KP 2
+/* the 8 floats at p in both halves (VBROADCASTF64X4: AVX512F, a load) */
+static inline vf vf_load_dup(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p))); }
+/* 8 elements of two rows, p0's in lanes 0-7 and p1's in lanes 8-15: float32, float16 widened,
+   int8 widened (exact) */
+static inline vf vf_load2(const float *p0, const float *p1)
 {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++) {   /* 256-bit half 0: item 2i, half 1: item 2i+1 */
-        __m512 x = a[2 * i], y = a[2 * i + 1];
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)p0)),
+                                               _mm256_loadu_pd((const double *)p1), 1));
+}
+static inline vf vf_load_h2(const uint16_t *p0, const uint16_t *p1)
+{
+    return kv_widen16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                                              _mm_loadu_si128((const __m128i *)p1), 1));
+}
+static inline vf vf_load_i8_2(const int8_t *p0, const int8_t *p1)
+{
+    const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+}
+/* a in lanes 0-7, b in lanes 8-15 */
+static inline vf vf_set2(float a, float b)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+/* out[j] = the sum of the 8 lanes of key j, for the 16 keys of 8 vectors (vector p: key 2p in
+   lanes 0-7, key 2p + 1 in lanes 8-15): an add tree inside 128-bit lanes, then across them. */
+static inline void vf_reduce_keys(const vf *a, float *out)
+{
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++)   /* lane k: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of lane k of x = a[2i], y = a[2i+1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {   /* lane k: the sums of lane k of a[4i], .., a[4i+3] */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    for (int i = 0; i < 4; i++) {   /* 128-bit lane k: item 4i+k */
-        __m512 x = b[2 * i], y = b[2 * i + 1];
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-    }
-    for (int i = 0; i < 2; i++) {   /* lane k: [X_a, Y_a, X_b, Y_b], X = item 8i+k, Y = item 8i+4+k */
-        __m512 x = c[2 * i], y = c[2 * i + 1];
-        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    /* lane k: [item k, item 4+k, item 8+k, item 12+k] */
-    __m512d x = _mm512_castps_pd(d[0]), y = _mm512_castps_pd(d[1]);
-    __m512 e = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    /* position 4k+s holds item 4s+k */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, e));
+    /* [c0 lanes 0+1, c0 lanes 2+3, c1 lanes 0+1, c1 lanes 2+3]: keys 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15 */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, d));
 }
 
 static inline vf vf_swap_pairs(vf x) { return _mm512_permute_ps(x, 0xB1); }

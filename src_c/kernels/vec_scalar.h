@@ -28,6 +28,8 @@ static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n) { if (n > 0) *p
 static inline void vf_store_h_exact(uint16_t *p, vf v) { *p = kv_f2h_soft(v); }
 static inline vf vf_load_h_exact(const uint16_t *p) { return kv_h2f_soft(*p); }
 
+/* x, kept in a register (a hint for the vector rows; nothing to do here) */
+static inline vf vf_pin(vf x) { return x; }
 static inline vf vf_add(vf a, vf b) { return a + b; }
 static inline vf vf_sub(vf a, vf b) { return a - b; }
 static inline vf vf_mul(vf a, vf b) { return a * b; }
@@ -59,7 +61,7 @@ static inline vf vf_pow2i(vf n)
 }
 
 /* out[j] = sum of the lanes of a[j], for KV_W (here: one) vectors */
-static inline void vf_reduce_block(const vf *a, float *out) { out[0] = a[0]; }
+static inline void vf_reduce_keys(const vf *a, float *out) { out[0] = a[0]; }
 
 /* gptj pairing: (x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...); needs KV_W even, so the
    scalar row rotates pairs directly (KV_ROT_PAIRWISE). */
