@@ -171,6 +171,33 @@ static inline void vf_reduce_keys(const vf *a, float *out)
     _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, d));
 }
 
+/* out[j] = sum of the 16 lanes of a[j], for 16 vectors of one key each (a transposing add
+   tree: a single query head's scores, attn.inc.h KV_KPN). */
+static inline void vf_reduce_rows(const vf *a, float *out)
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) {   /* 256-bit half 0: item 2i, half 1: item 2i+1 */
+        __m512 x = a[2 * i], y = a[2 * i + 1];
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; i++) {   /* 128-bit lane k: item 4i+k */
+        __m512 x = b[2 * i], y = b[2 * i + 1];
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int i = 0; i < 2; i++) {   /* lane k: [X_a, Y_a, X_b, Y_b], X = item 8i+k, Y = item 8i+4+k */
+        __m512 x = c[2 * i], y = c[2 * i + 1];
+        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    /* lane k: [item k, item 4+k, item 8+k, item 12+k] */
+    __m512d x = _mm512_castps_pd(d[0]), y = _mm512_castps_pd(d[1]);
+    __m512 e = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    /* position 4k+s holds item 4s+k */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, e));
+}
+
 static inline vf vf_swap_pairs(vf x) { return _mm512_permute_ps(x, 0xB1); }
 
 /* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
