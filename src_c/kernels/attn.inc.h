@@ -888,19 +888,30 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
 {
     const kv_attn_params *p = st->p;
-    const int64_t D = st->D, G = st->G, MP = st->MP, h0 = g * G;
     KV_FN(attn_bind)(st, g, r0, r1);
+    const int64_t D = st->D, G = st->G, MP = st->MP, M = st->M, h0 = g * G;
+    const float scale = p->scale;
+    float *qT = st->qbuf, *qaT = st->qalt;
+    for (int64_t c = 0; c < D * MP; c += KV_W) {   /* MP is a multiple of KV_W */
+        vf_store(qT + c, vf_zero());
+        vf_store(st->acc + c, vf_zero());
+        if (p->q_alt)
+            vf_store(qaT + c, vf_zero());
+    }
+    for (int64_t i = 0; i < M; i++) {
+        const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
+        const float *qi = p->q + at;
+        for (int64_t d = 0; d < D; d++)
+            qT[d * MP + i] = scale * qi[d];
+        if (p->q_alt)
+            for (int64_t d = 0; d < D; d++)
+                qaT[d * MP + i] = scale * p->q_alt[at + d];
+    }
     st->lo_max = INT64_MIN;
     st->hi_min = INT64_MAX;
     for (int64_t i = 0; i < MP; i++) {
-        const int64_t iv = i < st->M ? i : st->M - 1;      /* padded lanes: a copy of the last row's table */
+        const int64_t iv = i < M ? i : M - 1;      /* padded lanes: a copy of the last row's table */
         const int64_t r = r0 + iv / G;
-        const int64_t at = r * p->q_stride + (h0 + iv % G) * D;
-        for (int64_t d = 0; d < D; d++) {
-            st->qbuf[d * MP + i] = i < st->M ? p->scale * p->q[at + d] : 0.0f;
-            st->qalt[d * MP + i] = i < st->M && p->q_alt ? p->scale * p->q_alt[at + d] : 0.0f;
-            st->acc[d * MP + i] = 0.0f;
-        }
         int64_t lo, hi;
         KV_FN(attn_row_keys)(p, r, &lo, &hi);
         st->lo_max = lo > st->lo_max ? lo : st->lo_max;
@@ -914,12 +925,31 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     }
 }
 
+/* The lanes path's prefetch, at the start of the block at token t of a pass ending at c1: the
+   rows KV_LANE_PF blocks ahead, into L2 (a block of this path is enough work that one burst is
+   spread enough).  Each 16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the
+   hardware prefetchers stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with
+   it 67% (in the LLC 70%; Zen 4). */
+#ifndef KV_LANE_PF
+#define KV_LANE_PF 2
+#endif
+KV_AINLINE void kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes)
+{
+    const int64_t a = t + KV_LANE_PF * KV_B;
+    if (a >= c1)
+        return;
+    const char *p1 = base + (size_t)(a + (c1 - a < KV_B ? c1 - a : KV_B)) * row_bytes;
+    for (const char *x = kv_line_floor(base + (size_t)a * row_bytes); x < p1; x += 64)
+        __builtin_prefetch(x, 0, 2);
+}
+
 /* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.]. */
 KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, int64_t c0, int64_t c1)
 {
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
+        kv_lane_prefetch(st->kbase, t, c1, st->row_bytes);
         KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv);
     }
@@ -984,6 +1014,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
+        kv_lane_prefetch(st->vbase, t, c1, st->row_bytes);
         KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv);
     }
