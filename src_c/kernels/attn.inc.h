@@ -112,19 +112,19 @@ KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
     return e < end ? e : end;
 }
 
-/* What to prefetch while working on the nk rows at token t of a pass ending at c1: the rows KV_PF
-   such steps ahead (int8 rows: 2 KV_PF, the same distance in bytes as fp16); in the pass's last
-   step, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
-   on a cold stream.  NULL: nothing. */
-KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t nk, int64_t c1, int64_t D, size_t esize,
-                                const char *next)
+/* What to prefetch while working on the block at token t of a pass ending at c1: the block
+   KV_PF blocks ahead (int8 rows: 2 KV_PF, the same distance in bytes as fp16); in the pass's last
+   block, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
+   on a cold stream.  NULL: nothing.  (On Zen 4, 2 or 4 blocks ahead, or an L2 prefetch several
+   blocks ahead besides, measured no faster beyond the LLC.) */
+KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize, const char *next)
 {
-    const int64_t pf = (esize == 1 ? 2 * KV_PF : KV_PF) * nk;
+    const int64_t pf = esize == 1 ? 2 * KV_PF : KV_PF;
     if (pf <= 0)
         return NULL;
-    if (t + pf + nk <= c1)
-        return base + (size_t)((t + pf) * D) * esize;
-    return KV_NEXT_PASS && t + nk >= c1 ? next : NULL;
+    if (t + (pf + 1) * KV_B <= c1)
+        return base + (size_t)((t + pf * KV_B) * D) * esize;
+    return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
 /* The 64-byte line that holds p, and the number of lines from line-aligned p to end: rows
@@ -255,18 +255,16 @@ KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, 
         }
 }
 
-/* acc_i = acc_i * corr_i + sum_j p_ij v_j over nk keys for NH heads (acc rows of stride Dp); p_ij
- * is w[i * ws + j], broadcast straight from memory.  CG column chunks at a time: per row, CG V
- * loads and NH broadcast loads feed CG * NH FMAs; the accumulators are loaded and stored once
- * per column group and nk keys (several blocks at once: attn_accumulate_chunk). */
+/* acc_i = acc_i * corr_i + sum_j p_ij v_j for NH heads (acc rows of stride Dp); p_ij is
+ * w[i * ws + j], broadcast straight from memory.  CG column chunks at a time: per row, CG V
+ * loads and NH broadcast loads feed CG * NH FMAs. */
 KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
-                              int64_t vs, const float *vsc, int64_t Dp, const int NH, const int64_t nk, const char *pf,
-                              size_t pf_row)
+                              int64_t vs, const float *vsc, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
-    /* the rows ahead (nk of them), spread over the row steps of the column groups (as in scores) */
+    /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
     const char *pl = pf ? kv_line_floor(pf) : NULL;
-    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)nk * pf_row) : 0;
+    const int64_t nl = pf ? kv_lines(pl, pf + (size_t)KV_B * pf_row) : 0;
     int64_t c = 0;
     for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
         vf x[KV_ACC];
@@ -277,8 +275,8 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
             for (int u = 0; u < CG; u++)
                 x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
         }
-        const int64_t slot0 = (c / (CG * KV_W)) * nk;   /* one prefetch slot per row step */
-        for (int64_t j = 0; j < nk; j++) {
+        const int64_t slot0 = (c / (CG * KV_W)) * KV_B;   /* one prefetch slot per row step */
+        for (int j = 0; j < KV_B; j++) {
             if (slot0 + j < nl)
                 __builtin_prefetch(pl + (slot0 + j) * 64, 0, 3);
             vf w[KV_GS];
@@ -305,7 +303,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
             x0[i] = vf_mul(vf_load(acc + i * Dp + c), vf_set1(corr[i]));
-        for (int64_t j = 0; j < nk; j++) {
+        for (int j = 0; j < KV_B; j++) {
             const vf v0 = kv_load_row(vb, mode, j * vs + c, vsc, j * kv_i8_blocks(vs) + c / KV_I8_BLOCK);
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
@@ -315,7 +313,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
         for (int i = 0; i < NH; i++)
             vf_store(acc + i * Dp + c, x0[i]);
     }
-    for (int64_t m = (Dp / (CG * KV_W)) * nk; m < nl; m++)   /* lines beyond one per row step */
+    for (int64_t m = (Dp / (CG * KV_W)) * KV_B; m < nl; m++)   /* lines beyond one per row step */
         __builtin_prefetch(pl + m * 64, 0, 3);
 }
 
@@ -324,9 +322,9 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
 #define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } \
                               else if (mode == KV_ROWS_I8) { kv_scores(q, kb, KV_ROWS_I8, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } \
                               else { kv_scores(q, kb, KV_ROWS_F32, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } break;
-#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, vsc, Dp, n, nk, pf, pf_row); } \
-                              else if (mode == KV_ROWS_I8) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I8, vs, vsc, Dp, n, nk, pf, pf_row); } \
-                              else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, vsc, Dp, n, nk, pf, pf_row); } break;
+#define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, vsc, Dp, n, pf, pf_row); } \
+                              else if (mode == KV_ROWS_I8) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I8, vs, vsc, Dp, n, pf, pf_row); } \
+                              else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, vsc, Dp, n, pf, pf_row); } break;
 
 static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
                             int nh, const char *pf, size_t pf_row, float *s, int64_t ss)
@@ -341,7 +339,7 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
 }
 
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
-                                int64_t vs, const float *vsc, int64_t Dp, int nh, int64_t nk, const char *pf, size_t pf_row)
+                                int64_t vs, const float *vsc, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
     switch (nh) {
     KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
@@ -391,15 +389,15 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
     }
 }
 
-/* The nb rows t.. of one head: in place when they are whole blocks that need no padding (fp16 and
-   int8 are widened in registers later; *rsc: int8's block scales of row t), else (nb < KV_B) a
-   zero-padded fp32 copy of the block in buf. */
+/* The KV_B rows t.. of one head: in place when the block is full and needs no padding (fp16 and
+   int8 are widened in registers later; *rsc: int8's block scales of row t), else a zero-padded fp32
+   copy in buf. */
 static inline const void *KV_FN(block_rows)(const char *base, const float *scale, float *buf, int32_t dtype, int64_t t,
                                             int64_t nb, int64_t D, int64_t Dp, int aligned, int64_t *stride, int *rmode,
                                             const float **rsc)
 {
     *rsc = NULL;
-    if (aligned && nb >= KV_B) {
+    if (aligned && nb == KV_B) {
         *stride = D;
         *rmode = dtype == KV_F16 ? KV_ROWS_F16 : dtype == KV_I8 ? KV_ROWS_I8 : KV_ROWS_F32;
         if (dtype == KV_I8)
@@ -553,7 +551,7 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
-        const char *kpf = kv_ahead(st->kbase, t, KV_B, c1, D, st->esize, kpf_next);
+        const char *kpf = kv_ahead(st->kbase, t, c1, D, st->esize, kpf_next);
         int64_t ks;
         int rmode;
         const float *ksc;
@@ -642,30 +640,19 @@ KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t c0, in
     }
 }
 
-/* Blocks of V a pass of the accumulation takes at once (when full and read in place), for groups
-   of at least KV_RUN_MIN query vectors: the accumulators are loaded and stored once per column
-   group and run, not per block (compute-bound groups: 80% -> 87% of the FMA peak for 4 query
-   heads at D = 128 on Zen 4).  Smaller groups keep runs of one block and their prefetch. */
-#ifndef KV_RUN
-#define KV_RUN 4
-#endif
-#define KV_RUN_MIN 4
-
-/* Pass 2 over the chunk: acc += weights @ V (reading only V); the first run applies the
+/* Pass 2 over the chunk: acc += weights @ V (reading only V); the first block applies the
    rescale of the softmax update.  next_k: the K rows read after this chunk (prefetched in
-   its last run), or NULL. */
+   its last block), or NULL.  (Runs of several blocks per pass, the accumulators loaded and
+   stored once per run, measured +2% for 8 query heads in the LLC on Zen 4 and -10% for 4 heads
+   beyond it on avx2: not kept.) */
 KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, int64_t c1, const char *next_k)
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, M = st->M;
-    const int64_t run = M >= KV_RUN_MIN ? KV_RUN * KV_B : KV_B;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        if (st->aligned && tn - t == KV_B)   /* full blocks that follow, read in place as well */
-            while (tn - t < run && tn + KV_B <= c1)
-                tn += KV_B;
-        const int64_t nb = tn - t, nk = nb > KV_B ? nb : KV_B;
-        const char *vpf = kv_ahead(st->vbase, t, nk, c1, D, st->esize, next_k);
+        const int64_t nb = tn - t;
+        const char *vpf = kv_ahead(st->vbase, t, c1, D, st->esize, next_k);
         int64_t vs;
         int rmode;
         const float *vsc;
@@ -674,7 +661,7 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
             KV_FN(accumulate_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : st->one,
-                                st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, vsc, Dp, nh, nk,
+                                st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, vsc, Dp, nh,
                                 i0 ? NULL : vpf, st->row_bytes);
         }
     }
