@@ -10,7 +10,7 @@ import pytest
 
 from kvsimd import KVSimdError, KVSimdValueError, reference
 from kvsimd.testing import (INT8_ACTIVATION_BOUND, REFERENCE_BOUNDS, assert_matches_reference, random_decoder,
-                            random_encoder_decoder)
+                            random_encoder_decoder, reference_error)
 
 # transformers' float32 forward against the float64 reference: max |difference| relative to the largest
 # |logit| (measured 1.2e-7 .. 3.7e-7 on the tiny families of tests/test_models.py)
@@ -109,12 +109,31 @@ def smollm2(request):
     return Decoder.from_gguf(models.smollm2_path(), activations="float32")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_real_model_matches_reference(smollm2, dtype):
-    """The bounds hold at 30 layers (measured: float32 2.0e-6, float16 3.3e-4, int8 1.1e-4 -- against the
-    reference that quantizes K/V by the same rule; 1.1e-2 against the float one)."""
+    """The bounds hold at 30 layers (measured: float32 2.0e-6, float16 3.3e-4)."""
     ids = smollm2.tokenizer.encode("The old king said to his daughters:")
     assert_matches_reference(smollm2, ids, cached_logits(smollm2, ids, dtype, 4), cache_dtype=dtype)
+
+
+# The real model on an int8 cache against the reference that quantizes K/V by the same rule: 30
+# layers deep, a K or V value that lies near the middle of two steps is rounded one way from
+# kvsimd's float32 value and the other from the reference's float64 one (one step of one value),
+# and every later row reads it.  Measured: 1.1e-4 on a Xeon (avx512fp16); 3.1e-3 on a Zen 4, on
+# avx2 and avx512 alike (a step flipped in the 4-token prefill, carried by every step after it),
+# 5.7e-4 on its scalar row -- while the float reference is 1.2e-3 .. 1.1e-2 away, row by row.  So
+# the check is a stated bound, 2.5x the tiny models' REFERENCE_BOUNDS["int8"], and that the logits
+# are at most half as far from the int8 reference as from the float one (a cache that did not
+# quantize, or quantized by another rule, fails the second).
+REAL_MODEL_INT8_BOUND = 2.5 * REFERENCE_BOUNDS["int8"]
+
+
+def test_real_model_int8_cache_matches_reference(smollm2):
+    ids = smollm2.tokenizer.encode("The old king said to his daughters:")
+    logits = cached_logits(smollm2, ids, "int8", 4)
+    err8 = assert_matches_reference(smollm2, ids, logits, cache_dtype="int8", bound=REAL_MODEL_INT8_BOUND)
+    errf = reference_error(smollm2, ids, logits, kv="float")
+    assert err8 <= 0.5 * errf, (err8, errf)
 
 
 def test_real_model_with_int8_activations_matches_reference(smollm2):
