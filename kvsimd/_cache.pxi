@@ -6,7 +6,8 @@ import threading as _threading
 
 from kvsimd.errors import KVSimdBusyError, KVSimdCapacityError, KVSimdISAError
 
-_DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32), "int8": (KV_I8, _I8)}
+# name: (kv_dtype, the NumPy dtype of the storage views); int4 is viewed as its bytes (uint8)
+_DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32), "int8": (KV_I8, _I8), "int4": (KV_I4, _U8)}
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
 cdef enum:
     _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
@@ -18,10 +19,13 @@ cdef class _KVStore:
 
     Storage is one 64-byte-aligned C block, ``[layer][K|V][sequence][kv head][slot][head_dim]``,
     so attention reads each (layer, sequence, head) as one contiguous run.  ``dtype`` "float16",
-    "float32" or "int8": an int8 cache also keeps, for every (slot, kv head) row of K and of V, one
-    float32 scale per block of 32 values (value d stands for its int8 value times scale d // 32:
-    :func:`kvsimd.ops.quantize_kv` quantizes, once, as K/V are written; :meth:`key_scales` /
-    :meth:`value_scales` view the scales).  A forward pass
+    "float32", "int8" or "int4": a quantized cache also keeps, for every (slot, kv head) row of K
+    and of V, one float32 scale per block of 32 values (value d stands for its integer times scale
+    d // 32: :func:`kvsimd.ops.quantize_kv` quantizes, once, as K/V are written; :meth:`key_scales`
+    / :meth:`value_scales` view the scales).  An int4 cache stores two values per byte, 16 bytes
+    per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
+    those bytes, uint8 ``[..., 16 * ceil(head_dim / 32)]`` (:func:`kvsimd.reference.unpack_int4`
+    reads them).  A forward pass
     writes the new tokens' K/V of each layer with :meth:`write` at slots beyond the committed
     length, then :meth:`commit` makes them part of the cache: a pass that fails half-way
     leaves the cache as it was.  Writing past ``capacity`` raises
@@ -36,6 +40,8 @@ cdef class _KVStore:
     cdef readonly int64_t n_layers, n_kv_heads, head_dim, capacity, batch
     cdef object _np_dtype
     cdef kv_dtype _kv_dtype
+    cdef str _dtype_name
+    cdef int64_t _row_len         # last axis of the K/V views: head_dim, or int4's bytes per row
     cdef object _lengths
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
@@ -51,15 +57,21 @@ cdef class _KVStore:
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
         cdef int64_t hd = _need_int(head_dim, "head_dim", 1, KV_MAX_HEAD_DIM)
         cdef int64_t cap = _need_int(capacity, "capacity", 1, KV_MAX_TOKENS), bt = _need_int(batch, "batch", 1)
-        try:
-            key = _np.dtype(dtype).name
-        except (TypeError, ValueError):
-            key = None
+        if isinstance(dtype, str) and dtype == "int4":
+            key = dtype
+        else:
+            try:
+                key = _np.dtype(dtype).name
+            except (TypeError, ValueError):
+                key = None
         if key not in _DTYPES:
-            raise KVSimdTypeError("dtype must be float16, float32 or int8, got %r" % (dtype,))
+            raise KVSimdTypeError("dtype must be float16, float32, int8 or int4, got %r" % (dtype,))
         self._kv_dtype, self._np_dtype = _DTYPES[key]
-        nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(hd) * self._np_dtype.itemsize  # exact: Python ints
-        if self._kv_dtype == KV_I8:   # the block scales (cache.c)
+        self._dtype_name = key
+        self._row_len = <int64_t>kv_row_bytes(self._kv_dtype, hd) // self._np_dtype.itemsize
+        # exact: Python ints
+        nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(self._row_len) * self._np_dtype.itemsize
+        if kv_dtype_scaled(self._kv_dtype):   # the block scales (cache.c)
             nbytes = (nbytes + 63) // 64 * 64 + int(nl) * 2 * int(bt) * int(hkv) * int(cap) * kv_i8_blocks(hd) * 4
         what = ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
                 % (type(self).__name__, nl, hkv, hd, cap, bt, key, nbytes))
@@ -114,7 +126,7 @@ cdef class _KVStore:
 
     def __repr__(self):
         return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
-                % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._np_dtype,
+                % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._dtype_name,
                    self._lengths.tolist()))
 
     cdef int _acquire(self) except -1:
@@ -147,7 +159,14 @@ cdef class _KVStore:
 
     @property
     def dtype(self):
+        """The NumPy dtype of the :meth:`keys` / :meth:`values` views (uint8 for an int4 cache: its
+        bytes); :attr:`kv_dtype` names what is stored."""
         return self._np_dtype
+
+    @property
+    def kv_dtype(self):
+        """What the cache stores: "float16", "float32", "int8" or "int4"."""
+        return self._dtype_name
 
     @property
     def nbytes(self):
@@ -175,12 +194,12 @@ cdef class _KVStore:
 
     cdef int _npy(self) noexcept:
         return (cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_INT8 if self._kv_dtype == KV_I8
-                else cnp.NPY_FLOAT32)
+                else cnp.NPY_UINT8 if self._kv_dtype == KV_I4 else cnp.NPY_FLOAT32)
 
     cdef object _block(self, int64_t layer, int which, int64_t seq, bint writeable):
-        """[Hkv, capacity, D] NumPy view of one block; its base keeps this cache alive."""
+        """[Hkv, capacity, D] NumPy view of one block (int4: D's bytes); its base keeps this cache alive."""
         cdef cnp.npy_intp dims[3]
-        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self.head_dim
+        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self._row_len
         arr = cnp.PyArray_SimpleNewFromData(3, dims, self._npy(), kv_cache_block(&self.c, layer, which, seq))
         cnp.set_array_base(arr, self)
         if not writeable:
@@ -188,7 +207,7 @@ cdef class _KVStore:
         return arr
 
     cdef object _scale_block(self, int64_t layer, int which, int64_t seq, bint writeable):
-        """[Hkv, capacity, blocks] float32 view of the scales of one block of an int8 cache; its base
+        """[Hkv, capacity, blocks] float32 view of the scales of one block of a quantized cache; its base
         keeps this cache alive."""
         cdef cnp.npy_intp dims[3]
         dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, kv_i8_blocks(self.head_dim)
@@ -213,7 +232,7 @@ cdef class _KVStore:
         w = _need_int(which, "which")
         if w not in (0, 1):
             raise KVSimdValueError("which must be 0 (keys) or 1 (values), got %d" % w)
-        dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, self.head_dim
+        dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, self._row_len
         arr = cnp.PyArray_SimpleNewFromData(4, dims, self._npy(), kv_cache_block(&self.c, l, w, 0))
         cnp.set_array_base(arr, self)
         arr.flags.writeable = False
@@ -221,7 +240,8 @@ cdef class _KVStore:
 
     def keys(self, layer, seq=0, length=None):
         """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the keys (default: the
-        committed ones; a larger ``length`` also shows slots written but not yet committed)."""
+        committed ones; a larger ``length`` also shows slots written but not yet committed); an
+        int4 cache's bytes, ``[n_kv_heads, length, 16 * ceil(head_dim / 32)]`` uint8."""
         l, s = self._layer(layer), self._seq(seq)
         return self._block(l, 0, s, False)[:, :self._len_arg(s, length)]
 
@@ -230,31 +250,31 @@ cdef class _KVStore:
         l, s = self._layer(layer), self._seq(seq)
         return self._block(l, 1, s, False)[:, :self._len_arg(s, length)]
 
-    cdef int _need_int8(self, str what) except -1:
-        if self._kv_dtype != KV_I8:
-            raise KVSimdTypeError("%s: this cache stores %s, which has no scales (only dtype=\"int8\" caches do)"
-                                  % (what, self._np_dtype))
+    cdef int _need_scaled(self, str what) except -1:
+        if not kv_dtype_scaled(self._kv_dtype):
+            raise KVSimdTypeError("%s: this cache stores %s, which has no scales (only dtype=\"int8\" and \"int4\" "
+                                  "caches do)" % (what, self._dtype_name))
         return 0
 
     def key_scales(self, layer, seq=0, length=None):
         """Read-only zero-copy view ``[n_kv_heads, length, ceil(head_dim / 32)]`` (float32) of an int8
-        cache's key scales: ``keys(layer)[h, t, d] * key_scales(layer)[h, t, d // 32]`` is the key
-        value it stands for."""
-        self._need_int8("key_scales")
+        or int4 cache's key scales: value d of the key of head h at slot t stands for its integer
+        times ``key_scales(layer)[h, t, d // 32]``."""
+        self._need_scaled("key_scales")
         l, s = self._layer(layer), self._seq(seq)
         return self._scale_block(l, 0, s, False)[:, :self._len_arg(s, length)]
 
     def value_scales(self, layer, seq=0, length=None):
         """Read-only zero-copy view ``[n_kv_heads, length, ceil(head_dim / 32)]`` (float32) of an int8
-        cache's value scales."""
-        self._need_int8("value_scales")
+        or int4 cache's value scales."""
+        self._need_scaled("value_scales")
         l, s = self._layer(layer), self._seq(seq)
         return self._scale_block(l, 1, s, False)[:, :self._len_arg(s, length)]
 
     def write(self, layer, k, v, *, seq=0, start=None):
         """Store float32 ``k``, ``v`` ``[n_kv_heads, T, head_dim]`` at slots ``start..start+T-1``
         (default: right after the committed tokens) of ``layer``; not visible until committed.
-        An int8 cache quantizes each row (:func:`kvsimd.ops.quantize_kv`)."""
+        An int8 or int4 cache quantizes each row (:func:`kvsimd.ops.quantize_kv`)."""
         with self._claim():
             l, s = self._layer(layer), self._seq(seq)
             _need_array(k, "k", (_F32,), 3, "[n_kv_heads, T, head_dim]")
@@ -279,30 +299,31 @@ cdef class _KVStore:
         """float32 rows src [Hkv, T, D] (validated, C-contiguous, not in this storage) into slots
         t0.. of one block, in the cache's dtype (the one conversion of written K/V)."""
         cdef int64_t T = src.shape[1], D = self.head_dim, C = self.capacity, h, nb = kv_i8_blocks(self.head_dim)
-        cdef int8_t *q
+        cdef int64_t rb = <int64_t>kv_row_bytes(self._kv_dtype, D)
+        cdef char *q
         cdef float *sc
         cdef const float *x
         blk = self._block(l, which, s, True)
         if self._kv_dtype == KV_F16:
             for h in range(self.n_kv_heads):
                 to_float16(src[h], out=blk[h, t0:t0 + T])
-        elif self._kv_dtype == KV_I8:
+        elif kv_dtype_scaled(self._kv_dtype):
             for h in range(self.n_kv_heads):
-                q = <int8_t *>kv_cache_block(&self.c, l, which, s) + (h * C + t0) * D
+                q = <char *>kv_cache_block(&self.c, l, which, s) + (h * C + t0) * rb
                 sc = kv_cache_scales(&self.c, l, which, s) + (h * C + t0) * nb
                 x = <const float *>_ptr(src) + h * T * D
                 with nogil:
-                    kv_quantize_kv(q, D, sc, x, D, T, D)
+                    kv_quantize_rows(self._kv_dtype, q, rb, sc, x, D, T, D)
         else:
             blk[:, t0:t0 + T] = src
         return 0
 
     def _saved_rows(self, layer, seq, t0, t1):
-        """A copy of slots t0..t1-1 of one layer and sequence as stored: (k, v) or, int8, (k, v, key
+        """A copy of slots t0..t1-1 of one layer and sequence as stored: (k, v) or, quantized, (k, v, key
         scales, value scales) -- what _restore_rows puts back bit for bit (a transaction's record)."""
         l, s = self._layer(layer), self._seq(seq)
         out = [_np.array(self._block(l, w, s, False)[:, t0:t1]) for w in (0, 1)]
-        if self._kv_dtype == KV_I8:
+        if kv_dtype_scaled(self._kv_dtype):
             out += [_np.array(self._scale_block(l, w, s, False)[:, t0:t1]) for w in (0, 1)]
         return tuple(out)
 
@@ -312,7 +333,7 @@ cdef class _KVStore:
             for w in (0, 1):
                 blk = self._block(l, w, s, True)
                 blk[:, t0:t0 + rows[w].shape[1]] = rows[w]
-                if self._kv_dtype == KV_I8:
+                if kv_dtype_scaled(self._kv_dtype):
                     sb = self._scale_block(l, w, s, True)
                     sb[:, t0:t0 + rows[w].shape[1]] = rows[2 + w]
 

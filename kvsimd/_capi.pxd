@@ -15,6 +15,7 @@ cdef extern from "kvsimd.h" nogil:
         KV_F32
         KV_F16
         KV_I8
+        KV_I4
 
     ctypedef enum kv_rope_style:
         KV_ROPE_GPTJ
@@ -83,9 +84,11 @@ cdef extern from "kvsimd.h" nogil:
     int64_t kv_x8_bytes(int t, int64_t rows, int64_t k) noexcept
     kv_status kv_repack_x8(int t, void *dst, const void *src, int64_t rows, int64_t row_bytes) noexcept nogil
     void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs) noexcept nogil
-    void kv_quantize_kv(int8_t *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
-                        int64_t D) noexcept nogil
+    kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
+                               int64_t n, int64_t D) noexcept nogil
     int64_t kv_i8_blocks(int64_t D) noexcept nogil
+    size_t kv_row_bytes(kv_dtype d, int64_t D) noexcept nogil
+    bint kv_dtype_scaled(kv_dtype d) noexcept nogil
     int KV_I8_BLOCK
     int64_t KV_XQ_ROW_BYTES(int64_t k) noexcept nogil
 

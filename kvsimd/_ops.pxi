@@ -7,9 +7,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
-    k, v: float16, float32 or int8 ``[Hkv, N, D]`` (same dtype; int8 with their float32 block
-    scales ``k_scale``, ``v_scale`` ``[Hkv, N, ceil(D / 32)]``: ``k[g, t, d]`` stands for
-    ``k[g, t, d] * k_scale[g, t, d // 32]``, see :func:`quantize_kv`); H a multiple of
+    k, v: float16, float32 or int8 ``[Hkv, N, D]``, or uint8 ``[Hkv, N, 16 * ceil(D / 32)]`` holding
+    int4 values two per byte (same dtype; int8 and int4 with their float32 block scales ``k_scale``,
+    ``v_scale`` ``[Hkv, N, ceil(D / 32)]``: value d of row t stands for its integer times
+    ``k_scale[g, t, d // 32]``, see :func:`quantize_kv`); H a multiple of
     Hkv (GQA/MQA: query head h uses KV head ``h // (H // Hkv)``).  ``scale`` defaults to
     ``1/sqrt(D)``.  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
@@ -41,14 +42,16 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         raise KVSimdTypeError("k and v must have the same dtype, got %s and %s" % (k.dtype, v.dtype))
     if k.shape != v.shape:
         raise KVSimdValueError("k and v must have the same shape, got %s and %s" % (k.shape, v.shape))
-    k_scale = _need_block_scales(k, k_scale, "k", "k_scale")
-    v_scale = _need_block_scales(v, v_scale, "v", "v_scale")
     cdef bint rows = q.ndim == 3
     cdef int64_t T = q.shape[0] if rows else 1
     cdef int64_t H = q.shape[q.ndim - 2], D = q.shape[q.ndim - 1], Hkv = k.shape[0], N = k.shape[1]
-    if k.shape[2] != D:
-        raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, k.shape))
     _need_head_dim(D)
+    if k.dtype == _U8:
+        _need_row_length(k, D, "k")
+    elif k.shape[2] != D:
+        raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, k.shape))
+    k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
+    v_scale = _need_block_scales(v, v_scale, "v", "v_scale", D)
     if Hkv < 1 or H < 1 or H % Hkv:
         raise KVSimdValueError("query heads H=%d must be a positive multiple of KV heads Hkv=%d" % (H, Hkv))
     if N < 1:
@@ -169,13 +172,14 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, in
 
 
 def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None,
-               k_scale=None):
+               k_scale=None, head_dim=None):
     """Rotate an already-RoPE'd cache ``k`` (float16 or float32 ``[Hkv, N, D]``) in place, as if
     tokens ``start..stop-1`` had moved by the integer ``delta`` positions (negative after a discard).
-    An int8 ``k`` comes with its float32 block scales ``k_scale`` ``[Hkv, N, ceil(D / 32)]``
-    (rewritten too): each row is widened, rotated in fp32 and quantized again
-    (:func:`quantize_kv`), which adds at most half a step of the new scale per component
-    (:func:`kvsimd.bounds.int8_shift_bound`).
+    An int8 ``k``, or a uint8 one holding int4 (``[Hkv, N, 16 * ceil(D / 32)]``; ``head_dim`` D,
+    default twice its last axis), comes with its float32 block scales ``k_scale``
+    ``[Hkv, N, ceil(D / 32)]`` (rewritten too): each row is widened, rotated in fp32 and quantized
+    again (:func:`quantize_kv`), which adds at most half a step of the new scale per component
+    (:func:`kvsimd.bounds.quantized_shift_bound`).
 
     Same pairing and frequencies (``inv_freq``) as :func:`apply_rope`, and no attention factor:
     a key rotated with one already carries it, and the shift only turns it.  The angle comes from
@@ -186,7 +190,13 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
     cdef int64_t H = k.shape[0], N = k.shape[1], D = k.shape[2]
     if N == 0 or H == 0 or D == 0:
         raise KVSimdValueError("k is empty (shape %s)" % (k.shape,))
-    k_scale = _need_block_scales(k, k_scale, "k", "k_scale")
+    if head_dim is not None or k.dtype == _U8:
+        if k.dtype != _U8:
+            raise KVSimdValueError("head_dim applies to int4 (uint8) keys only; k is %s [Hkv, N, D]" % (k.dtype,))
+        D = 2 * D if head_dim is None else _need_int(head_dim, "head_dim", 1)
+        _need_head_dim(D)
+        _need_row_length(k, D, "k")
+    k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
     if k_scale is not None:
         _need_array(k_scale, "k_scale", (_F32,), 3, "[Hkv, N, blocks]", writeable=True)
         _need_no_overlap(k_scale, "k_scale", (("k", k),))
@@ -208,24 +218,36 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
     _check_status(s, "shift_keys")
 
 
-def quantize_kv(x):
-    """Quantize float32 ``x`` (any shape ``[..., D]``) to int8 as an int8 KV cache stores K and V:
-    each row of the last axis in blocks of 32 values (the last one shorter when D is not a
-    multiple), one float32 scale per block.  Returns ``(q, scale)``, int8 ``x.shape`` and float32
-    ``x.shape[:-1] + (ceil(D / 32),)``, with ``scale = max |block| / 127`` and ``q = block / scale``
-    rounded to nearest (ties to even): ``|x - q * scale| <= scale / 2``.  A block holding NaN or
-    infinity gets scale NaN (and q 0), so it reads as NaN."""
+def quantize_kv(x, dtype="int8"):
+    """Quantize float32 ``x`` (any shape ``[..., D]``) as a quantized KV cache stores K and V: each
+    row of the last axis in blocks of 32 values (the last one shorter when D is not a multiple),
+    one float32 scale per block.  Returns ``(q, scale)``, scale float32 ``x.shape[:-1] +
+    (ceil(D / 32),)``.  ``dtype="int8"``: q int8 ``x.shape``, ``scale = max |block| / 127`` and
+    ``q = block / scale`` rounded to nearest (ties to even): ``|x - q * scale| <= scale / 2``.
+    ``dtype="int4"``: the same with 7 for 127 (q in -7..7), stored two per byte as uint8
+    ``x.shape[:-1] + (16 * ceil(D / 32),)``: byte i of block b holds value 32 b + i in its low nibble
+    and 32 b + 16 + i in its high one, each as q + 8 (the padding of a short last block reads 0);
+    :func:`kvsimd.reference.unpack_int4` unpacks.  A block holding NaN or infinity gets scale NaN
+    (and q 0), so it reads as NaN."""
     _need_array(x, "x", (_F32,), -1, "[..., D]")
     if x.ndim < 1 or x.shape[x.ndim - 1] < 1:
         raise KVSimdValueError("x must have a non-empty last axis, got shape %s" % (x.shape,))
-    cdef int64_t D = x.shape[x.ndim - 1], n = x.size // D
-    q = _np.empty(x.shape, dtype=_I8)
-    scale = _np.empty(x.shape[:-1] + (kv_i8_blocks(D),), dtype=_F32)
-    cdef int8_t *qp = <int8_t *>_ptr(q)
+    cdef kv_dtype dt
+    if dtype == "int8":
+        dt = KV_I8
+    elif dtype == "int4":
+        dt = KV_I4
+    else:
+        raise KVSimdValueError("dtype must be 'int8' or 'int4', got %r" % (dtype,))
+    cdef int64_t D = x.shape[x.ndim - 1], n = x.size // D, rb = <int64_t>kv_row_bytes(dt, D)
+    lead = x.shape[:x.ndim - 1]
+    q = _np.empty(lead + (rb,), dtype=_I8 if dt == KV_I8 else _U8)
+    scale = _np.empty(lead + (kv_i8_blocks(D),), dtype=_F32)
+    cdef void *qp = _ptr(q)
     cdef float *sp = <float *>_ptr(scale)
     cdef const float *xp = <const float *>_ptr(x)
     with nogil:
-        kv_quantize_kv(qp, D, sp, xp, D, n, D)
+        kv_quantize_rows(dt, qp, rb, sp, xp, D, n, D)
     return q, scale
 
 

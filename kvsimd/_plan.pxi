@@ -243,8 +243,9 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef float *ksc
     cdef float *vsc
     cdef kv_dtype dt = store._kv_dtype
-    cdef int64_t nsb = kv_i8_blocks(D)    # int8: scales per row
-    cdef size_t es = 2 if dt == KV_F16 else 1 if dt == KV_I8 else 4
+    cdef int64_t nsb = kv_i8_blocks(D)    # int8, int4: scales per row
+    cdef size_t es = 2 if dt == KV_F16 else 4, rb = kv_row_bytes(dt, D)
+    cdef bint quantized = kv_dtype_scaled(dt)
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
     store._acquire()
@@ -270,11 +271,11 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 vsc = kv_cache_scales(&store.c, lb, 1, sqp[r])
                 slot = slp[r]
                 for h in range(Hkv):
-                    if dt == KV_I8:
-                        kv_quantize_kv(<int8_t *>(kc + (h * C + slot) * D), D, ksc + (h * C + slot) * nsb, krow + h * D,
-                                       D, 1, D)
-                        kv_quantize_kv(<int8_t *>(vc + (h * C + slot) * D), D, vsc + (h * C + slot) * nsb, vrow + h * D,
-                                       D, 1, D)
+                    if quantized:
+                        kv_quantize_rows(dt, kc + (h * C + slot) * rb, rb, ksc + (h * C + slot) * nsb, krow + h * D,
+                                         D, 1, D)
+                        kv_quantize_rows(dt, vc + (h * C + slot) * rb, rb, vsc + (h * C + slot) * nsb, vrow + h * D,
+                                         D, 1, D)
                     elif es == 2:
                         kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
                         kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)

@@ -15,8 +15,11 @@ _F16 = _np.dtype(_np.float16)
 _F32 = _np.dtype(_np.float32)
 _I64 = _np.dtype(_np.int64)
 _I8 = _np.dtype(_np.int8)
+_U8 = _np.dtype(_np.uint8)
 _KV_DTYPES = (_F16, _F32)
-_KV_STORED = (_F16, _F32, _I8)   # what attention and shift_keys read: int8 with block scales
+# what attention and shift_keys read: int8, and uint8 holding int4 two values per byte (kvsimd.h
+# KV_I4), both with block scales
+_KV_STORED = (_F16, _F32, _I8, _U8)
 _STYLES = {"gptj": KV_ROPE_GPTJ, "neox": KV_ROPE_NEOX}
 _I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
 _MAX_EXACT_POS = 2 ** 53  # positions and deltas: exact in double, and qpos - kpos cannot overflow int64
@@ -64,21 +67,38 @@ cdef inline size_t _addr(cnp.ndarray a) noexcept:
 
 
 cdef kv_dtype _kv_code(a):
-    """The kv_dtype of a validated K/V array (float16, float32 or int8)."""
-    return KV_F16 if a.dtype == _F16 else KV_I8 if a.dtype == _I8 else KV_F32
+    """The kv_dtype of a validated K/V array (float16, float32, int8, or uint8: packed int4)."""
+    return KV_F16 if a.dtype == _F16 else KV_I8 if a.dtype == _I8 else KV_I4 if a.dtype == _U8 else KV_F32
 
 
-def _need_block_scales(x, scale, str xname, str sname):
-    """The block scales of an int8 ``x`` [H, N, D]: float32 [H, N, ceil(D / 32)], C-contiguous (None
-    for a float ``x``, which has none).  Returns the scales (or None)."""
-    if x.dtype != _I8:
+def _kv_dtype_name(a):
+    return "uint8 (int4, two values per byte)" if a.dtype == _U8 else str(a.dtype)
+
+
+def _need_row_length(x, int64_t D, str xname):
+    """The last axis of a validated K/V array ``x`` holds one row of head_dim D as stored: D values,
+    or for int4 (uint8) kv_row_bytes = 16 bytes per block of 32 values (the last block padded)."""
+    cdef int64_t want = <int64_t>kv_row_bytes(_kv_code(x), D)
+    if x.shape[x.ndim - 1] != want:
+        if x.dtype == _U8:
+            raise KVSimdValueError("%s is uint8 (int4, two values per byte): head_dim %d needs rows of %d bytes "
+                                   "(16 per block of 32 values), got shape %s" % (xname, D, want, x.shape))
+        raise KVSimdValueError("%s must have head_dim %d as its last axis, got shape %s" % (xname, D, x.shape))
+
+
+def _need_block_scales(x, scale, str xname, str sname, D=None):
+    """The block scales of an int8 or int4 ``x`` [H, N, row] of head_dim D (default: the last axis):
+    float32 [H, N, ceil(D / 32)], C-contiguous (None for a float ``x``, which has none).  Returns the
+    scales (or None)."""
+    if x.dtype != _I8 and x.dtype != _U8:
         if scale is not None:
-            raise KVSimdValueError("%s is %s: %s applies to int8 only" % (xname, x.dtype, sname))
+            raise KVSimdValueError("%s is %s: %s applies to int8 and int4 (uint8) only" % (xname, x.dtype, sname))
         return None
-    shape = (x.shape[0], x.shape[1], kv_i8_blocks(x.shape[2]))
+    shape = (x.shape[0], x.shape[1], kv_i8_blocks(x.shape[2] if D is None else D))
     if scale is None:
-        raise KVSimdValueError("%s is int8: it needs %s, its float32 block scales %s (one per %d values of a row; "
-                               "kvsimd.ops.quantize_kv makes both)" % (xname, sname, shape, KV_I8_BLOCK))
+        raise KVSimdValueError("%s is %s: it needs %s, its float32 block scales %s (one per %d values of a row; "
+                               "kvsimd.ops.quantize_kv makes both)" % (xname, _kv_dtype_name(x), sname, shape,
+                                                                     KV_I8_BLOCK))
     return _need_array(scale, sname, (_F32,), 3, "[H, N, blocks]", shape=shape)
 
 

@@ -102,27 +102,27 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
 # attend: |out - ref| <= TOL * sum_j p_j |v_jd|  (+ the ALiBi term below), per element.
 # fp32 accumulation with an online softmax; the tolerance of the dot-product and softmax
 # rounding is the measured envelope (float16 K/V: reference = float64 math on the fp16 values).
-# int8 K/V: each row is widened to exactly the float32 values q * scale
-# (reference.dequantize_kv_rows), so against float64 math on those values the float32 tolerance holds.
-ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5}
+# int8 and int4 K/V: each row is widened to exactly the float32 values q * scale
+# (reference.dequantize_kv), so against float64 math on those values the float32 tolerance holds.
+ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
 
 
-def int8_step_bound(scale, D: int):
+def quantized_step_bound(scale, D: int):
     """``|x - q * scale| <= scale / 2`` per component ``[..., D]`` for rows quantized by
-    :func:`kvsimd.ops.quantize_kv` (``scale`` its ``[..., blocks]`` scales), plus the float32
-    rounding of the product (2**-24 relative)."""
+    :func:`kvsimd.ops.quantize_kv` to int8 or int4 (``scale`` its ``[..., blocks]`` scales: the
+    step, max |block| / 127 or / 7), plus the float32 rounding of the product (2**-24 relative)."""
     per = np.repeat(np.asarray(scale, np.float64), 32, axis=-1)[..., :D]
     return per * (0.5 + 2.0 ** -23)
 
 
-def int8_shift_bound(isa: str, pair, out, new_scale):
-    """Per-component bound on ``|shifted - exact|`` for one ``shift_keys`` call on an int8 K:
+def quantized_shift_bound(isa: str, pair, out, new_scale):
+    """Per-component bound on ``|shifted - exact|`` for one ``shift_keys`` call on an int8 or int4 K:
     ``exact`` the float64 rotation of the values the rows stood for, ``shifted`` the values they
     stand for after it (``q' * new_scale``).  The rotation runs in float32 on the widened rows
     (:func:`rope_bound` of float32) and the requantization adds half a step of the new scale.
     Successive calls add up, as for float rows: a token rotated k times carries up to k times
     this bound, so a cache bounds the rotations any token sees in the same way."""
-    return rope_bound(isa, "float32", pair, out) + int8_step_bound(new_scale, np.shape(out)[-1]) + \
+    return rope_bound(isa, "float32", pair, out) + quantized_step_bound(new_scale, np.shape(out)[-1]) + \
         2.0 ** -24 * np.abs(out)
 
 
@@ -202,7 +202,7 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
         return np.stack([attend_bound(q[t], k, v, dtype=dtype, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
-    dtype = np.dtype(k.dtype if dtype is None else dtype).name
+    dtype = dtype if dtype == "int4" else np.dtype(k.dtype if dtype is None else dtype).name
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale
     err = 0.0

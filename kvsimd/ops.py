@@ -11,8 +11,8 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
 :mod:`kvsimd.bounds` state the same bounds, ``u = 2**-11``, per output component):
 
 * ``attend``: ``|out - ref| <= 1e-5 * sum_j p_j |v_j|`` per element for float32 K/V, and 1e-4
-  for float16 K/V (reference: float64 math on the fp16 values); int8 K/V with block scales as
-  float32 (reference: float64 math on the values ``q * scale`` the rows stand for).  fp32 accumulation, online
+  for float16 K/V (reference: float64 math on the fp16 values); int8 and int4 K/V with block scales
+  as float32 (reference: float64 math on the values ``q * scale`` the rows stand for).  fp32 accumulation, online
   softmax, one pass over K and V.  With ALiBi, plus the fp32 rounding of each bias
   ``b_j = slope * (query_position - key_position)`` in its score, ``e_j = 2 * 2**-24 * |b_j|``,
   through the softmax: ``sum_j p_j e_j |v_j| + (sum_k p_k e_k) * sum_j p_j |v_j|``.  With
@@ -30,8 +30,8 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
   the per-call bound.  A cache design must bound how many rotations any cached token sees.
 * ``to_float16`` / ``to_float32``: bit-identical to NumPy's casts, NaN payloads included.
 * ``quantize_kv``: bit-identical to the rule in NumPy float32 (``kvsimd.reference.quantize_kv``);
-  ``|x - q * scale| <= scale / 2``.  ``shift_keys`` on int8 keys: the float32 rotation bound plus
-  half a step of the new scale per call (``kvsimd.bounds.int8_shift_bound``).
+  ``|x - q * scale| <= scale / 2``.  ``shift_keys`` on int8 or int4 keys: the float32 rotation bound plus
+  half a step of the new scale per call (``kvsimd.bounds.quantized_shift_bound``).
 """
 from kvsimd._kvsimd import apply_rope, attend, quantize_kv, shift_keys, to_float16, to_float32
 

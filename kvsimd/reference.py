@@ -283,14 +283,17 @@ def int8_rows(x):
     return (q * step).reshape(np.shape(x))
 
 
-KV_I8_BLOCK = 32   # values per scale of an int8 KV row (kvsimd.h)
+KV_I8_BLOCK = 32   # values per scale of an int8 or int4 KV row (kvsimd.h)
+KV_QMAX = {"int8": 127, "int4": 7}   # the largest integer of each quantized KV dtype
 
 
-def quantize_kv(x):
-    """The int8 KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the last
-    axis in blocks of 32 values (the last shorter), ``scale = max |block| / 127`` and
-    ``q = rint(block / scale)`` (ties to even), clipped to +-127; a block with NaN or infinity gets
-    scale NaN and q 0.  Returns (q int8 x.shape, scale float32 x.shape[:-1] + (blocks,))."""
+def quantize_kv(x, dtype="int8"):
+    """The quantized KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the
+    last axis in blocks of 32 values (the last shorter), ``scale = max |block| / qmax`` (qmax 127
+    for int8, 7 for int4) and ``q = rint(block / scale)`` (ties to even), clipped to +-qmax; a block
+    with NaN or infinity gets scale NaN and q 0.  Returns (q, scale float32 x.shape[:-1] +
+    (blocks,)): int8 q of x.shape, or for int4 q packed as the cache stores it (:func:`pack_int4`)."""
+    qmax = KV_QMAX[dtype]
     x = np.asarray(x, np.float32)
     D = x.shape[-1]
     nb = -(-D // KV_I8_BLOCK)
@@ -299,17 +302,37 @@ def quantize_kv(x):
     b = pad.reshape(x.shape[:-1] + (nb, KV_I8_BLOCK))
     amax = np.abs(b).max(axis=-1)
     bad = ~np.isfinite(b).all(axis=-1)
-    scale = (amax / np.float32(127)).astype(np.float32)
+    scale = (amax / np.float32(qmax)).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.rint(np.where(scale[..., None] > 0, b / np.where(scale > 0, scale, 1)[..., None], 0))
-    q = np.clip(np.where(bad[..., None], 0, q), -127, 127).astype(np.int8)
-    return q.reshape(pad.shape)[..., :D].copy(), np.where(bad, np.float32(np.nan), scale).astype(np.float32)
+    q = np.clip(np.where(bad[..., None], 0, q), -qmax, qmax).astype(np.int8)
+    scale = np.where(bad, np.float32(np.nan), scale).astype(np.float32)
+    q = q.reshape(pad.shape)
+    return (q[..., :D].copy() if dtype == "int8" else pack_int4(q)), scale
 
 
-def dequantize_kv(q, scale):
-    """The float32 values int8 K/V stand for, ``q[d] * scale[d // 32]`` (one float32 rounding):
-    what the attention kernels widen each row to."""
+def pack_int4(q):
+    """int8 values in -8..7, ``[..., 32 * blocks]``, as an int4 cache stores them: uint8
+    ``[..., 16 * blocks]``, byte i of block b holding value 32 b + i + 8 in its low nibble and
+    value 32 b + 16 + i + 8 in its high one (kvsimd.h KV_I4)."""
+    q = np.asarray(q, np.int16)
+    b = (q + 8).astype(np.uint8).reshape(q.shape[:-1] + (-1, 2, 16))
+    return (b[..., 0, :] | (b[..., 1, :] << 4)).reshape(q.shape[:-1] + (-1,))
+
+
+def unpack_int4(q, D):
+    """The int8 values (-8..7) ``[..., D]`` of int4 rows ``q`` (uint8 ``[..., 16 * ceil(D / 32)]``)."""
+    b = np.asarray(q, np.uint8).reshape(np.shape(q)[:-1] + (-1, 16))
+    v = np.stack([b & 15, b >> 4], axis=-2).astype(np.int8) - 8
+    return v.reshape(np.shape(q)[:-1] + (-1,))[..., :D]
+
+
+def dequantize_kv(q, scale, D=None):
+    """The float32 values int8 or int4 (uint8, head_dim ``D``: default twice its last axis) K/V stand
+    for, ``q[d] * scale[d // 32]`` (one float32 rounding): what the attention kernels widen each row to."""
     q = np.asarray(q)
+    if q.dtype == np.uint8:
+        q = unpack_int4(q, 2 * q.shape[-1] if D is None else D)
     per = np.repeat(np.asarray(scale, np.float32), KV_I8_BLOCK, axis=-1)[..., :q.shape[-1]]
     return (q.astype(np.float32) * per).astype(np.float32)
 
@@ -365,7 +388,7 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
     """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
     without position terms when ``positions`` is None (the encoder).  ``qk``: the norms of each
     q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window; ``kv``
-    "int8": K (after RoPE) and V read as an int8 cache stores them (:func:`quantize_kv`)."""
+    "int8" or "int4": K (after RoPE) and V read as such a cache stores them (:func:`quantize_kv`)."""
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
@@ -381,8 +404,8 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    if kv == "int8":
-        k, v = (dequantize_kv(*quantize_kv(x)).astype(np.float64) for x in (k, v))
+    if kv in KV_QMAX:
+        k, v = (dequantize_kv(*quantize_kv(x, kv), D).astype(np.float64) for x in (k, v))
     scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
     return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
@@ -391,8 +414,8 @@ def _cross_attention(cfg, a, h, enc_out, kv="float"):
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
-    if kv == "int8":
-        k, v = (dequantize_kv(*quantize_kv(x)).astype(np.float64) for x in (k, v))
+    if kv in KV_QMAX:
+        k, v = (dequantize_kv(*quantize_kv(x, kv), D).astype(np.float64) for x in (k, v))
     return _linear(_attention(q, k, v), a.wo, a.bo)
 
 
@@ -410,7 +433,7 @@ def layer(cfg, lw, x, positions=None, enc_out=None, window=0, kv="float"):
     position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it.
     ``window`` > 0: each query reads its last ``window`` keys only.  With ``cfg.post_norms`` the
     attention and FFN outputs are normed (post_norm1, post_norm2) before their residual adds.
-    ``kv="int8"``: the self- and cross-attention read K/V as int8 caches store them."""
+    ``kv="int8"`` or ``"int4"``: the self- and cross-attention read K/V as such caches store them."""
     x = np.asarray(x, dtype=np.float64)
     cross = enc_out is not None
     _check_layer_rules(cfg, "cfg", cross)
@@ -503,8 +526,8 @@ def encode(model, src):
 
 
 def forward(model, tokens, src=None, positions=None, kv="float"):
-    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch (``kv="int8"``:
-    the self-attention K/V quantized as an int8 cache stores them, :func:`quantize_kv`).
+    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch (``kv="int8"`` or ``"int4"``:
+    the self-attention K/V quantized as such a cache stores them, :func:`quantize_kv`).
 
     ``model``: a decoder (``cfg``, ``embed``, ``layers``, ``final_norm``, ``lm_head``, ``lm_bias``,
     ``pos_embed``, ``embed_norm``), or an encoder-decoder with ``src`` (its source ids, run through

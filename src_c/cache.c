@@ -17,20 +17,20 @@ kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t 
     memset(c, 0, sizeof *c);
     if (n_layers < 1 || batch < 1 || n_kv_heads < 1 || capacity < 1 || head_dim < 1 || head_dim > KV_MAX_HEAD_DIM)
         return KV_ERR_ARG;
-    if (dtype != KV_F16 && dtype != KV_F32 && dtype != KV_I8)
+    if (dtype != KV_F16 && dtype != KV_F32 && dtype != KV_I8 && dtype != KV_I4)
         return KV_ERR_ARG;
     /* every product checked before it is used: rows = n_layers * 2 * batch * n_kv_heads * capacity,
-       values rows * head_dim * esize; KV_I8 adds rows * kv_i8_blocks(head_dim) * 4 bytes of scales,
+       values rows * kv_row_bytes; KV_I8, KV_I4 add rows * kv_i8_blocks(head_dim) * 4 bytes of scales,
        64-byte aligned */
     size_t rows = 1, values = 0, total = 0;
     const int64_t dims[5] = {n_layers, 2, batch, n_kv_heads, capacity};
     for (int i = 0; i < 5; i++)
         if (__builtin_mul_overflow(rows, (uint64_t)dims[i], &rows))
             return KV_ERR_CAPACITY;
-    if (__builtin_mul_overflow(rows, (uint64_t)head_dim * kv_dtype_bytes(dtype), &values))
+    if (__builtin_mul_overflow(rows, (uint64_t)kv_row_bytes(dtype, head_dim), &values))
         return KV_ERR_CAPACITY;
     total = values;
-    if (dtype == KV_I8) {
+    if (kv_dtype_scaled(dtype)) {
         size_t sbytes = 0;
         if (__builtin_mul_overflow(rows, sizeof(float) * (size_t)kv_i8_blocks(head_dim), &sbytes) ||
             values > SIZE_MAX - 64 ||
@@ -52,7 +52,7 @@ kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t 
 #endif
     memset(p, 0, total);
     c->data = p;
-    c->scales = dtype == KV_I8 ? (float *)((char *)p + (values + 63) / 64 * 64) : NULL;
+    c->scales = kv_dtype_scaled(dtype) ? (float *)((char *)p + (values + 63) / 64 * 64) : NULL;
     c->nbytes = total;
     c->n_layers = n_layers;
     c->batch = batch;
@@ -76,11 +76,11 @@ void kv_cache_destroy(kv_cache *c)
 void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq)
 {   /* callers check 0 <= layer < n_layers, which in {0, 1}, 0 <= seq < batch: no product can then
        exceed nbytes, which kv_cache_create checked */
-    const size_t block = (size_t)c->n_kv_heads * (size_t)c->capacity * (size_t)c->head_dim * kv_dtype_bytes(c->dtype);
+    const size_t block = (size_t)c->n_kv_heads * (size_t)c->capacity * kv_row_bytes(c->dtype, c->head_dim);
     return (char *)c->data + (((size_t)layer * 2 + (size_t)which) * (size_t)c->batch + (size_t)seq) * block;
 }
 
-/* Start of the [Hkv, capacity, blocks] scales of K (which = 0) or V (which = 1); NULL unless KV_I8. */
+/* Start of the [Hkv, capacity, blocks] scales of K (which = 0) or V (which = 1); NULL unless KV_I8 or KV_I4. */
 float *kv_cache_scales(const kv_cache *c, int64_t layer, int which, int64_t seq)
 {
     if (!c->scales)

@@ -43,11 +43,23 @@ typedef enum kv_isa {
 
 /* Element types of a K/V cache.  KV_I8: int8 values q, each row (a token of a KV head, D values)
    in blocks of KV_I8_BLOCK values (the last one shorter when D is not a multiple), one float32
-   scale per block: value d of the row stands for q[d] * scale[d / KV_I8_BLOCK] (kv_quantize_kv). */
-typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 } kv_dtype;
+   scale per block: value d of the row stands for q[d] * scale[d / KV_I8_BLOCK] (kv_quantize_rows).
+   KV_I4: 4-bit values q in -7..7 with the same blocks and scales, stored as q + 8; a row is
+   kv_i8_blocks(D) blocks of KV_I4_BLOCK_BYTES bytes (the last block padded with zeros to 32
+   values), value e of a block in byte e % 16, the low nibble for e < 16 and the high one for
+   e >= 16 (so that a vector of up to 16 consecutive values is one run of bytes and one shift). */
+typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3 } kv_dtype;
 #define KV_I8_BLOCK 32
-static inline size_t kv_dtype_bytes(kv_dtype d) { return d == KV_F32 ? 4 : d == KV_F16 ? 2 : 1; }
+#define KV_I4_BLOCK_BYTES (KV_I8_BLOCK / 2)
 static inline int64_t kv_i8_blocks(int64_t D) { return (D + KV_I8_BLOCK - 1) / KV_I8_BLOCK; }  /* scales per row */
+static inline int kv_dtype_scaled(kv_dtype d) { return d == KV_I8 || d == KV_I4; }   /* has block scales */
+/* Bytes of one row of D values (a token of a KV head) as stored. */
+static inline size_t kv_row_bytes(kv_dtype d, int64_t D)
+{
+    return d == KV_I4 ? (size_t)kv_i8_blocks(D) * KV_I4_BLOCK_BYTES : (size_t)D * (d == KV_F32 ? 4 : d == KV_F16 ? 2 : 1);
+}
+/* Values per row as the kernels address them: D, or whole blocks for KV_I4 (its padding reads 0). */
+static inline int64_t kv_row_values(kv_dtype d, int64_t D) { return d == KV_I4 ? kv_i8_blocks(D) * KV_I8_BLOCK : D; }
 
 typedef enum kv_rope_style { KV_ROPE_GPTJ = 0, KV_ROPE_NEOX = 1 } kv_rope_style;
 
@@ -106,7 +118,7 @@ static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : K
  *   with query = 1 (the attention-sink query of a ring cache, rotated at another position).
  *   cap(s) = softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's attention logit soft-capping),
  *   else s: the scaled dot product is capped first, then the ALiBi bias is subtracted.
- *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype; KV_I8: with block scales
+ *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype, rows of kv_row_bytes; KV_I8, KV_I4: block scales
  *   k_scale, v_scale [Hkv, n_total, kv_i8_blocks(D)], see kv_dtype); ranges: n_ranges >= 1
  *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
  *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
@@ -158,7 +170,7 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, part_lo, 'q')        /* split-K piece (ops.c): see above */ \
     F(int64_t, part_hi, 'q') \
     F(float *, part_ml, 'Q') \
-    F(const float *, k_scale, 'Q')  /* KV_I8: [Hkv, n_total, kv_i8_blocks(D)] block scales of k; else unused */ \
+    F(const float *, k_scale, 'Q')  /* KV_I8, KV_I4: [Hkv, n_total, kv_i8_blocks(D)] block scales of k; else unused */ \
     F(const float *, v_scale, 'Q')
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
@@ -296,8 +308,8 @@ kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D
                         const double *inv, double scale, kv_rope_style style, int64_t rotary_dim);
 /* Rows start..stop-1 of an already rotated k turned by delta * inv[r], with no scale: the
    attention factor is in the key once, from kv_apply_rope or the step that stored it.
-   KV_I8 (k_scale [Hkv, N, kv_i8_blocks(D)] its block scales): each row is widened (q * scale),
-   rotated in fp32 and quantized again (kv_quantize_kv), in one pass over rows held on the stack. */
+   KV_I8, KV_I4 (k_scale [Hkv, N, kv_i8_blocks(D)] its block scales): each row is widened (q * scale),
+   rotated in fp32 and quantized again (kv_quantize_rows), in one pass over rows held on the stack. */
 kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
                         const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
 /* Rows t0..t1-1 of x [H, N, D] rotated in place by one shared table cs (from kv_rope_table):
@@ -331,11 +343,18 @@ kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int
  * q = x / d rounded to nearest (ties to even) -- |x - d q| <= d / 2; a block holding NaN or
  * infinity gets d = s = NaN (its products are NaN, as with float activations). */
 void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs);
-/* rows x [n, D] (row stride xs floats) into q [n, D] int8 (row stride qs) and scale [n, kv_i8_blocks(D)]
- * (contiguous): each block of KV_I8_BLOCK values of a row by the rule of kv_quantize_x -- scale =
- * max |x| / 127, q = x / scale rounded to nearest (ties to even), |x - scale q| <= scale / 2; a
- * block holding NaN or infinity gets scale NaN and q = 0 (it reads as NaN, as a float row would). */
-void kv_quantize_kv(int8_t *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n, int64_t D);
+/* rows x [n, D] (row stride xs floats) into q (dtype KV_I8 or KV_I4, rows qs bytes apart, each
+ * kv_row_bytes(dtype, D)) and scale [n, kv_i8_blocks(D)] (contiguous), each block of KV_I8_BLOCK
+ * values of a row on its own: KV_I8 by the rule of kv_quantize_x -- scale = max |x| / 127, q = x /
+ * scale rounded to nearest (ties to even), |x - scale q| <= scale / 2; KV_I4 the same with 7 for
+ * 127 (q in -7..7).  A block holding NaN or infinity gets scale NaN and q = 0 (it reads as NaN, as
+ * a float row would).  Returns KV_ERR_ARG for another dtype. */
+kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
+                           int64_t D);
+/* The float32 values rows q (as kv_quantize_rows stores them) stand for, q[d] * scale[d / 32], into
+ * x [n, D] (row stride xs floats). */
+void kv_dequantize_rows(kv_dtype dtype, float *x, int64_t xs, const void *q, int64_t qs, const float *scale, int64_t n,
+                        int64_t D);
 void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* inv[r] = theta^(-2r / rotary_dim) for r < R (in double). */
@@ -344,12 +363,12 @@ void kv_rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim);
    as float pairs (what the rotate kernel reads). */
 void kv_rope_table(float *cs, double units, const double *inv, int64_t R, double scale);
 
-/* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][d], 64-byte aligned; for KV_I8
+/* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][row], 64-byte aligned; for KV_I8, KV_I4
    also the block scales, [layer][K|V][seq][kv head][slot][kv_i8_blocks(d)] float32, after the
    values in the same allocation. */
 typedef struct kv_cache {
     void *data;
-    float *scales;          /* KV_I8: the block scales; NULL otherwise */
+    float *scales;          /* KV_I8, KV_I4: the block scales; NULL otherwise */
     size_t nbytes;
     int64_t n_layers, batch, n_kv_heads, capacity, head_dim;
     kv_dtype dtype;
@@ -358,7 +377,7 @@ kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t 
                           int64_t head_dim, kv_dtype dtype);
 void kv_cache_destroy(kv_cache *c);                 /* accepts a destroyed or zeroed cache */
 void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq);
-/* [Hkv, capacity, kv_i8_blocks(head_dim)] block scales of K (which = 0) or V; NULL unless KV_I8 */
+/* [Hkv, capacity, kv_i8_blocks(head_dim)] block scales of K (which = 0) or V; NULL unless scaled */
 float *kv_cache_scales(const kv_cache *c, int64_t layer, int which, int64_t seq);
 
 /* membench.c: what the benchmark compares kernels against (baseline ISA, no tricks). */

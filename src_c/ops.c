@@ -316,10 +316,10 @@ kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int
     return KV_OK;
 }
 
-/* The one int8 rounding rule (int8 activations and the int8 KV cache): n values into q with one
-   step, max |x| / 127, q = x / step to nearest (ties to even), clamped to +-127; returns the step,
-   NaN (q all 0) when a value is NaN or infinite.  Returns sum(q) in *sum. */
-static float quantize_run(int8_t *q, const float *v, int64_t n, int32_t *sum)
+/* The one rounding rule of int8 activations and of the int8 and int4 KV caches: n values into q
+   with one step, max |x| / qmax, q = x / step to nearest (ties to even), clamped to +-qmax; returns
+   the step, NaN (q all 0) when a value is NaN or infinite.  Returns sum(q) in *sum. */
+static float quantize_run(int8_t *q, const float *v, int64_t n, float qmax, int32_t *sum)
 {
     float amax = 0.0f;
     int finite = 1;
@@ -333,10 +333,10 @@ static float quantize_run(int8_t *q, const float *v, int64_t n, int32_t *sum)
         memset(q, 0, (size_t)n);
         return NAN;
     }
-    const float step = amax / 127.0f;
+    const float step = amax / qmax;
     for (int64_t i = 0; i < n; i++) {
         float r = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
-        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        r = r > qmax ? qmax : r < -qmax ? -qmax : r;
         q[i] = (int8_t)r;
         *sum += (int32_t)r;
     }
@@ -351,20 +351,48 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
         float *d = (float *)(q + k), *s = d + nb;
         for (int64_t ib = 0; ib < nb; ib++) {
             int32_t sum;
-            d[ib] = quantize_run(q + 32 * ib, x + b * xs + 32 * ib, 32, &sum);
+            d[ib] = quantize_run(q + 32 * ib, x + b * xs + 32 * ib, 32, 127.0f, &sum);
             s[ib] = d[ib] * (float)sum;
         }
     }
 }
 
-void kv_quantize_kv(int8_t *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n, int64_t D)
+kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
+                           int64_t D)
 {
+    if (dtype != KV_I8 && dtype != KV_I4)
+        return KV_ERR_ARG;
     const int64_t nb = kv_i8_blocks(D);
     int32_t sum;
     for (int64_t r = 0; r < n; r++)
-        for (int64_t b = 0, d = 0; b < nb; b++, d += KV_I8_BLOCK)
-            scale[r * nb + b] = quantize_run(q + r * qs + d, x + r * xs + d, D - d < KV_I8_BLOCK ? D - d : KV_I8_BLOCK,
-                                             &sum);
+        for (int64_t b = 0, d = 0; b < nb; b++, d += KV_I8_BLOCK) {
+            const int64_t len = D - d < KV_I8_BLOCK ? D - d : KV_I8_BLOCK;
+            if (dtype == KV_I8) {
+                scale[r * nb + b] = quantize_run((int8_t *)q + r * qs + d, x + r * xs + d, len, 127.0f, &sum);
+                continue;
+            }
+            int8_t v[KV_I8_BLOCK] = {0};   /* the padding of a short last block is value 0 */
+            uint8_t *o = (uint8_t *)q + r * qs + b * KV_I4_BLOCK_BYTES;
+            scale[r * nb + b] = quantize_run(v, x + r * xs + d, len, 7.0f, &sum);
+            for (int e = 0; e < KV_I4_BLOCK_BYTES; e++)
+                o[e] = (uint8_t)((v[e] + 8) | ((v[e + KV_I4_BLOCK_BYTES] + 8) << 4));
+        }
+    return KV_OK;
+}
+
+void kv_dequantize_rows(kv_dtype dtype, float *x, int64_t xs, const void *q, int64_t qs, const float *scale, int64_t n,
+                        int64_t D)
+{
+    const int64_t nb = kv_i8_blocks(D);
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = (const uint8_t *)q + r * qs;
+        for (int64_t d = 0; d < D; d++) {
+            const int64_t b = d / KV_I8_BLOCK, e = d % KV_I8_BLOCK;
+            const int v = dtype == KV_I8 ? (int)(int8_t)row[d]
+                        : (int)((row[b * KV_I4_BLOCK_BYTES + e % KV_I4_BLOCK_BYTES] >> (e >= KV_I4_BLOCK_BYTES ? 4 : 0)) & 15) - 8;
+            x[r * xs + d] = (float)v * scale[r * nb + b];
+        }
+    }
 }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 
@@ -414,29 +442,28 @@ kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, in
         return KV_ERR_ARG;
     if (start < 0 || stop > N || start > stop)
         return KV_ERR_POSITION;
-    if (dtype == KV_I8 && !k_scale)
+    if (kv_dtype_scaled(dtype) && !k_scale)
         return KV_ERR_ARG;
     const int64_t R = rotary_dim / 2;
     float cs[KV_MAX_HEAD_DIM];
     kv_rope_table(cs, (double)delta, inv, R, 1.0);
-    if (dtype != KV_I8) {
+    if (!kv_dtype_scaled(dtype)) {
         kv_rotate_rows(k, dtype, Hkv, N, D, cs, style, rotary_dim, start, stop);
         return KV_OK;
     }
-    /* int8: SHIFT_ROWS rows at a time widened into buf, rotated there in fp32, quantized back */
+    /* int8, int4: SHIFT_ROWS rows at a time widened into buf, rotated there in fp32, quantized back */
     enum { SHIFT_ROWS = 16 };
     float buf[SHIFT_ROWS * KV_MAX_HEAD_DIM];
     const int64_t nb = kv_i8_blocks(D);
+    const size_t rb = kv_row_bytes(dtype, D);
     for (int64_t g = 0; g < Hkv; g++)
         for (int64_t t = start; t < stop; t += SHIFT_ROWS) {
             const int64_t n = stop - t < SHIFT_ROWS ? stop - t : SHIFT_ROWS;
-            int8_t *q = (int8_t *)k + (g * N + t) * D;
+            char *q = (char *)k + (size_t)(g * N + t) * rb;
             float *sc = k_scale + (g * N + t) * nb;
-            for (int64_t r = 0; r < n; r++)
-                for (int64_t d = 0; d < D; d++)
-                    buf[r * D + d] = (float)q[r * D + d] * sc[r * nb + d / KV_I8_BLOCK];
+            kv_dequantize_rows(dtype, buf, D, q, (int64_t)rb, sc, n, D);
             kv_rotate_rows(buf, KV_F32, 1, n, D, cs, style, rotary_dim, 0, n);
-            kv_quantize_kv(q, D, sc, buf, D, n, D);
+            kv_quantize_rows(dtype, q, (int64_t)rb, sc, buf, D, n, D);
         }
     return KV_OK;
 }

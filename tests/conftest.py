@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 import kvsimd
 import kvsimd._kvsimd as ext
-from kvsimd import ops
+from kvsimd import ops, reference
 from kvsimd.testing import use_isa
 
 settings.register_profile("dev", max_examples=25, deadline=None,
@@ -173,15 +173,15 @@ class EmulatedRow:
     def attend(self, q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None,
                ranges=None, q_alt=None, out=None, softcap=None, causal_offset=None, causal=True, window=None,
                part=None, k_scale=None, v_scale=None):
-        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row; int8 k, v with
-        their block scales, at odd byte offsets).  ``part=(lo, hi)``:
+        """As ops.attend (q [H, D], or [T, H, D] rows: one kernel call for every row; int8 k, v, or
+        uint8 (int4) ones, with their block scales, at odd byte offsets).  ``part=(lo, hi)``:
         one split-K piece, keys lo..hi-1 of the ranges end to end; returns (unnormalized out,
         [T, H, 2] (max, sum))."""
         g = self.guest
         g.reset_arena()
         rows = q.ndim == 3
         T, H, D = q.shape if rows else (1,) + q.shape
-        Hkv, N, _ = k.shape
+        Hkv, N = k.shape[:2]
         off = N - T if causal_offset is None else causal_offset
         cend = off + 1 if rows and causal else 0
         qpos = (off if rows else N - 1) if query_position is None else query_position
@@ -191,7 +191,7 @@ class EmulatedRow:
                           for r in rows_)
         dst = g.put(np.zeros(T * H * D, np.float32), guard=self.GUARD)
         ml = g.put(np.zeros(T * H * 2, np.float32), guard=self.GUARD) if part is not None else 0
-        i8 = k.dtype == np.int8
+        i8 = k.dtype in (np.int8, np.uint8)
         scales = {"k_scale": g.put(k_scale, offset=4), "v_scale": g.put(v_scale, offset=4)} if i8 else {}
         prm = self._pack("kv_attn_params", {
             "q": g.put(q), "k": g.put(k, offset=3 if i8 else 2), "v": g.put(v, offset=3 if i8 else 2), "out": dst,
@@ -201,7 +201,7 @@ class EmulatedRow:
             "ranges": g.put(packed), "n_ranges": len(rows_), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
             "T": T, "q_stride": H * D, "out_stride": H * D, "causal_end": cend, "window": window or 0,
             "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
-            "dtype": 2 if i8 else 1 if k.dtype == np.float16 else 0, **scales,
+            "dtype": 3 if k.dtype == np.uint8 else 2 if i8 else 1 if k.dtype == np.float16 else 0, **scales,
             **({} if part is None else {"part_lo": part[0], "part_hi": part[1], "part_ml": ml})})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
         g.call(self._fn("attn"), g.put(prm), 0, Hkv, 0, T, ws)
@@ -233,18 +233,21 @@ class EmulatedRow:
         self._rotate(x, cs, rd, style, rd)
 
     def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0,
-                   stop=None, k_scale=None):
-        """As ops.shift_keys; int8 k as ops.c does it around the row's rotate kernel: rows widened
-        (q * scale, in float32), rotated by the row, quantized again by the C rule."""
-        rd = k.shape[-1] if rotary_dim is None else rotary_dim
+                   stop=None, k_scale=None, head_dim=None):
+        """As ops.shift_keys; int8 and int4 (uint8) k as ops.c does it around the row's rotate
+        kernel: rows widened (q * scale, in float32), rotated by the row, quantized again by the C
+        rule."""
+        i4 = k.dtype == np.uint8
+        D = (head_dim or 2 * k.shape[-1]) if i4 else k.shape[-1]
+        rd = D if rotary_dim is None else rotary_dim
         cs = ext._rope_table(float(delta), theta, rd // 2, rd, inv_freq)
-        if k.dtype != np.int8:
+        if k.dtype not in (np.int8, np.uint8):
             self._rotate(k, cs, 0, style, rd, start, stop)
             return
         t1 = k.shape[1] if stop is None else stop
-        x = np.repeat(k_scale[:, start:t1], 32, axis=-1)[..., :k.shape[-1]] * k[:, start:t1]
+        x = np.ascontiguousarray(reference.dequantize_kv(k[:, start:t1], k_scale[:, start:t1], D))
         self._rotate(x, cs, 0, style, rd)
-        k[:, start:t1], k_scale[:, start:t1] = ops.quantize_kv(x)
+        k[:, start:t1], k_scale[:, start:t1] = ops.quantize_kv(x, "int4" if i4 else "int8")
 
     def _convert(self, name, src, dtype):
         g = self.guest

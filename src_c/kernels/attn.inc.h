@@ -73,13 +73,23 @@ static inline float KV_FN(expf1)(float x) { return vf_first(vf_exp(vf_set1(x)));
 
 /* How the inner loops read a block's rows: fp32 (the cache's, or a widened copy in the
    workspace), fp16 widened in registers, or int8 widened in registers and multiplied by the
-   scale of its 32-value block (sc[si]: int8 only; a vector never straddles two blocks). */
-enum { KV_ROWS_F32 = 0, KV_ROWS_F16 = 1, KV_ROWS_I8 = 2 };
+   scale of its 32-value block (sc[si]: int8 only; a vector never straddles two blocks), or int4
+   the same way.  Int4 rows are addressed by value as if each held kv_row_values (whole blocks):
+   value `off` is in the nibbles kv_i4_at and kv_i4_hi give (kvsimd.h KV_I4). */
+enum { KV_ROWS_F32 = 0, KV_ROWS_F16 = 1, KV_ROWS_I8 = 2, KV_ROWS_I4 = 3 };
+
+KV_AINLINE const uint8_t *kv_i4_at(const void *base, int64_t off)
+{
+    return (const uint8_t *)base + (off / KV_I8_BLOCK) * KV_I4_BLOCK_BYTES + off % KV_I4_BLOCK_BYTES;
+}
+KV_AINLINE int kv_i4_hi(int64_t off) { return (int)(off / KV_I4_BLOCK_BYTES) & 1; }
 
 KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off, const float *sc, int64_t si)
 {
     if (mode == KV_ROWS_I8)
         return vf_mul(vf_load_i8((const int8_t *)base + off), vf_set1(sc[si]));
+    if (mode == KV_ROWS_I4)
+        return vf_mul(vf_load_i4(kv_i4_at(base, off), kv_i4_hi(off)), vf_set1(sc[si]));
     return mode == KV_ROWS_F16 ? vf_load_h((const uint16_t *)base + off) : vf_load((const float *)base + off);
 }
 
@@ -113,17 +123,17 @@ KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
 }
 
 /* What to prefetch while working on the block at token t of a pass ending at c1: the block
-   KV_PF blocks ahead (int8 rows: 2 KV_PF, the same distance in bytes as fp16); in the pass's last
+   pf blocks ahead (attn_setup: KV_PF, for int8 rows 2 KV_PF and int4 4 KV_PF, the same distance in
+   bytes as fp16); in the pass's last
    block, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
    on a cold stream.  NULL: nothing.  (On Zen 4, 2 or 4 blocks ahead, or an L2 prefetch several
    blocks ahead besides, measured no faster beyond the LLC.) */
-KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, int64_t D, size_t esize, const char *next)
+KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, const char *next)
 {
-    const int64_t pf = esize == 1 ? 2 * KV_PF : KV_PF;
     if (pf <= 0)
         return NULL;
     if (t + (pf + 1) * KV_B <= c1)
-        return base + (size_t)((t + pf * KV_B) * D) * esize;
+        return base + (size_t)(t + pf * KV_B) * row_bytes;
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
@@ -158,6 +168,11 @@ KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const flo
     if (mode == KV_ROWS_I8) {
         const int64_t si = j * kv_i8_blocks(stride) + c / KV_I8_BLOCK;
         return vf_mul(vf_load_i8_2((const int8_t *)base + off, (const int8_t *)base + off + stride),
+                      vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
+    }
+    if (mode == KV_ROWS_I4) {
+        const int64_t si = j * kv_i8_blocks(stride) + c / KV_I8_BLOCK;
+        return vf_mul(vf_load_i4_2(kv_i4_at(base, off), kv_i4_at(base, off + stride), kv_i4_hi(off)),
                       vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
     }
     if (mode == KV_ROWS_F16)
@@ -318,12 +333,14 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
 }
 
 /* Instantiate the two helpers for a compile-time head count and row mode (int8 rows: ks / vs is
-   D, the row length, and ksc / vsc the block scales of the block's first row). */
+   D, the row length, int4 rows kv_row_values; ksc / vsc the block scales of the block's first row). */
 #define KV_CASE_SC(n) case n: if (mode == KV_ROWS_F16) { kv_scores(q, kb, KV_ROWS_F16, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } \
                               else if (mode == KV_ROWS_I8) { kv_scores(q, kb, KV_ROWS_I8, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } \
+                              else if (mode == KV_ROWS_I4) { kv_scores(q, kb, KV_ROWS_I4, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } \
                               else { kv_scores(q, kb, KV_ROWS_F32, ks, ksc, Dp, red, n, pf, pf_row, s, ss); } break;
 #define KV_CASE_AC(n) case n: if (mode == KV_ROWS_F16) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F16, vs, vsc, Dp, n, pf, pf_row); } \
                               else if (mode == KV_ROWS_I8) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I8, vs, vsc, Dp, n, pf, pf_row); } \
+                              else if (mode == KV_ROWS_I4) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I4, vs, vsc, Dp, n, pf, pf_row); } \
                               else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, vsc, Dp, n, pf, pf_row); } break;
 
 static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
@@ -372,6 +389,11 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
                 vf_store(row + c, vf_load_h(s + c));
             if (c < D)
                 vf_store(row + c, vf_load_h_part(s + c, D - c));
+        } else if (dtype == KV_I4) {   /* whole blocks, zero-padded: Dp values are there */
+            const int64_t S = kv_row_values(KV_I4, D);
+            const float *f = scale + (t + j) * kv_i8_blocks(D);
+            for (; c < Dp; c += KV_W)
+                vf_store(row + c, kv_load_row(src, KV_ROWS_I4, (t + j) * S + c, f, c / KV_I8_BLOCK));
         } else if (dtype == KV_I8) {
             const int8_t *s = (const int8_t *)src + (t + j) * D;
             const float *f = scale + (t + j) * kv_i8_blocks(D);
@@ -390,7 +412,7 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
 }
 
 /* The KV_B rows t.. of one head: in place when the block is full and needs no padding (fp16 and
-   int8 are widened in registers later; *rsc: int8's block scales of row t), else a zero-padded fp32
+   int8 / int4 are widened in registers later; *rsc: their block scales of row t), else a zero-padded fp32
    copy in buf. */
 static inline const void *KV_FN(block_rows)(const char *base, const float *scale, float *buf, int32_t dtype, int64_t t,
                                             int64_t nb, int64_t D, int64_t Dp, int aligned, int64_t *stride, int *rmode,
@@ -398,11 +420,11 @@ static inline const void *KV_FN(block_rows)(const char *base, const float *scale
 {
     *rsc = NULL;
     if (aligned && nb == KV_B) {
-        *stride = D;
-        *rmode = dtype == KV_F16 ? KV_ROWS_F16 : dtype == KV_I8 ? KV_ROWS_I8 : KV_ROWS_F32;
-        if (dtype == KV_I8)
+        *stride = kv_row_values((kv_dtype)dtype, D);
+        *rmode = dtype == KV_F16 ? KV_ROWS_F16 : dtype == KV_I8 ? KV_ROWS_I8 : dtype == KV_I4 ? KV_ROWS_I4 : KV_ROWS_F32;
+        if (kv_dtype_scaled((kv_dtype)dtype))
             *rsc = scale + t * kv_i8_blocks(D);
-        return base + (size_t)(t * D) * kv_dtype_bytes((kv_dtype)dtype);
+        return base + (size_t)t * kv_row_bytes((kv_dtype)dtype, D);
     }
     KV_FN(load_block)(buf, base, scale, dtype, t, nb, D, Dp);
     *stride = Dp;
@@ -421,7 +443,8 @@ typedef struct KV_FN(attn_state) {
     int64_t M;              /* query vectors of the current tile */
     int64_t MP;             /* lanes path: MQ rounded up to KV_W, the stride of its [., MP] arrays */
     int64_t lo_max, hi_min; /* lanes path: the keys every vector of the tile sees */
-    size_t esize, row_bytes;
+    size_t row_bytes;       /* kv_row_bytes of the dtype */
+    int64_t pf_blocks;      /* prefetch distance in blocks (kv_ahead) */
     int aligned;            /* D % KV_W == 0: full blocks are read in place */
     float *qbuf;            /* [MQ, KV_KP Dp] scaled queries (store_query) */
     float *qalt;            /* [MQ, KV_KP Dp] scaled q_alt */
@@ -437,7 +460,7 @@ typedef struct KV_FN(attn_state) {
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
     const char *kbase, *vbase;
-    const float *kscale, *vscale;   /* KV_I8: head g's block scales; else NULL */
+    const float *kscale, *vscale;   /* KV_I8, KV_I4: head g's block scales; else NULL */
 } KV_FN(attn_state);
 
 KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p, void *workspace)
@@ -450,8 +473,9 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->MP = (st->MQ + KV_W - 1) / KV_W * KV_W;
     st->N = p->n_total;
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
-    st->esize = kv_dtype_bytes((kv_dtype)p->dtype);
-    st->row_bytes = (size_t)st->D * st->esize;
+    st->row_bytes = kv_row_bytes((kv_dtype)p->dtype, st->D);
+    /* the same distance in bytes as fp16's KV_PF blocks for the narrower rows */
+    st->pf_blocks = p->dtype == KV_I8 ? 2 * KV_PF : p->dtype == KV_I4 ? 4 * KV_PF : KV_PF;
     /* Full blocks are read straight from the cache (fp16 and int8 widened in registers); a
        partial last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
@@ -486,8 +510,8 @@ KV_AINLINE void KV_FN(attn_bind)(KV_FN(attn_state) *st, int64_t g, int64_t r0, i
     st->M = (r1 - r0) * st->G;
     st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
     st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
-    st->kscale = p->dtype == KV_I8 ? p->k_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
-    st->vscale = p->dtype == KV_I8 ? p->v_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
+    st->kscale = kv_dtype_scaled((kv_dtype)p->dtype) ? p->k_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
+    st->vscale = kv_dtype_scaled((kv_dtype)p->dtype) ? p->v_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
 }
 
 /* Keys row r may read: [*lo, *hi) (the whole int64 range when uncut). */
@@ -545,13 +569,13 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G, M = st->M;
-    const char *kpf_next = st->vbase + (size_t)(c0 * D) * st->esize;
+    const char *kpf_next = st->vbase + (size_t)c0 * st->row_bytes;
     const int capped = p->softcap > 0.0f;
     const vf cap = vf_set1(p->softcap), inv_cap = vf_set1(capped ? 1.0f / p->softcap : 0.0f);
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
-        const char *kpf = kv_ahead(st->kbase, t, c1, D, st->esize, kpf_next);
+        const char *kpf = kv_ahead(st->kbase, t, c1, st->row_bytes, st->pf_blocks, kpf_next);
         int64_t ks;
         int rmode;
         const float *ksc;
@@ -652,7 +676,7 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
-        const char *vpf = kv_ahead(st->vbase, t, c1, D, st->esize, next_k);
+        const char *vpf = kv_ahead(st->vbase, t, c1, st->row_bytes, st->pf_blocks, next_k);
         int64_t vs;
         int rmode;
         const float *vsc;
@@ -673,11 +697,11 @@ KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t r
 {
     const kv_attn_params *p = st->p;
     if (c1 < e1)
-        return st->kbase + (size_t)(c1 * st->D) * st->esize;
+        return st->kbase + (size_t)c1 * st->row_bytes;
     if (ri + 1 < p->n_ranges)
-        return st->kbase + (size_t)(p->ranges[ri + 1].t0 * st->D) * st->esize;
+        return st->kbase + (size_t)p->ranges[ri + 1].t0 * st->row_bytes;
     if (st->g + 1 < g1)
-        return st->kbase + (size_t)((st->N + p->ranges[0].t0) * st->D) * st->esize;
+        return st->kbase + (size_t)(st->N + p->ranges[0].t0) * st->row_bytes;
     return NULL;
 }
 

@@ -43,6 +43,12 @@ static inline vf vf_load_i8(const int8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+/* 8 4-bit values (kvsimd.h KV_I4: stored as q + 8), the low (hi = 0) or high nibbles of p[0..8) */
+static inline vf vf_load_i4(const uint8_t *p, int hi)
+{
+    const __m256i x = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm_cvtsi32_si128(4 * hi));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, _mm256_set1_epi32(15)), _mm256_set1_epi32(8)));
+}
 static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
 {
     int8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -47,6 +47,13 @@ static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(kv_m16(n), p)));
 }
+/* 4-bit values (kvsimd.h KV_I4: stored as q + 8) of the 16 bytes in x, low (hi = 0) or high nibbles */
+static inline vf kv_i4_widen(__m128i x, int hi)
+{
+    const __m512i w = _mm512_srl_epi32(_mm512_cvtepu8_epi32(x), _mm_cvtsi32_si128(4 * hi));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(15)), _mm512_set1_epi32(8)));
+}
+static inline vf vf_load_i4(const uint8_t *p, int hi) { return kv_i4_widen(_mm_loadu_si128((const __m128i *)p), hi); }
 /* 16 halves widened to 16 floats by the row's kv_widen16 */
 static inline vf vf_load_h(const uint16_t *p) { return kv_widen16(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return kv_widen16(_mm256_maskz_loadu_epi16(kv_m16(n), p)); }
@@ -146,6 +153,10 @@ static inline vf vf_load_i8_2(const int8_t *p0, const int8_t *p1)
 {
     const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+}
+static inline vf vf_load_i4_2(const uint8_t *p0, const uint8_t *p1, int hi)
+{
+    return kv_i4_widen(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1)), hi);
 }
 /* a in lanes 0-7, b in lanes 8-15 */
 static inline vf vf_set2(float a, float b)
