@@ -25,7 +25,12 @@ cdef class _KVStore:
     / :meth:`value_scales` view the scales).  An int4 cache stores two values per byte, 16 bytes
     per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
     those bytes, uint8 ``[..., 16 * ceil(head_dim / 32)]`` (:func:`kvsimd.reference.unpack_int4`
-    reads them).  A forward pass
+    reads them).  ``hadamard`` (default: True for int4, False otherwise; quantized caches only):
+    every whole block of 32 values of K and V rows is stored turned by the 32 x 32 Hadamard matrix H
+    (``kvsimd.reference.hadamard_rows``; ``kv_hadamard_rows`` in kvsimd.h): an outlier channel is
+    spread over its block before the block's scale is taken.  Attention turns the query by H first
+    and its output back, so the scores and outputs are those of the unturned rows; the views show
+    the rows as stored (H of their values is the row again).  A forward pass
     writes the new tokens' K/V of each layer with :meth:`write` at slots beyond the committed
     length, then :meth:`commit` makes them part of the cache: a pass that fails half-way
     leaves the cache as it was.  Writing past ``capacity`` raises
@@ -42,6 +47,7 @@ cdef class _KVStore:
     cdef kv_dtype _kv_dtype
     cdef str _dtype_name
     cdef int64_t _row_len         # last axis of the K/V views: head_dim, or int4's bytes per row
+    cdef readonly bint hadamard   # K/V rows stored turned by H (see the class docstring)
     cdef object _lengths
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
@@ -50,7 +56,8 @@ cdef class _KVStore:
     cdef int64_t _nplans          # plans made on this store (each plan's serial)
     cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did; -1: nothing yet)
 
-    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **streaming):
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None,
+                  **streaming):
         self._depth = 0
         self._writer = -1
         self._owner = 0
@@ -68,6 +75,13 @@ cdef class _KVStore:
             raise KVSimdTypeError("dtype must be float16, float32, int8 or int4, got %r" % (dtype,))
         self._kv_dtype, self._np_dtype = _DTYPES[key]
         self._dtype_name = key
+        if hadamard is None:
+            self.hadamard = key == "int4"
+        else:
+            self.hadamard = _need_flag(hadamard, "hadamard")
+            if self.hadamard and not kv_dtype_scaled(self._kv_dtype):
+                raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s"
+                                       % key)
         self._row_len = <int64_t>kv_row_bytes(self._kv_dtype, hd) // self._np_dtype.itemsize
         # exact: Python ints
         nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(self._row_len) * self._np_dtype.itemsize
@@ -313,7 +327,7 @@ cdef class _KVStore:
                 sc = kv_cache_scales(&self.c, l, which, s) + (h * C + t0) * nb
                 x = <const float *>_ptr(src) + h * T * D
                 with nogil:
-                    kv_quantize_rows(self._kv_dtype, q, rb, sc, x, D, T, D)
+                    kv_quantize_rows(self._kv_dtype, self.hadamard, q, rb, sc, x, D, T, D)
         else:
             blk[:, t0:t0 + T] = src
         return 0
@@ -420,6 +434,9 @@ cdef class _KVStore:
             nt = _threads_now()
             ws = self._scratch(H, nt)
             rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
+            if self.hadamard:   # the query turned as the rows are (class docstring)
+                q = q.copy()
+                kv_hadamard_rows(<float *>_ptr(q), D, H, D)
             _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
                        kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), alibi, NULL,
                        <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, cap, self._kv_dtype,
@@ -427,6 +444,8 @@ cdef class _KVStore:
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)
+            if self.hadamard:
+                kv_hadamard_rows(<float *>_ptr(out), D, H, D)
         return out
 
 
@@ -497,7 +516,7 @@ cdef class KVCache(_KVStore):
     cdef list _tokens                        # per sequence: ids in the cache, oldest first
     cdef _Tx _tx                             # the open transaction, or None
 
-    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", n_keep=0,
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None, n_keep=0,
                   policy="fixed", n_discard=None):
         n_keep = _need_int(n_keep, "n_keep")
         if not isinstance(policy, str) or policy not in POLICIES:
@@ -910,8 +929,8 @@ cdef class KVCache(_KVStore):
             kp = kv_cache_block(&self.c, layer, 0, s)
             ksp = kv_cache_scales(&self.c, layer, 0, s)
             with nogil:
-                rc = kv_shift_keys(kp, ksp, self._kv_dtype, self.n_kv_heads, self.capacity, self.head_dim, delta,
-                                   rope.inv, rope.st, rope.rotary_dim, t0, t1)
+                rc = kv_shift_keys(kp, ksp, self._kv_dtype, self.hadamard, self.n_kv_heads, self.capacity, self.head_dim,
+                                   delta, rope.inv, rope.st, rope.rotary_dim, t0, t1)
             _check_status(rc, "shift_range")
         return 0
 
@@ -933,7 +952,8 @@ cdef class CrossAttentionCache(_KVStore):
     """Per-layer K/V of the encoder output, projected once per request and sequence (see
     EncoderDecoder.cross_for); decode steps read it with no positions and no mask."""
 
-    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", **unexpected):
+    def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None,
+                  **unexpected):
         if unexpected:
             raise KVSimdTypeError("CrossAttentionCache got unexpected arguments %s (it has no ring buffer)"
                                   % ", ".join(sorted(unexpected)))

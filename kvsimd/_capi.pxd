@@ -84,8 +84,9 @@ cdef extern from "kvsimd.h" nogil:
     int64_t kv_x8_bytes(int t, int64_t rows, int64_t k) noexcept
     kv_status kv_repack_x8(int t, void *dst, const void *src, int64_t rows, int64_t row_bytes) noexcept nogil
     void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs) noexcept nogil
-    kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
-                               int64_t n, int64_t D) noexcept nogil
+    kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, float *scale, const float *x,
+                               int64_t xs, int64_t n, int64_t D) noexcept nogil
+    void kv_hadamard_rows(float *x, int64_t xs, int64_t n, int64_t D) noexcept nogil
     int64_t kv_i8_blocks(int64_t D) noexcept nogil
     size_t kv_row_bytes(kv_dtype d, int64_t D) noexcept nogil
     bint kv_dtype_scaled(kv_dtype d) noexcept nogil
@@ -149,8 +150,8 @@ cdef extern from "kvsimd.h" nogil:
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, const double *inv, double scale, kv_rope_style style,
                             int64_t rotary_dim) noexcept
-    kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
-                            const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
+    kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int hadamard, int64_t Hkv, int64_t N, int64_t D,
+                            int64_t delta, const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
                             int64_t stop) noexcept
     void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs,
                         kv_rope_style style, int64_t rotary_dim, int64_t t0, int64_t t1) noexcept

@@ -172,14 +172,16 @@ def apply_rope(x, positions, *, theta=10000.0, style="gptj", rotary_dim=None, in
 
 
 def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0, stop=None,
-               k_scale=None, head_dim=None):
+               k_scale=None, head_dim=None, hadamard=False):
     """Rotate an already-RoPE'd cache ``k`` (float16 or float32 ``[Hkv, N, D]``) in place, as if
     tokens ``start..stop-1`` had moved by the integer ``delta`` positions (negative after a discard).
     An int8 ``k``, or a uint8 one holding int4 (``[Hkv, N, 16 * ceil(D / 32)]``; ``head_dim`` D,
     default twice its last axis), comes with its float32 block scales ``k_scale``
     ``[Hkv, N, ceil(D / 32)]`` (rewritten too): each row is widened, rotated in fp32 and quantized
     again (:func:`quantize_kv`), which adds at most half a step of the new scale per component
-    (:func:`kvsimd.bounds.quantized_shift_bound`).
+    (:func:`kvsimd.bounds.quantized_shift_bound`).  ``hadamard``: the rows were stored turned by the
+    Hadamard matrix (``quantize_kv(..., hadamard=True)``); they are turned back, rotated, and stored
+    turned again.
 
     Same pairing and frequencies (``inv_freq``) as :func:`apply_rope`, and no attention factor:
     a key rotated with one already carries it, and the shift only turns it.  The angle comes from
@@ -197,6 +199,9 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
         _need_head_dim(D)
         _need_row_length(k, D, "k")
     k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
+    cdef bint hd = _need_flag(hadamard, "hadamard")
+    if hd and k_scale is None:
+        raise KVSimdValueError("hadamard=True applies to quantized keys (int8 or int4), got k of dtype %s" % (k.dtype,))
     if k_scale is not None:
         _need_array(k_scale, "k_scale", (_F32,), 3, "[Hkv, N, blocks]", writeable=True)
         _need_no_overlap(k_scale, "k_scale", (("k", k),))
@@ -214,11 +219,11 @@ def shift_keys(k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_fr
     cdef float *ksp = <float *>_ptr(k_scale) if k_scale is not None else NULL
     cdef kv_status s
     with nogil:
-        s = kv_shift_keys(kp, ksp, dt, H, N, D, cd, inv, cst, crd, c0, c1)
+        s = kv_shift_keys(kp, ksp, dt, hd, H, N, D, cd, inv, cst, crd, c0, c1)
     _check_status(s, "shift_keys")
 
 
-def quantize_kv(x, dtype="int8"):
+def quantize_kv(x, dtype="int8", *, hadamard=False):
     """Quantize float32 ``x`` (any shape ``[..., D]``) as a quantized KV cache stores K and V: each
     row of the last axis in blocks of 32 values (the last one shorter when D is not a multiple),
     one float32 scale per block.  Returns ``(q, scale)``, scale float32 ``x.shape[:-1] +
@@ -228,7 +233,10 @@ def quantize_kv(x, dtype="int8"):
     ``x.shape[:-1] + (16 * ceil(D / 32),)``: byte i of block b holds value 32 b + i in its low nibble
     and 32 b + 16 + i in its high one, each as q + 8 (the padding of a short last block reads 0);
     :func:`kvsimd.reference.unpack_int4` unpacks.  A block holding NaN or infinity gets scale NaN
-    (and q 0), so it reads as NaN."""
+    (and q 0), so it reads as NaN.  ``hadamard=True``: every whole block of 32 values is turned by
+    the 32 x 32 Hadamard matrix H (entries +-1) before it is quantized and its scale divided by 32,
+    so that the values the row stands for are H x / 32 and H of them is x
+    (:func:`kvsimd.reference.hadamard_rows`; a shorter last block as without)."""
     _need_array(x, "x", (_F32,), -1, "[..., D]")
     if x.ndim < 1 or x.shape[x.ndim - 1] < 1:
         raise KVSimdValueError("x must have a non-empty last axis, got shape %s" % (x.shape,))
@@ -239,6 +247,7 @@ def quantize_kv(x, dtype="int8"):
         dt = KV_I4
     else:
         raise KVSimdValueError("dtype must be 'int8' or 'int4', got %r" % (dtype,))
+    cdef bint hd = _need_flag(hadamard, "hadamard")
     cdef int64_t D = x.shape[x.ndim - 1], n = x.size // D, rb = <int64_t>kv_row_bytes(dt, D)
     lead = x.shape[:x.ndim - 1]
     q = _np.empty(lead + (rb,), dtype=_I8 if dt == KV_I8 else _U8)
@@ -247,7 +256,7 @@ def quantize_kv(x, dtype="int8"):
     cdef float *sp = <float *>_ptr(scale)
     cdef const float *xp = <const float *>_ptr(x)
     with nogil:
-        kv_quantize_rows(dt, qp, rb, sp, xp, D, n, D)
+        kv_quantize_rows(dt, hd, qp, rb, sp, xp, D, n, D)
     return q, scale
 
 

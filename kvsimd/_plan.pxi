@@ -245,7 +245,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef kv_dtype dt = store._kv_dtype
     cdef int64_t nsb = kv_i8_blocks(D)    # int8, int4: scales per row
     cdef size_t es = 2 if dt == KV_F16 else 4, rb = kv_row_bytes(dt, D)
-    cdef bint quantized = kv_dtype_scaled(dt)
+    cdef bint quantized = kv_dtype_scaled(dt), hd = store.hadamard
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
     store._acquire()
@@ -272,16 +272,20 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 slot = slp[r]
                 for h in range(Hkv):
                     if quantized:
-                        kv_quantize_rows(dt, kc + (h * C + slot) * rb, rb, ksc + (h * C + slot) * nsb, krow + h * D,
-                                         D, 1, D)
-                        kv_quantize_rows(dt, vc + (h * C + slot) * rb, rb, vsc + (h * C + slot) * nsb, vrow + h * D,
-                                         D, 1, D)
+                        kv_quantize_rows(dt, hd, kc + (h * C + slot) * rb, rb, ksc + (h * C + slot) * nsb,
+                                         krow + h * D, D, 1, D)
+                        kv_quantize_rows(dt, hd, vc + (h * C + slot) * rb, rb, vsc + (h * C + slot) * nsb,
+                                         vrow + h * D, D, 1, D)
                     elif es == 2:
                         kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
                         kv_f32_to_f16(<uint16_t *>(vc + ((h * C + slot) * D) * es), vrow + h * D, D)
                     else:
                         memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
                         memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
+                if hd:   # rows stored turned by H: the queries turned too (_KVStore's docstring)
+                    kv_hadamard_rows(qrow, D, H, D)
+                    if twp[r]:
+                        kv_hadamard_rows(qsp + r * HD, D, H, D)
             # 2. every row's key ranges under one softmax: the rows of one sequence (a prefill
             #    chunk, a local pass) in one multi-row call that reads each K/V row once per tile
             #    of rows; decode steps one call per row
@@ -300,6 +304,8 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                            rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, dt,
                            1, 0, 0, 0, 0, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq))
                 kv_attend(&p, wsp, nt)
+            if hd:       # and the outputs turned back
+                kv_hadamard_rows(out, D, R * H, D)
         if lb == plan.done:
             plan.done += 1
     finally:
@@ -336,7 +342,11 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                            kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
                            H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype,
                            1, 0, 0, 0, 0, kv_cache_scales(&cross.c, l, 0, s), kv_cache_scales(&cross.c, l, 1, s))
+                if cross.hadamard:   # q and out turned as the rows are (_KVStore's docstring)
+                    kv_hadamard_rows(q + r * H * D, D, H, D)
                 kv_attend(&p, wsp, nt)
+                if cross.hadamard:
+                    kv_hadamard_rows(out + r * H * D, D, H, D)
     finally:
         cross._release()
     return 0

@@ -115,15 +115,39 @@ def quantized_step_bound(scale, D: int):
     return per * (0.5 + 2.0 ** -23)
 
 
-def quantized_shift_bound(isa: str, pair, out, new_scale):
+def hadamard_step_bound(scale, x):
+    """``|x - H(q * scale)| <= bound`` per component for rows ``x [..., D]`` quantized with
+    ``hadamard=True`` (``scale`` the stored ``[..., blocks]`` scales: the step / 32 on turned blocks):
+    on a turned block each of its 32 values is off by at most half a step, and H sums them, so
+    32 * scale / 2; plus the float32 butterflies of turning x (and, reading back, of turning q *
+    scale): five roundings of partial sums, at most 2 * 5 * 2**-24 * the block's sum |x| (with
+    margin for |x| itself being that far off).  A shorter last block: :func:`quantized_step_bound`."""
+    x = np.abs(np.asarray(x, np.float64))
+    D = x.shape[-1]
+    w = D // 32 * 32
+    bound = quantized_step_bound(scale, D)
+    per = np.repeat(np.asarray(scale, np.float64), 32, axis=-1)[..., :w]
+    sums = np.repeat(x[..., :w].reshape(x.shape[:-1] + (-1, 32)).sum(axis=-1), 32, axis=-1)
+    bound[..., :w] = per * 32 * (0.5 + 2.0 ** -23) + 12 * 2.0 ** -24 * sums
+    return bound
+
+
+def quantized_shift_bound(isa: str, pair, out, new_scale, hadamard=False):
     """Per-component bound on ``|shifted - exact|`` for one ``shift_keys`` call on an int8 or int4 K:
     ``exact`` the float64 rotation of the values the rows stood for, ``shifted`` the values they
     stand for after it (``q' * new_scale``).  The rotation runs in float32 on the widened rows
     (:func:`rope_bound` of float32) and the requantization adds half a step of the new scale.
     Successive calls add up, as for float rows: a token rotated k times carries up to k times
-    this bound, so a cache bounds the rotations any token sees in the same way."""
-    return rope_bound(isa, "float32", pair, out) + quantized_step_bound(new_scale, np.shape(out)[-1]) + \
-        2.0 ** -24 * np.abs(out)
+    this bound, so a cache bounds the rotations any token sees in the same way.  ``hadamard``: rows
+    stored turned by H (:func:`hadamard_step_bound` for the step, which also covers turning them
+    back before the rotation; that turn's roundings reach a component through its RoPE partner too,
+    which may lie in another block: 10 * 2**-24 * the row's sum of ``pair``)."""
+    if not hadamard:
+        step = quantized_step_bound(new_scale, np.shape(out)[-1])
+    else:
+        step = hadamard_step_bound(new_scale, out) + \
+            10 * 2.0 ** -24 * np.sum(np.asarray(pair, np.float64), axis=-1, keepdims=True)
+    return rope_bound(isa, "float32", pair, out) + step + 2.0 ** -24 * np.abs(out)
 
 
 def alibi_score_error(alibi_slopes, distances):

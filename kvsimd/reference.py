@@ -287,14 +287,36 @@ KV_I8_BLOCK = 32   # values per scale of an int8 or int4 KV row (kvsimd.h)
 KV_QMAX = {"int8": 127, "int4": 7}   # the largest integer of each quantized KV dtype
 
 
-def quantize_kv(x, dtype="int8"):
+def hadamard_rows(x):
+    """Every whole block of 32 values of the last axis of ``x`` times the 32 x 32 Sylvester-Hadamard
+    matrix H of +-1 (H H = 32 I), a shorter last block unchanged: the butterflies (a, b) -> (a + b,
+    a - b) at distances 1, 2, 4, 8, 16 in x's own precision (float32: the C kernel's roundings,
+    kvsimd.h kv_hadamard_rows).  Returns a new array."""
+    x = np.array(x)
+    D = x.shape[-1]
+    w = D // KV_I8_BLOCK * KV_I8_BLOCK
+    b = x[..., :w].reshape(x.shape[:-1] + (-1, KV_I8_BLOCK))
+    h = 1
+    while h < KV_I8_BLOCK:
+        v = b.reshape(b.shape[:-1] + (KV_I8_BLOCK // (2 * h), 2, h))
+        lo, hi = v[..., 0, :].copy(), v[..., 1, :].copy()
+        v[..., 0, :], v[..., 1, :] = lo + hi, lo - hi
+        h *= 2
+    x[..., :w] = b.reshape(x.shape[:-1] + (w,))
+    return x
+
+
+def quantize_kv(x, dtype="int8", hadamard=False):
     """The quantized KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the
     last axis in blocks of 32 values (the last shorter), ``scale = max |block| / qmax`` (qmax 127
     for int8, 7 for int4) and ``q = rint(block / scale)`` (ties to even), clipped to +-qmax; a block
-    with NaN or infinity gets scale NaN and q 0.  Returns (q, scale float32 x.shape[:-1] +
+    with NaN or infinity gets scale NaN and q 0.  ``hadamard``: each whole block turned first
+    (:func:`hadamard_rows`) and its scale divided by 32.  Returns (q, scale float32 x.shape[:-1] +
     (blocks,)): int8 q of x.shape, or for int4 q packed as the cache stores it (:func:`pack_int4`)."""
     qmax = KV_QMAX[dtype]
     x = np.asarray(x, np.float32)
+    if hadamard:
+        x = hadamard_rows(x)
     D = x.shape[-1]
     nb = -(-D // KV_I8_BLOCK)
     pad = np.zeros(x.shape[:-1] + (nb * KV_I8_BLOCK,), np.float32)
@@ -307,6 +329,8 @@ def quantize_kv(x, dtype="int8"):
         q = np.rint(np.where(scale[..., None] > 0, b / np.where(scale > 0, scale, 1)[..., None], 0))
     q = np.clip(np.where(bad[..., None], 0, q), -qmax, qmax).astype(np.int8)
     scale = np.where(bad, np.float32(np.nan), scale).astype(np.float32)
+    if hadamard:   # q * scale stands for H x / 32 (exact: a power of 2)
+        scale[..., :D // KV_I8_BLOCK] *= np.float32(1.0 / KV_I8_BLOCK)
     q = q.reshape(pad.shape)
     return (q[..., :D].copy() if dtype == "int8" else pack_int4(q)), scale
 
@@ -335,6 +359,17 @@ def dequantize_kv(q, scale, D=None):
         q = unpack_int4(q, 2 * q.shape[-1] if D is None else D)
     per = np.repeat(np.asarray(scale, np.float32), KV_I8_BLOCK, axis=-1)[..., :q.shape[-1]]
     return (q.astype(np.float32) * per).astype(np.float32)
+
+
+def _as_cached(kv, x, D):
+    """K or V rows ``x`` as a cache of kind ``kv`` holds them: "float" as they are; "int8" / "int4"
+    quantized as KVCache(dtype=...) stores them by default (int4 turned by H, int8 not); ("int4",
+    False) or ("int8", True) to choose the turn.  Returns float64."""
+    dtype, had = (kv, kv == "int4") if isinstance(kv, str) else kv
+    if dtype == "float":
+        return x
+    y = dequantize_kv(*quantize_kv(x, dtype, had), D).astype(np.float64)
+    return hadamard_rows(y) if had else y
 
 
 def _linear(x, w, b=None):
@@ -388,7 +423,7 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
     """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
     without position terms when ``positions`` is None (the encoder).  ``qk``: the norms of each
     q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window; ``kv``
-    "int8" or "int4": K (after RoPE) and V read as such a cache stores them (:func:`quantize_kv`)."""
+    "int8" / "int4" (or (dtype, hadamard)): K (after RoPE) and V read as such a cache stores them (:func:`_as_cached`)."""
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
@@ -404,8 +439,7 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    if kv in KV_QMAX:
-        k, v = (dequantize_kv(*quantize_kv(x, kv), D).astype(np.float64) for x in (k, v))
+    k, v = _as_cached(kv, k, D), _as_cached(kv, v, D)
     scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
     return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
@@ -414,8 +448,7 @@ def _cross_attention(cfg, a, h, enc_out, kv="float"):
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
-    if kv in KV_QMAX:
-        k, v = (dequantize_kv(*quantize_kv(x, kv), D).astype(np.float64) for x in (k, v))
+    k, v = _as_cached(kv, k, D), _as_cached(kv, v, D)
     return _linear(_attention(q, k, v), a.wo, a.bo)
 
 

@@ -309,9 +309,11 @@ kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D
 /* Rows start..stop-1 of an already rotated k turned by delta * inv[r], with no scale: the
    attention factor is in the key once, from kv_apply_rope or the step that stored it.
    KV_I8, KV_I4 (k_scale [Hkv, N, kv_i8_blocks(D)] its block scales): each row is widened (q * scale),
-   rotated in fp32 and quantized again (kv_quantize_rows), in one pass over rows held on the stack. */
-kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
-                        const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop);
+   rotated in fp32 and quantized again (kv_quantize_rows; hadamard: rows stored as kv_hadamard_rows
+   describes, read back and stored again that way), in one pass over rows held on the stack. */
+kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int hadamard, int64_t Hkv, int64_t N, int64_t D,
+                        int64_t delta, const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
+                        int64_t stop);
 /* Rows t0..t1-1 of x [H, N, D] rotated in place by one shared table cs (from kv_rope_table):
    what a decode step uses to rotate q and k with angles computed once for every layer. */
 void kv_rotate_rows(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D, const float *cs, kv_rope_style style,
@@ -349,12 +351,20 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs);
  * scale rounded to nearest (ties to even), |x - scale q| <= scale / 2; KV_I4 the same with 7 for
  * 127 (q in -7..7).  A block holding NaN or infinity gets scale NaN and q = 0 (it reads as NaN, as
  * a float row would).  Returns KV_ERR_ARG for another dtype. */
-kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
-                           int64_t D);
+kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
+                           int64_t n, int64_t D);
 /* The float32 values rows q (as kv_quantize_rows stores them) stand for, q[d] * scale[d / 32], into
- * x [n, D] (row stride xs floats). */
-void kv_dequantize_rows(kv_dtype dtype, float *x, int64_t xs, const void *q, int64_t qs, const float *scale, int64_t n,
-                        int64_t D);
+ * x [n, D] (row stride xs floats); with hadamard, then kv_hadamard_rows of them (the rows x had). */
+void kv_dequantize_rows(kv_dtype dtype, int hadamard, float *x, int64_t xs, const void *q, int64_t qs,
+                        const float *scale, int64_t n, int64_t D);
+/* Every whole block of 32 values of rows x [n, D] (row stride xs floats) in place times H, the 32 x 32
+ * Sylvester-Hadamard matrix of +-1 (H H = 32 I): five butterfly stages (a, b) -> (a + b, a - b) at
+ * distances 1, 2, 4, 8, 16, in float32; a shorter last block is left as it is.  With hadamard,
+ * kv_quantize_rows quantizes H x instead of x and stores scale / 32 for those blocks, so that the
+ * values q * scale a row stands for are H x / 32 and H of them is x again: attention over such rows
+ * with the query H q gives the scores of q (q . x = Hq . Hx / 32), and H of its output is the output
+ * over x.  The rotation spreads an outlier channel over its block (what keeps 4-bit keys usable). */
+void kv_hadamard_rows(float *x, int64_t xs, int64_t n, int64_t D);
 void kv_dequantize(kv_wtype t, float *dst, const void *src, int64_t n);
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n);
 /* inv[r] = theta^(-2r / rotary_dim) for r < R (in double). */

@@ -357,8 +357,26 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
     }
 }
 
-kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, const float *x, int64_t xs, int64_t n,
-                           int64_t D)
+static void hadamard32(float *x)
+{
+    for (int h = 1; h < KV_I8_BLOCK; h *= 2)
+        for (int i = 0; i < KV_I8_BLOCK; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+void kv_hadamard_rows(float *x, int64_t xs, int64_t n, int64_t D)
+{
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d + KV_I8_BLOCK <= D; d += KV_I8_BLOCK)
+            hadamard32(x + r * xs + d);
+}
+
+kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
+                           int64_t n, int64_t D)
 {
     if (dtype != KV_I8 && dtype != KV_I4)
         return KV_ERR_ARG;
@@ -367,21 +385,31 @@ kv_status kv_quantize_rows(kv_dtype dtype, void *q, int64_t qs, float *scale, co
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0, d = 0; b < nb; b++, d += KV_I8_BLOCK) {
             const int64_t len = D - d < KV_I8_BLOCK ? D - d : KV_I8_BLOCK;
-            if (dtype == KV_I8) {
-                scale[r * nb + b] = quantize_run((int8_t *)q + r * qs + d, x + r * xs + d, len, 127.0f, &sum);
-                continue;
+            const int rot = hadamard && len == KV_I8_BLOCK;
+            float hx[KV_I8_BLOCK];
+            const float *src = x + r * xs + d;
+            if (rot) {
+                memcpy(hx, src, sizeof hx);
+                hadamard32(hx);
+                src = hx;
             }
-            int8_t v[KV_I8_BLOCK] = {0};   /* the padding of a short last block is value 0 */
-            uint8_t *o = (uint8_t *)q + r * qs + b * KV_I4_BLOCK_BYTES;
-            scale[r * nb + b] = quantize_run(v, x + r * xs + d, len, 7.0f, &sum);
-            for (int e = 0; e < KV_I4_BLOCK_BYTES; e++)
-                o[e] = (uint8_t)((v[e] + 8) | ((v[e + KV_I4_BLOCK_BYTES] + 8) << 4));
+            int8_t v[KV_I8_BLOCK] = {0};   /* int4: the padding of a short last block is value 0 */
+            float *sc = scale + r * nb + b;
+            *sc = quantize_run(dtype == KV_I8 ? (int8_t *)q + r * qs + d : v, src, len, dtype == KV_I8 ? 127.0f : 7.0f,
+                               &sum);
+            if (rot)
+                *sc *= 1.0f / KV_I8_BLOCK;   /* q * scale stands for H x / 32 (exact: a power of 2) */
+            if (dtype == KV_I4) {
+                uint8_t *o = (uint8_t *)q + r * qs + b * KV_I4_BLOCK_BYTES;
+                for (int e = 0; e < KV_I4_BLOCK_BYTES; e++)
+                    o[e] = (uint8_t)((v[e] + 8) | ((v[e + KV_I4_BLOCK_BYTES] + 8) << 4));
+            }
         }
     return KV_OK;
 }
 
-void kv_dequantize_rows(kv_dtype dtype, float *x, int64_t xs, const void *q, int64_t qs, const float *scale, int64_t n,
-                        int64_t D)
+void kv_dequantize_rows(kv_dtype dtype, int hadamard, float *x, int64_t xs, const void *q, int64_t qs,
+                        const float *scale, int64_t n, int64_t D)
 {
     const int64_t nb = kv_i8_blocks(D);
     for (int64_t r = 0; r < n; r++) {
@@ -393,6 +421,8 @@ void kv_dequantize_rows(kv_dtype dtype, float *x, int64_t xs, const void *q, int
             x[r * xs + d] = (float)v * scale[r * nb + b];
         }
     }
+    if (hadamard)
+        kv_hadamard_rows(x, xs, n, D);
 }
 void kv_f16_to_f32(float *dst, const uint16_t *src, size_t n) { kv_active()->f16_to_f32(dst, src, n); }
 
@@ -435,14 +465,15 @@ kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D
 
 /* A key rotated at p (its attention factor applied then) is moved to p + delta by the rotation
    of delta alone: scale 1, or the factor would be applied again at every shift. */
-kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, int64_t N, int64_t D, int64_t delta,
-                        const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start, int64_t stop)
+kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int hadamard, int64_t Hkv, int64_t N, int64_t D,
+                        int64_t delta, const double *inv, kv_rope_style style, int64_t rotary_dim, int64_t start,
+                        int64_t stop)
 {
     if (rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > D || D > KV_MAX_HEAD_DIM)
         return KV_ERR_ARG;
     if (start < 0 || stop > N || start > stop)
         return KV_ERR_POSITION;
-    if (kv_dtype_scaled(dtype) && !k_scale)
+    if (kv_dtype_scaled(dtype) ? !k_scale : hadamard)
         return KV_ERR_ARG;
     const int64_t R = rotary_dim / 2;
     float cs[KV_MAX_HEAD_DIM];
@@ -461,9 +492,9 @@ kv_status kv_shift_keys(void *k, float *k_scale, kv_dtype dtype, int64_t Hkv, in
             const int64_t n = stop - t < SHIFT_ROWS ? stop - t : SHIFT_ROWS;
             char *q = (char *)k + (size_t)(g * N + t) * rb;
             float *sc = k_scale + (g * N + t) * nb;
-            kv_dequantize_rows(dtype, buf, D, q, (int64_t)rb, sc, n, D);
+            kv_dequantize_rows(dtype, hadamard, buf, D, q, (int64_t)rb, sc, n, D);
             kv_rotate_rows(buf, KV_F32, 1, n, D, cs, style, rotary_dim, 0, n);
-            kv_quantize_rows(dtype, q, (int64_t)rb, sc, buf, D, n, D);
+            kv_quantize_rows(dtype, hadamard, q, (int64_t)rb, sc, buf, D, n, D);
         }
     return KV_OK;
 }

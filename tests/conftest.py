@@ -233,10 +233,10 @@ class EmulatedRow:
         self._rotate(x, cs, rd, style, rd)
 
     def shift_keys(self, k, delta, *, theta=10000.0, style="gptj", rotary_dim=None, inv_freq=None, start=0,
-                   stop=None, k_scale=None, head_dim=None):
+                   stop=None, k_scale=None, head_dim=None, hadamard=False):
         """As ops.shift_keys; int8 and int4 (uint8) k as ops.c does it around the row's rotate
-        kernel: rows widened (q * scale, in float32), rotated by the row, quantized again by the C
-        rule."""
+        kernel: rows widened (q * scale, in float32; hadamard: turned back), rotated by the row,
+        quantized again by the C rule."""
         i4 = k.dtype == np.uint8
         D = (head_dim or 2 * k.shape[-1]) if i4 else k.shape[-1]
         rd = D if rotary_dim is None else rotary_dim
@@ -246,8 +246,10 @@ class EmulatedRow:
             return
         t1 = k.shape[1] if stop is None else stop
         x = np.ascontiguousarray(reference.dequantize_kv(k[:, start:t1], k_scale[:, start:t1], D))
+        if hadamard:
+            x = reference.hadamard_rows(x)
         self._rotate(x, cs, 0, style, rd)
-        k[:, start:t1], k_scale[:, start:t1] = ops.quantize_kv(x, "int4" if i4 else "int8")
+        k[:, start:t1], k_scale[:, start:t1] = ops.quantize_kv(x, "int4" if i4 else "int8", hadamard=hadamard)
 
     def _convert(self, name, src, dtype):
         g = self.guest

@@ -9,7 +9,7 @@ import pytest
 import kvsimd
 import kvsimd._kvsimd as ext
 from kvsimd import KVCache, ops, reference
-from kvsimd.bounds import attend_bound, pair_norm, quantized_shift_bound, quantized_step_bound
+from kvsimd.bounds import attend_bound, hadamard_step_bound, pair_norm, quantized_shift_bound, quantized_step_bound
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 from kvsimd.testing import use_isa
 
@@ -90,6 +90,45 @@ def test_int4_layout_by_hand():
     assert q[16] == (7 + 8) | (8 << 4) and q[16 + 7] == (-7 + 8) | (8 << 4) and q[16 + 8] == 8 | (8 << 4)
 
 
+def sylvester(n=32):
+    """The n x n Hadamard matrix of +-1, built as Sylvester did: [[H, H], [H, -H]]."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def test_hadamard_rows_is_the_sylvester_matrix(rng):
+    H = sylvester()
+    assert np.array_equal(H @ H, 32 * np.eye(32)) and np.array_equal(H, H.T)
+    x = rng.standard_normal((3, 80))
+    got = reference.hadamard_rows(x)
+    want = x.copy()
+    want[:, :64] = (x[:, :64].reshape(3, 2, 32) @ H).reshape(3, 64)   # H symmetric: row @ H == H row
+    assert np.allclose(got, want, rtol=0, atol=1e-12) and np.array_equal(got[:, 64:], x[:, 64:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [7, 64, 80, 128])
+def test_quantize_kv_hadamard_is_the_numpy_rule_bit_for_bit(rng, D, dtype):
+    """The turned rule (ops.quantize_kv(hadamard=True), the C butterflies) against the NumPy float32
+    one, bit for bit; the row read back (H of the values) within hadamard_step_bound of x; an
+    outlier channel no longer sets the step of its whole block."""
+    x = rng.standard_normal((4, 30, D)).astype(np.float32)
+    x[..., 1] *= 50                        # an outlier channel, as real keys have
+    q, s = ops.quantize_kv(x, dtype, hadamard=True)
+    rq, rs = reference.quantize_kv(x, dtype, hadamard=True)
+    assert np.array_equal(q, rq) and np.array_equal(s.view(np.uint32), rs.view(np.uint32))
+    back = reference.hadamard_rows(reference.dequantize_kv(q, s, D).astype(np.float64))
+    assert (np.abs(back - x) <= hadamard_step_bound(s, x)).all()
+    plain = reference.dequantize_kv(*ops.quantize_kv(x, dtype), D).astype(np.float64)
+    if D >= 32:   # the turned blocks read back closer than the plain ones (the outlier's step shared)
+        w = D // 32 * 32
+        assert np.abs(back - x)[..., 2:w].mean() < 0.6 * np.abs(plain - x)[..., 2:w].mean()
+    else:         # no whole block: nothing turns
+        assert np.array_equal(back, plain)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_kv_non_finite_rows(rng, dtype):
     x = rng.standard_normal((4, 16)).astype(np.float32)
@@ -111,6 +150,8 @@ def test_quantize_kv_bad_input():
         ops.quantize_kv(np.zeros((4, 4), np.float32)[:, ::2])
     with pytest.raises(KVSimdValueError, match="dtype must be 'int8' or 'int4', got 'int2'"):
         ops.quantize_kv(np.zeros((2, 4), np.float32), "int2")
+    with pytest.raises(KVSimdTypeError, match="hadamard"):
+        ops.quantize_kv(np.zeros((2, 4), np.float32), "int4", hadamard="yes")
 
 
 # ---------------------------------------------------------------------------- attention on every row
@@ -223,18 +264,24 @@ def test_attend_int8_bad_input(rng):
 
 # ---------------------------------------------------------------------------- shift of int8 keys
 
-@pytest.mark.parametrize("dtype,D", [("int8", 64), ("int4", 64), ("int4", 80)])
+@pytest.mark.parametrize("dtype,D,had", [("int8", 64, False), ("int4", 64, False), ("int4", 80, False),
+                                         ("int4", 64, True), ("int4", 80, True), ("int8", 96, True)])
 @pytest.mark.parametrize("style", ["gptj", "neox"])
-def test_shift_quantized_keys_within_the_stated_bound(row, rng, style, dtype, D):
-    Hkv, N, rd = 2, 40, 48
-    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
-    before = reference.dequantize_kv(kq, ks, D).astype(np.float64)
+def test_shift_quantized_keys_within_the_stated_bound(row, rng, style, dtype, D, had):
+    Hkv, N, rd = 2, 40, 48 if D < 96 else 96
+    x = rng.standard_normal((Hkv, N, D)).astype(np.float32)
+    x[..., :3] *= 8
+    kq, ks = ops.quantize_kv(x, dtype, hadamard=had)
+    def read(k, s):   # the values the rows stand for, turned back
+        y = reference.dequantize_kv(k, s, D).astype(np.float64)
+        return reference.hadamard_rows(y) if had else y
+    before = read(kq, ks)
     k2, s2 = kq.copy(), ks.copy()
     hd = {"head_dim": D} if dtype == "int4" else {}
-    row.shift_keys(k2, -37, style=style, rotary_dim=rd, start=5, stop=33, k_scale=s2, **hd)
+    row.shift_keys(k2, -37, style=style, rotary_dim=rd, start=5, stop=33, k_scale=s2, hadamard=had, **hd)
     exact = reference.shift_keys(before, -37, style=style, rotary_dim=rd, start=5, stop=33)
-    got = reference.dequantize_kv(k2, s2, D).astype(np.float64)
-    bound = quantized_shift_bound(row.isa, pair_norm(before, style, rd), exact, s2)
+    got = read(k2, s2)
+    bound = quantized_shift_bound(row.isa, pair_norm(before, style, rd), exact, s2, hadamard=had)
     assert (np.abs(got - exact) <= bound).all()
     # rows outside start..stop untouched, bit for bit
     assert np.array_equal(k2[:, :5], kq[:, :5]) and np.array_equal(k2[:, 33:], kq[:, 33:])
@@ -262,14 +309,22 @@ def test_shift_quantized_keys_bad_input(rng):
         ops.shift_keys(k4, 3, k_scale=s4, head_dim=40, rotary_dim=48)
     with pytest.raises(KVSimdValueError, match=r"k_scale must have shape \(1, 10, 2\)"):
         ops.shift_keys(k4, 3, k_scale=s4[..., :1].copy(), head_dim=40)
+    with pytest.raises(KVSimdValueError, match="hadamard=True applies to quantized keys"):
+        ops.shift_keys(kq.astype(np.float32), 3, hadamard=True)
 
 
 # ---------------------------------------------------------------------------- KVCache(dtype="int8" / "int4")
 
-@pytest.mark.parametrize("dtype,D", [("int8", 64), ("int4", 64), ("int4", 80)])
-def test_cache_quantized_write_views_and_attend(rng, dtype, D):
+@pytest.mark.parametrize("dtype,D,had", [("int8", 64, None), ("int4", 64, None), ("int4", 80, None), ("int4", 64, False),
+                                         ("int8", 64, True)])
+def test_cache_quantized_write_views_and_attend(rng, dtype, D, had):
+    """Rows written as the rule stores them (turned by H for int4 unless hadamard=False), read in
+    place by attention (with the query turned and the output turned back), close to a float32
+    cache."""
     L, Hkv, C = 2, 3, 50
-    c = KVCache(L, Hkv, D, C, dtype=dtype)
+    c = KVCache(L, Hkv, D, C, dtype=dtype, hadamard=had)
+    had = dtype == "int4" if had is None else had
+    assert c.hadamard == had
     f = KVCache(L, Hkv, D, C, dtype="float32")
     nb = -(-D // 32)
     row = D if dtype == "int8" else 16 * nb
@@ -284,9 +339,9 @@ def test_cache_quantized_write_views_and_attend(rng, dtype, D):
         cache.write(1, k, v)
         cache.commit(20)
     assert c.keys(1).shape == (Hkv, 20, row)
-    rq, rs = reference.quantize_kv(k, dtype)
+    rq, rs = reference.quantize_kv(k, dtype, had)
     assert np.array_equal(c.keys(1), rq) and np.array_equal(c.key_scales(1), rs)
-    vq, vs = reference.quantize_kv(v, dtype)
+    vq, vs = reference.quantize_kv(v, dtype, had)
     assert np.array_equal(c.values(1), vq) and np.array_equal(c.value_scales(1), vs)
     assert c.key_scales(1).shape == (Hkv, 20, nb) and not c.key_scales(1).flags.writeable
     assert c.key_scales(0, length=C).shape == (Hkv, C, nb)
@@ -294,10 +349,14 @@ def test_cache_quantized_write_views_and_attend(rng, dtype, D):
     q = rng.standard_normal((6, D)).astype(np.float32)
     got = c.attend(1, q)
     cp = np.ascontiguousarray
-    want = ops.attend(q, cp(c.keys(1)), cp(c.values(1)), k_scale=cp(c.key_scales(1)), v_scale=cp(c.value_scales(1)))
+    turn = reference.hadamard_rows if had else (lambda a: a)
+    want = turn(ops.attend(turn(q), cp(c.keys(1)), cp(c.values(1)), k_scale=cp(c.key_scales(1)),
+                           v_scale=cp(c.value_scales(1))))
     assert np.array_equal(got, want)
     # within the quantization's reach of the float32 cache: |dq| <= scale / 2 per component
     assert np.abs(got - f.attend(1, q)).max() < (0.05 if dtype == "int8" else 0.5)
+    with pytest.raises(KVSimdValueError, match="hadamard=True applies to quantized caches"):
+        KVCache(1, 1, 8, 4, dtype="float16", hadamard=True)
     with pytest.raises(KVSimdTypeError, match="has no scales"):
         f.key_scales(0)
     with pytest.raises(KVSimdTypeError, match="float16, float32, int8 or int4"):
@@ -310,39 +369,42 @@ def _model(seed=0):
     return random_decoder(64, 64, 2, 4, 2, 32, 96, seed=seed, position="rope")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decoder_quantized_cache_layer0_rows_are_the_float32_rows_quantized(dtype):
+CACHE_KINDS = [("int8", False), ("int4", True), ("int4", False)]   # (dtype, hadamard): int4 turned by default
+
+
+@pytest.mark.parametrize("dtype,had", CACHE_KINDS)
+def test_decoder_quantized_cache_layer0_rows_are_the_float32_rows_quantized(dtype, had):
     """The write path of a forward pass: layer 0's K/V (the same on both caches: its input does
     not depend on the cache) are stored as the float32 cache's rows quantized by the rule."""
     m = _model()
     toks = list(range(1, 30))
-    c8, c32 = m.new_cache(capacity=64, dtype=dtype), m.new_cache(capacity=64, dtype="float32")
+    c8, c32 = m.new_cache(capacity=64, dtype=dtype, hadamard=had), m.new_cache(capacity=64, dtype="float32")
     m.prefill(toks, cache=c8)
     m.prefill(toks, cache=c32)
     for which, scales in ((c8.keys, c8.key_scales), (c8.values, c8.value_scales)):
         ref_q, ref_s = reference.quantize_kv(np.ascontiguousarray((c32.keys if which == c8.keys
-                                                                          else c32.values)(0)), dtype)
+                                                                          else c32.values)(0)), dtype, had)
         assert np.array_equal(which(0), ref_q) and np.array_equal(scales(0), ref_s)
     # a decode step writes its row the same way
     m.step([7], cache=c8)
     m.step([7], cache=c32)
-    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.keys(0)[:, -1:]), dtype)
+    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.keys(0)[:, -1:]), dtype, had)
     assert np.array_equal(c8.keys(0)[:, -1:], rq) and np.array_equal(c8.key_scales(0)[:, -1:], rs)
 
 
 # the largest logit difference (relative to the largest logit) from a float32 cache, per dtype:
-# measured 0.007 (int8) and 0.14 (int4) on this model and prompt, every policy
-STREAM_CLOSE = {"int8": 0.05, "int4": 0.25}
+# measured 0.007 (int8), 0.09-0.11 (int4 turned by H) and 0.14 (int4 plain) on this model and prompt
+STREAM_CLOSE = {("int8", False): 0.05, ("int4", True): 0.25, ("int4", False): 0.25}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,had", CACHE_KINDS)
 @pytest.mark.parametrize("policy", ["sink_query", "shift", "reevaluate"])
-def test_decoder_quantized_cache_streams_past_its_window(policy, dtype):
+def test_decoder_quantized_cache_streams_past_its_window(policy, dtype, had):
     """Every ring policy runs on an int8 / int4 cache past its window, and stays close to the same
     run on a float32 cache (the logits differ by the quantization of K/V only)."""
     m = _model()
     kw = dict(capacity=24, n_keep=4, policy=policy)
-    c8, c32 = m.new_cache(dtype=dtype, **kw), m.new_cache(dtype="float32", **kw)
+    c8, c32 = m.new_cache(dtype=dtype, hadamard=had, **kw), m.new_cache(dtype="float32", **kw)
     toks = [int(t) for t in np.random.default_rng(1).integers(1, 50, 60)]
     a, b = m.prefill(toks[:10], cache=c8), m.prefill(toks[:10], cache=c32)
     worst = 0.0
@@ -350,14 +412,14 @@ def test_decoder_quantized_cache_streams_past_its_window(policy, dtype):
         a, b = m.step([t], cache=c8)[0], m.step([t], cache=c32)[0]
         worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
     assert c8.length() <= 24 and c8.length() == c32.length() and c8.tokens == c32.tokens
-    assert 0 < worst < STREAM_CLOSE[dtype]
+    assert 0 < worst < STREAM_CLOSE[dtype, had]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sink_query_never_rewrites_quantized_keys(dtype):
+@pytest.mark.parametrize("dtype,had", CACHE_KINDS)
+def test_sink_query_never_rewrites_quantized_keys(dtype, had):
     """sink_query rotates the query, never K: the kept rows and scales keep their bits."""
     m = _model()
-    c = m.new_cache(capacity=16, n_keep=2, policy="sink_query", dtype=dtype)
+    c = m.new_cache(capacity=16, n_keep=2, policy="sink_query", dtype=dtype, hadamard=had)
     toks = list(range(1, 17))
     m.prefill(toks, cache=c)
     before = [(np.array(c.keys(l)), np.array(c.key_scales(l))) for l in range(c.n_layers)]
@@ -369,13 +431,13 @@ def test_sink_query_never_rewrites_quantized_keys(dtype):
         assert np.array_equal(c.key_scales(l)[:, keep], before[l][1][:, keep])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,had", CACHE_KINDS)
 @pytest.mark.parametrize("policy", ["shift", "reevaluate", "sink_query"])
-def test_quantized_transaction_rollback_restores_bits(policy, dtype):
+def test_quantized_transaction_rollback_restores_bits(policy, dtype, had):
     """A step that fails after the discard rewrote K (shift) or the ring (every policy) leaves the
     int8 / int4 values and scales exactly as they were."""
     m = _model()
-    c = m.new_cache(capacity=12, n_keep=2, policy=policy, dtype=dtype)
+    c = m.new_cache(capacity=12, n_keep=2, policy=policy, dtype=dtype, hadamard=had)
     m.prefill(list(range(1, 13)), cache=c)
     snap = [(np.array(c.keys(l, length=12)), np.array(c.key_scales(l, length=12)),
              np.array(c.values(l, length=12)), np.array(c.value_scales(l, length=12))) for l in range(c.n_layers)]

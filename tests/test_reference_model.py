@@ -73,7 +73,7 @@ def test_reference_equals_transformers_seq2seq(name, rng):
     assert rel(out.logits[0].double().numpy(), reference.forward(d, tgt, src=src)) <= HF_TOL
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "int4"])
 @pytest.mark.parametrize("name", CAUSAL)
 def test_decoder_matches_reference_causal(name, dtype, isa, rng):
     tm = families()
@@ -85,7 +85,7 @@ def test_decoder_matches_reference_causal(name, dtype, isa, rng):
     assert_matches_reference(d, toks, d.prefill(toks, cache=cache), cache_dtype=dtype)   # the last row only
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "int4"])
 @pytest.mark.parametrize("name", SEQ2SEQ)
 def test_decoder_matches_reference_seq2seq(name, dtype, rng):
     tm = families()

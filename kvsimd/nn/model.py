@@ -304,13 +304,16 @@ class _Stack:
                                    "(use 'reevaluate', or 'auto')" % (name, policy, pos))
         return policy
 
-    def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None):
+    def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None,
+                  hadamard=None):
         """A self-attention cache sized for this model.  With ``policy`` other than "fixed" the
         cache never fills (StreamingLLM): ``n_keep`` sink tokens stay, and when the window is
         full "reevaluate" drops the ``n_discard`` oldest window tokens and recomputes the rest,
         "shift" drops them and rotates the kept keys back in place, "sink_query" drops the
         oldest token each step and rewrites nothing (the query is rotated twice instead),
-        "auto" picks "shift" where positions can shift and "reevaluate" elsewhere."""
+        "auto" picks "shift" where positions can shift and "reevaluate" elsewhere.  ``dtype``
+        "float16", "float32", "int8" or "int4"; ``hadamard`` as :class:`kvsimd.KVCache` (default: on
+        for int4)."""
         self._ensure_valid()
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype,
-                       n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard)
+                       hadamard=hadamard, n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard)
