@@ -59,7 +59,7 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=_integer(1), default=None,
                    help="threads (at most the cores this process may use; more are capped with a warning)")
-    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8"], default="float16")
+    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4"], default="float16")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
                    help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
@@ -137,8 +137,8 @@ def _generate(args, stats):
                      "is %d)" % (len(ids), capacity, cfg.max_positions))
     if n_keep >= capacity - 1:
         raise _Usage("--n-keep %d leaves no sliding window in a %d-token cache (see --window)" % (n_keep, capacity))
-    D = cfg.head_dim        # bytes of one cached row: int8 adds a float32 scale per 32 values
-    row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * -(-D // 32)}[args.cache_dtype]
+    D, nb = cfg.head_dim, -(-cfg.head_dim // 32)   # bytes of one cached row: int8 / int4 add a float32 scale per 32 values
+    row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * nb, "int4": 16 * nb + 4 * nb}[args.cache_dtype]
     stream = tok.stream()
     out = sys.stdout
     # generate() checks its arguments now and prefills at the first next(): statistics from here on

@@ -79,7 +79,13 @@ def test_subcommand_quick_json(tmp_path, sub):
             assert r["bytes_per_token"] == 2 * r["Hkv"] * (r["D"] + 4 * nb)      # int8 + float32 block scales
             assert r["fp16_bytes_per_token"] == 2 * r["Hkv"] * r["D"] * 2
             assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
-        assert "An int8 KV cache" in md
+        i4 = [r for r in rows if r["op"] == "attend-int4"]
+        assert {r["isa"] for r in i4} == set(doc["header"]["isa"]["supported"])
+        for r in i4:
+            nb = -(-r["D"] // 32)
+            assert r["bytes_per_token"] == 2 * r["Hkv"] * (16 * nb + 4 * nb)  # 4 bits a value + the block scales
+            assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
+        assert "An int8 and an int4 KV cache" in md
     if sub == "roofline":
         assert {r["kind"] for r in rows} == {"read", "write", "copy", "fma"}
         assert {r["where"] for r in rows if r["kind"] != "fma"} == {"dram", "llc"}

@@ -41,7 +41,7 @@ def one_error_line(r):
 BAD_FLAGS = [("--n-keep", "-1"), ("--window", "1"), ("--window", "x"), ("--temperature", "nan"),
              ("--temperature", "-0.5"), ("--temperature", "inf"), ("--seed", "-1"), ("--seed", "1.5"),
              ("--top-p", "0"), ("--top-p", "nan"), ("--top-p", "1.01"), ("--top-k", "-3"), ("--max-new-tokens", "0"),
-             ("--threads", "0"), ("--threads", "two"), ("--cache-dtype", "int4"), ("--policy", "slide"),
+             ("--threads", "0"), ("--threads", "two"), ("--cache-dtype", "int2"), ("--policy", "slide"),
              ("--lookup", "-1"), ("--lookup", "x"), ("--lookup", "257")]
 
 
@@ -186,18 +186,22 @@ def test_lookup_prints_the_greedy_tokens_and_refuses_sampling(tiny):
     assert "--lookup 4" in line and "--temperature 0.5" in line, line
 
 
-def test_cli_int8_cache_reports_its_size(tiny):
-    """--cache-dtype int8: the same run on an int8 KV cache; the KV-cache size it reports counts one
-    byte per value and a float32 scale per 32 values (against float32's four bytes per value)."""
+def test_cli_quantized_cache_reports_its_size(tiny):
+    """--cache-dtype int8 / int4: the same run on a quantized KV cache; the KV-cache size it reports
+    counts one byte (int8) or half a byte (int4, 16 bytes per block of 32) per value and a float32
+    scale per 32 values (against float32's four bytes per value)."""
     sizes = {}
-    for dt in ("float32", "int8"):
+    for dt in ("float32", "int8", "int4"):
         r = cli(["generate", "--model", tiny, "--max-new-tokens", "8", "--cache-dtype", dt, "abcabc"])
         assert r.returncode == 0, r.stderr
         assert "decode 8 tokens" in r.stderr and dt in r.stderr
         sizes[dt] = float(re.search(r"KV cache ([0-9.e+-]+) MiB", r.stderr).group(1))
     cfg = kvsimd.Decoder.from_gguf(tiny).cfg
-    per = (cfg.head_dim + 4 * -(-cfg.head_dim // 32)) / (4 * cfg.head_dim)
+    nb = -(-cfg.head_dim // 32)
+    per = (cfg.head_dim + 4 * nb) / (4 * cfg.head_dim)
     assert sizes["int8"] > 0 and sizes["int8"] == pytest.approx(sizes["float32"] * per, rel=1e-3)
+    per = (16 * nb + 4 * nb) / (4 * cfg.head_dim)
+    assert sizes["int4"] > 0 and sizes["int4"] == pytest.approx(sizes["float32"] * per, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------ the real model (SmolLM2)

@@ -39,7 +39,7 @@ BAD = [  # (keyword arguments, pattern the message must match)
     (dict(capacity=0), r"capacity=0 is smaller than prompt 0 \(5 tokens\)"),
     (dict(capacity=3), r"capacity=3 is smaller than prompt 0 \(5 tokens\)"),
     (dict(capacity="big"), r"capacity must be an integer, got 'big'"),
-    (dict(cache_dtype="int16"), r"dtype must be float16, float32 or int8, got 'int16'"),
+    (dict(cache_dtype="int16"), r"dtype must be float16, float32, int8 or int4, got 'int16'"),
     (dict(n_keep=-1), r"n_keep must be in 0..capacity-1"),
     (dict(capacity=8, n_keep=8, policy="shift"), r"n_keep must be in 0..capacity-1=7, got 8"),
     (dict(policy="lru"), r"policy must be one of .*got 'lru'"),

@@ -52,11 +52,11 @@ def _fmt_ceiling(r):
                r["ceiling_GBps"], r["binds"], r["pct_ceiling"]))
 
 
-def _fmt_int8(r):
-    return ("attend     %-12s int8     N=%-7d %-10s threads=%d %9.3f ms (float16 %.3f ms) %7.2f GB/s  "
-            "int8/fp16 time %.3f [%.3f, %.3f]"
-            % (r["shape"], r["N"], r["isa"], r["threads"], r["median_s"] * 1e3, r["fp16_median_s"] * 1e3, r["GBps"],
-               r["ratio"], r["ratio_ci95"][0], r["ratio_ci95"][1]))
+def _fmt_quantized(r):
+    return ("attend     %-12s %-8s N=%-7d %-10s threads=%d %9.3f ms (float16 %.3f ms) %7.2f GB/s  "
+            "%s/fp16 time %.3f [%.3f, %.3f]"
+            % (r["shape"], r["dtype"], r["N"], r["isa"], r["threads"], r["median_s"] * 1e3, r["fp16_median_s"] * 1e3,
+               r["GBps"], r["dtype"], r["ratio"], r["ratio_ci95"][0], r["ratio_ci95"][1]))
 
 
 def run_roofline(args, roof):
@@ -92,11 +92,11 @@ def _kernel_section(args, roof, isas, op):
             sorted(set(args.threads or [1, cores])), 3 if args.quick else max(repeat, 7),
             tokens=4096 if args.quick else None, progress=lambda r: print(_fmt_ceiling(r), flush=True),
             size=(256 << 20) if args.quick else (1 << 30))
-        # the int8 cache beside float16, same keys, cold, alternated
-        peers += kernels.bench_attention_int8(
+        # the int8 and int4 caches beside float16, same keys, cold, alternated
+        peers += kernels.bench_attention_quantized(
             isas, cases.ATTN_SHAPES[:1] if args.quick else cases.INT8_SHAPES,
             cases.QUICK_CONTEXTS[-1:] if args.quick else cases.INT8_CONTEXTS, sorted(set(args.threads or [1, cores])),
-            3 if args.quick else max(repeat, 9), progress=lambda r: print(_fmt_int8(r), flush=True))
+            3 if args.quick else max(repeat, 9), progress=lambda r: print(_fmt_quantized(r), flush=True))
     else:
         rows = kernels.bench_shift(isas, shapes, contexts, cases.DTYPES, repeat, roof, show)
         peers = kernels.bench_peers("shift_keys", shapes, contexts, repeat, roof, threads,
@@ -166,7 +166,8 @@ def run_decode(args, roof):
                                  text_path=args.text, prefill_tokens=prefill,
                                  prefill_repeat=2 if args.quick else 5, load_repeat=1 if args.quick else 3,
                                  fill=args.fill, flash_attn=args.llama_flash_attn,
-                                 peers=decode.GGUF_PEERS + (decode.KV_INT8_PEERS if args.kv_int8 else ()))
+                                 peers=decode.GGUF_PEERS + (decode.KV_INT8_PEERS if args.kv_int8 else ()) +
+                                       (decode.KV_INT4_PEERS if args.kv_int4 else ()))
     rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
                       models=("smollm2-shaped",) if args.quick else None)
     ratios = {}
@@ -309,12 +310,15 @@ def main(argv=None):
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
                     help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
                          "of the same length (llama.cpp and transformers always prefill)")
-    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8"),
+    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8", "int4", "int4-plain"),
                     help="quality: the KV-cache dtype(s) every configuration runs with (default float16; the "
                          "first one also runs the oracle)")
     ap.add_argument("--kv-int8", action="store_true",
                     help="decode of a GGUF model: also kvsimd with an int8 KV cache and llama.cpp with q8_0 K/V "
                          "(flash attention), side by side with the float16 caches")
+    ap.add_argument("--kv-int4", action="store_true",
+                    help="decode of a GGUF model: also kvsimd with an int4 KV cache (turned by the Hadamard matrix), "
+                         "side by side with the float16 caches")
     ap.add_argument("--llama-flash-attn", action="store_true",
                     help="decode of a GGUF model: llama.cpp with flash attention (default: off, "
                          "llama-cpp-python's default)")

@@ -142,12 +142,13 @@ def bench_attention_ceiling(isas, shapes, threads, repeat, tokens=None, progress
     return rows
 
 
-def bench_attention_int8(isas, shapes, contexts, threads, repeat, progress=None):
-    """An int8 KV cache against float16 (rows op "attend-int8"): per shape, N, row and thread count,
-    the same keys as float16 and as int8 with block scales (ops.quantize_kv), the two calls
-    alternated repeat by repeat, each cold (the LLC evicted first: what a decode step that streams a
-    cache larger than the LLC sees).  ``ratio`` is the median per-repeat int8 / float16 time with a
-    95% interval; bytes are K + V (+ scales) as stored, per token of context."""
+def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=None, dtypes=("int8", "int4")):
+    """Quantized KV caches against float16 (rows op "attend-int8", "attend-int4"): per shape, N, row
+    and thread count, the same keys as float16 and as each of ``dtypes`` with block scales
+    (ops.quantize_kv; int4 turned by H as KVCache(dtype="int4") stores it), the calls alternated
+    repeat by repeat, each cold (the LLC evicted first: what a decode step that streams a cache larger
+    than the LLC sees).  ``ratio`` is the median per-repeat quantized / float16 time with a 95%
+    interval; bytes are K + V (+ scales) as stored, per token of context."""
     import kvsimd
     evict = Evictor()
     llc = llc_bytes() or (32 << 20)
@@ -158,36 +159,42 @@ def bench_attention_int8(isas, shapes, contexts, threads, repeat, progress=None)
             for N in contexts:
                 k32, v32 = fill((Hkv, N, D), np.float32, 1), fill((Hkv, N, D), np.float32, 2)
                 k16, v16 = k32.astype(np.float16), v32.astype(np.float16)
-                (k8, ks), (v8, vs) = ops.quantize_kv(k32), ops.quantize_kv(v32)
+                quant = [(ops.quantize_kv(k32, dt, hadamard=dt == "int4"), ops.quantize_kv(v32, dt, hadamard=dt == "int4"))
+                         for dt in dtypes]
                 del k32, v32
                 q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
                 b16 = k16.nbytes + v16.nbytes
-                b8 = k8.nbytes + v8.nbytes + ks.nbytes + vs.nbytes
-                calls = [lambda: ops.attend(q, k16, v16, out=out),
-                         lambda: ops.attend(q, k8, v8, k_scale=ks, v_scale=vs, out=out)]
+                calls = [lambda: ops.attend(q, k16, v16, out=out)]
+                nbytes = []
+                for (kq, ks), (vq, vs) in quant:
+                    calls.append(lambda kq=kq, ks=ks, vq=vq, vs=vs: ops.attend(q, kq, vq, k_scale=ks, v_scale=vs,
+                                                                                out=out))
+                    nbytes.append(kq.nbytes + vq.nbytes + ks.nbytes + vs.nbytes)
                 for isa in isas:
                     for nt in threads:
                         kvsimd.set_num_threads(nt)
                         with use_isa(isa):
                             for c in calls:
                                 c()
-                            t16, t8 = [], []
+                            times = [[] for _ in calls]
                             for _ in range(repeat):
-                                for c, acc in zip(calls, (t16, t8)):
+                                for c, acc in zip(calls, times):
                                     evict()
                                     t0 = time.perf_counter()
                                     c()
                                     acc.append(time.perf_counter() - t0)
-                        ratio, lo, hi = median_ci([a / b for a, b in zip(t8, t16)])
-                        m8, m16 = statistics.median(t8), statistics.median(t16)
-                        rows.append({"op": "attend-int8", "impl": "kvsimd", "isa": isa, "shape": name, "H": H,
-                                     "Hkv": Hkv, "D": D, "N": N, "dtype": "int8", "threads": nt, "median_s": m8,
-                                     "fp16_median_s": m16, "GBps": b8 / m8 / 1e9, "fp16_GBps": b16 / m16 / 1e9,
-                                     "ratio": ratio, "ratio_ci95": [lo, hi], "bytes_per_token": b8 // N,
-                                     "fp16_bytes_per_token": b16 // N, "beyond_llc": b16 > llc})
-                        if progress:
-                            progress(rows[-1])
-                del k16, v16, k8, v8
+                        t16, m16 = times[0], statistics.median(times[0])
+                        for dt, tq, bq in zip(dtypes, times[1:], nbytes):
+                            ratio, lo, hi = median_ci([a / b for a, b in zip(tq, t16)])
+                            mq = statistics.median(tq)
+                            rows.append({"op": "attend-" + dt, "impl": "kvsimd", "isa": isa, "shape": name, "H": H,
+                                         "Hkv": Hkv, "D": D, "N": N, "dtype": dt, "threads": nt, "median_s": mq,
+                                         "fp16_median_s": m16, "GBps": bq / mq / 1e9, "fp16_GBps": b16 / m16 / 1e9,
+                                         "ratio": ratio, "ratio_ci95": [lo, hi], "bytes_per_token": bq // N,
+                                         "fp16_bytes_per_token": b16 // N, "beyond_llc": b16 > llc})
+                            if progress:
+                                progress(rows[-1])
+                del k16, v16, quant
     finally:
         kvsimd.set_num_threads(before)
     return rows

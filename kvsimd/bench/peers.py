@@ -1,7 +1,7 @@
 """One implementation per process: the workers of the GGUF decode bench (:mod:`.decode`).
 
 ``python -m kvsimd.bench.peers IMPL PATH --n-ctx N`` loads GGUF file PATH with IMPL (``kvsimd``:
-``Decoder.from_gguf``, float16 KV cache, ``kvsimd-int8`` the same with an int8 cache;
+``Decoder.from_gguf``, float16 KV cache, ``kvsimd-int8`` / ``kvsimd-int4`` the same with an int8 / int4 cache;
 ``llama.cpp``: ``llama_cpp.Llama`` on the same file, f16 KV cache, ``llama.cpp-q8_0`` with q8_0
 K and V (which llama.cpp runs with flash attention only);
 ``transformers``: ``AutoModelForCausalLM.from_pretrained(gguf_file=...)``, float32 weights) and
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-IMPLS = ("kvsimd", "kvsimd-int8", "llama.cpp", "llama.cpp-q8_0", "transformers")
+IMPLS = ("kvsimd", "kvsimd-int8", "kvsimd-int4", "llama.cpp", "llama.cpp-q8_0", "transformers")
 
 
 def rss_mib():
@@ -286,7 +286,7 @@ def serve(impl, path, n_ctx, fill="prefill", flash_attn=False, limit_memory=True
     t0 = time.perf_counter()
     try:
         if impl.startswith("kvsimd"):
-            runner = KVSimdRunner(path, n_ctx, fill, "int8" if impl == "kvsimd-int8" else "float16")
+            runner = KVSimdRunner(path, n_ctx, fill, impl[len("kvsimd-"):] if impl.startswith("kvsimd-") else "float16")
         elif impl.startswith("llama.cpp"):
             runner = LlamaCppRunner(path, n_ctx, flash_attn, "q8_0" if impl == "llama.cpp-q8_0" else "f16")
         else:

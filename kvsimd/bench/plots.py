@@ -81,7 +81,7 @@ def write_all(doc, outdir):
     out = []
     if "attention" in res:
         out.append(os.path.join(outdir, "attention.png"))
-        _kernel_chart([r for r in res["attention"] if r["op"] not in ("attend-ceiling", "attend-int8")], roof, "read_GBps",
+        _kernel_chart([r for r in res["attention"] if r["op"] not in ("attend-ceiling", "attend-int8", "attend-int4")], roof, "read_GBps",
                       "Decode attention: GB/s of K+V vs context length", out[-1])
     if "rope" in res:
         out.append(os.path.join(outdir, "rope.png"))

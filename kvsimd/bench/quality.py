@@ -44,6 +44,16 @@ def load_tokens(model, text_path, n_tokens):
     return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
 
 
+# KV-cache kinds the quality runs compare: a dtype of KVCache, or "int4-plain" (int4 without the
+# Hadamard turn that KVCache(dtype="int4") applies by default)
+CACHE_KINDS = ("float16", "float32", "int8", "int4", "int4-plain")
+
+
+def cache_args(kind):
+    """new_cache keywords of a cache kind (CACHE_KINDS)."""
+    return dict(dtype="int4", hadamard=False) if kind == "int4-plain" else dict(dtype=kind)
+
+
 def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None, oracle=True, dense=True,
         dtypes=("float16",)):
     """NLL per position of every configuration, for each KV-cache dtype of ``dtypes`` (float16's
@@ -67,7 +77,7 @@ def _run_dtype(model, tokens, windows, n_keep, oracle_every, oracle, dense, dtyp
 
     # dense: all tokens cached, one step at a time
     if dense:
-        cache = model.new_cache(capacity=n + 1, dtype=dtype)
+        cache = model.new_cache(capacity=n + 1, **cache_args(dtype))
         nll = []
         logits = model.prefill(tokens[:1], cache=cache)
         for i in range(1, n):
@@ -79,7 +89,7 @@ def _run_dtype(model, tokens, windows, n_keep, oracle_every, oracle, dense, dtyp
                   [("%d sinks + %s" % (n_keep, p), dict(n_keep=n_keep, policy=p))
                    for p in ("sink_query", "shift", "reevaluate")]
         for name, kw in configs:
-            cache = model.new_cache(capacity=W, dtype=dtype, **kw)
+            cache = model.new_cache(capacity=W, **cache_args(dtype), **kw)
             nll = []
             logits = model.prefill(tokens[:1], cache=cache)
             for i in range(1, n):
@@ -178,8 +188,9 @@ def _cli(argv=None):
     ap.add_argument("inputs", nargs="*")
     ap.add_argument("--window", type=int, action="append", help="window(s) (default 256 and 512)")
     ap.add_argument("--no-dense", action="store_true")
-    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8"),
-                    help="KV-cache dtype(s) of the policies run (default float16)")
+    ap.add_argument("--kv-dtype", action="append", choices=CACHE_KINDS,
+                    help="KV-cache dtype(s) of the policies run (default float16; int4-plain: int4 without "
+                         "the Hadamard turn)")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tokens", type=int, default=2304)
     ap.add_argument("--out")
