@@ -47,11 +47,13 @@ static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(kv_m16(n), p)));
 }
-/* 4-bit values (kvsimd.h KV_I4: stored as q + 8) of the 16 bytes in x, low (hi = 0) or high nibbles */
+/* 4-bit values (kvsimd.h KV_I4: stored as q + 8) of the 16 bytes in x, low (hi = 0) or high nibbles:
+   each byte widened to a lane, shifted, and its low 4 bits pick q as a float from a 16-entry table
+   (VPERMPS reads only those bits of each index: no mask, no subtraction, no conversion) */
 static inline vf kv_i4_widen(__m128i x, int hi)
 {
     const __m512i w = _mm512_srl_epi32(_mm512_cvtepu8_epi32(x), _mm_cvtsi32_si128(4 * hi));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(w, _mm512_set1_epi32(15)), _mm512_set1_epi32(8)));
+    return _mm512_permutexvar_ps(w, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
 }
 static inline vf vf_load_i4(const uint8_t *p, int hi) { return kv_i4_widen(_mm_loadu_si128((const __m128i *)p), hi); }
 /* 16 halves widened to 16 floats by the row's kv_widen16 */
