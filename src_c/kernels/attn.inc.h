@@ -93,6 +93,16 @@ KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off, const float *
     return mode == KV_ROWS_F16 ? vf_load_h((const uint16_t *)base + off) : vf_load((const float *)base + off);
 }
 
+/* Int4 rows: the vectors at value c (c % 32 < 16) and c + 16 of a block come from the same bytes,
+   the low and the high nibbles, so one load and one widening give both (and one scale vector). */
+KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *sc, int64_t si, vf *lo, vf *hi)
+{
+    vf_load_i4_pair(kv_i4_at(base, off), lo, hi);
+    const vf s = vf_set1(sc[si]);
+    *lo = vf_mul(*lo, s);
+    *hi = vf_mul(*hi, s);
+}
+
 /* Query heads are handled KV_GS at a time, and the inner loops keep about KV_ACC
  * accumulators in registers: enough independent FMA chains to cover FMA latency, while
  * every vector loaded (a query chunk, a K or V chunk) feeds several FMAs -- x86 cores load
@@ -184,6 +194,23 @@ KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const flo
 #endif
 }
 
+/* kv_load_keys of int4 rows at c (c % 32 < 16) and at c + 16, from one load (kv_load_row_i4_pair). */
+KV_AINLINE void kv_load_keys_i4_pair(const void *base, int64_t stride, const float *sc, int64_t j, int64_t c,
+                                     const int KP, vf *lo, vf *hi)
+{
+    const int64_t nb = kv_i8_blocks(stride), off = j * stride + c, si = j * nb + c / KV_I8_BLOCK;
+    if (KP == 1) {
+        kv_load_row_i4_pair(base, off, sc, si, lo, hi);
+        return;
+    }
+#if KV_KP == 2
+    vf_load_i4_2pair(kv_i4_at(base, off), kv_i4_at(base, off + stride), lo, hi);
+    const vf s = vf_set2(sc[si], sc[si + nb]);
+    *lo = vf_mul(*lo, s);
+    *hi = vf_mul(*hi, s);
+#endif
+}
+
 /* Query elements c.. (stored KV_KP times side by side: attn_head_start) as the scores loop with KP
    keys per vector reads them. */
 KV_AINLINE vf kv_load_query(const float *q, int64_t c, const int KP)
@@ -222,6 +249,26 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
         for (int64_t c = c0; c < c1; c += KW) {
             if (c / KW < nl)
                 __builtin_prefetch(pl + (c / KW) * 64, 0, 3);
+            if (mode == KV_ROWS_I4) {   /* c and c + 16 at once (kv_load_keys_i4_pair); c + 16 when < c1 */
+                if (c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                    continue;
+                const int both = c + KV_I4_BLOCK_BYTES < c1;
+                vf ql[KV_GS], qh[KV_GS];
+#pragma GCC unroll 8
+                for (int i = 0; i < NH; i++) {
+                    ql[i] = vf_pin(kv_load_query(q + i * KV_KP * Dp, c, KP));
+                    qh[i] = both ? vf_pin(kv_load_query(q + i * KV_KP * Dp, c + KV_I4_BLOCK_BYTES, KP)) : vf_zero();
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) {
+                    vf kl, kh;
+                    kv_load_keys_i4_pair(kb, ks, ksc, j0 + r * KP, c, KP, &kl, &kh);
+#pragma GCC unroll 8
+                    for (int i = 0; i < NH; i++)
+                        a[r * NH + i] = vf_fmadd(qh[i], kh, vf_fmadd(ql[i], kl, a[r * NH + i]));
+                }
+                continue;
+            }
             vf qc[KV_GS];
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)   /* loaded once, not at each of its R uses */
@@ -298,6 +345,21 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
                 w[i] = vf_set1(pw[i * ws + j]);
+            if (mode == KV_ROWS_I4 && CG * KV_W >= KV_I8_BLOCK) {   /* whole blocks: pairs from one load */
+                enum { HALF = KV_I4_BLOCK_BYTES / KV_W };          /* vectors from c to c + 16 */
+                vf vc[32];
+#pragma GCC unroll 16
+                for (int u = 0; u < CG; u++)
+                    if (u % (2 * HALF) < HALF)
+                        kv_load_row_i4_pair(vb, j * vs + c + u * KV_W, vsc, j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK,
+                                            &vc[u], &vc[u + HALF]);
+#pragma GCC unroll 16
+                for (int u = 0; u < CG; u++)
+#pragma GCC unroll 8
+                    for (int i = 0; i < NH; i++)
+                        x[i * CG + u] = vf_fmadd(w[i], vc[u], x[i * CG + u]);
+                continue;
+            }
 #pragma GCC unroll 16
             for (int u = 0; u < CG; u++) {
                 const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W, vsc,

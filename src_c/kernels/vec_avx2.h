@@ -49,6 +49,13 @@ static inline vf vf_load_i4(const uint8_t *p, int hi)
     const __m256i x = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm_cvtsi32_si128(4 * hi));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, _mm256_set1_epi32(15)), _mm256_set1_epi32(8)));
 }
+/* both: the low nibbles' values and the high ones' (the vectors at c and c + 16 of a block) */
+static inline void vf_load_i4_pair(const uint8_t *p, vf *lo, vf *hi)
+{
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
+    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(15)), eight));
+    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+}
 static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
 {
     int8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -56,6 +56,16 @@ static inline vf kv_i4_widen(__m128i x, int hi)
     return _mm512_permutexvar_ps(w, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
 }
 static inline vf vf_load_i4(const uint8_t *p, int hi) { return kv_i4_widen(_mm_loadu_si128((const __m128i *)p), hi); }
+/* both halves of the 16 bytes in x: the low nibbles' values and the high ones' (the vectors at c and
+   c + 16 of a block), from one widening */
+static inline void kv_i4_pair(__m128i x, vf *lo, vf *hi)
+{
+    const __m512i w = _mm512_cvtepu8_epi32(x);
+    const __m512 t = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    *lo = _mm512_permutexvar_ps(w, t);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t);
+}
+static inline void vf_load_i4_pair(const uint8_t *p, vf *lo, vf *hi) { kv_i4_pair(_mm_loadu_si128((const __m128i *)p), lo, hi); }
 /* 16 halves widened to 16 floats by the row's kv_widen16 */
 static inline vf vf_load_h(const uint16_t *p) { return kv_widen16(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf vf_load_h_part(const uint16_t *p, int64_t n) { return kv_widen16(_mm256_maskz_loadu_epi16(kv_m16(n), p)); }
@@ -159,6 +169,10 @@ static inline vf vf_load_i8_2(const int8_t *p0, const int8_t *p1)
 static inline vf vf_load_i4_2(const uint8_t *p0, const uint8_t *p1, int hi)
 {
     return kv_i4_widen(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1)), hi);
+}
+static inline void vf_load_i4_2pair(const uint8_t *p0, const uint8_t *p1, vf *lo, vf *hi)
+{
+    kv_i4_pair(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1)), lo, hi);
 }
 /* a in lanes 0-7, b in lanes 8-15 */
 static inline vf vf_set2(float a, float b)

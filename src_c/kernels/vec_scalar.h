@@ -24,6 +24,12 @@ static inline vf vf_load_i8(const int8_t *p) { return (float)*p; }
 static inline vf vf_load_i8_part(const int8_t *p, int64_t n) { return n > 0 ? (float)*p : 0.0f; }
 /* KV_W 4-bit values (kvsimd.h KV_I4: stored as q + 8), the low (hi = 0) or high nibbles of p[0..KV_W) */
 static inline vf vf_load_i4(const uint8_t *p, int hi) { return (float)(((*p >> (4 * hi)) & 15) - 8); }
+/* both: the low nibbles' values and the high ones' (the vectors at c and c + 16 of a block) */
+static inline void vf_load_i4_pair(const uint8_t *p, vf *lo, vf *hi)
+{
+    *lo = (float)((*p & 15) - 8);
+    *hi = (float)((*p >> 4) - 8);
+}
 static inline void vf_store_h(uint16_t *p, vf v) { *p = kv_f2h_soft(v); }
 static inline void vf_store_h_part(uint16_t *p, vf v, int64_t n) { if (n > 0) *p = kv_f2h_soft(v); }
 /* exact (NumPy-identical) conversions for the public conversion op */
