@@ -454,8 +454,15 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
         } else if (dtype == KV_I4) {   /* whole blocks, zero-padded: Dp values are there */
             const int64_t S = kv_row_values(KV_I4, D);
             const float *f = scale + (t + j) * kv_i8_blocks(D);
-            for (; c < Dp; c += KV_W)
-                vf_store(row + c, kv_load_row(src, KV_ROWS_I4, (t + j) * S + c, f, c / KV_I8_BLOCK));
+            for (; c < Dp; c += KV_W) {   /* c and c + 16 from one load (kv_load_row_i4_pair) */
+                if (c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                    continue;
+                vf lo, hi;
+                kv_load_row_i4_pair(src, (t + j) * S + c, f, c / KV_I8_BLOCK, &lo, &hi);
+                vf_store(row + c, lo);
+                if (c + KV_I4_BLOCK_BYTES < Dp)
+                    vf_store(row + c + KV_I4_BLOCK_BYTES, hi);
+            }
         } else if (dtype == KV_I8) {
             const int8_t *s = (const int8_t *)src + (t + j) * D;
             const float *f = scale + (t + j) * kv_i8_blocks(D);
