@@ -75,9 +75,13 @@ def test_threads_capped_at_the_cores_this_process_may_use(tiny):
 
 
 def test_ctrl_c_exits_130_with_the_statistics(tiny):
+    # SIGINT as a terminal gives it: a process started in the background by a shell without job
+    # control inherits SIGINT ignored, and Python then leaves it ignored (a CI job launched with
+    # `cmd &` hung here for that reason)
     p = subprocess.Popen([sys.executable, "-m", "kvsimd", "generate", "--model", tiny, "--policy", "sink_query",
                           "--window", "32", "--max-new-tokens", "100000000", "hi"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = os.read(p.stdout.fileno(), 1)      # the first token is out: generation is running
         assert first

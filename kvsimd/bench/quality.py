@@ -200,6 +200,9 @@ def _cli(argv=None):
                                                    "$KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     a = ap.parse_args(argv)
     if a.what == "greedy":        # greedy tokens of the real-model prompts, each cache dtype beside float16
+        if "int4-plain" in (a.kv_dtype or ()):
+            ap.error("greedy runs generate(cache_dtype=...), which takes a KVCache dtype: int4-plain is for "
+                     "the perplexity runs")
         from kvsimd.loaders import registry as models
         model = kvsimd.Decoder.from_gguf(models.smollm2_path())
         for r in greedy_divergence(model, tuple(d for d in (a.kv_dtype or ["int8"]) if d != "float16")):
