@@ -180,11 +180,7 @@ KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const flo
         return vf_mul(vf_load_i8_2((const int8_t *)base + off, (const int8_t *)base + off + stride),
                       vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
     }
-    if (mode == KV_ROWS_I4) {
-        const int64_t si = j * kv_i8_blocks(stride) + c / KV_I8_BLOCK;
-        return vf_mul(vf_load_i4_2(kv_i4_at(base, off), kv_i4_at(base, off + stride), kv_i4_hi(off)),
-                      vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
-    }
+    /* int4 keys come in pairs of vectors: kv_load_keys_i4_pair */
     if (mode == KV_ROWS_F16)
         return vf_load_h2((const uint16_t *)base + off, (const uint16_t *)base + off + stride);
     return vf_load2((const float *)base + off, (const float *)base + off + stride);

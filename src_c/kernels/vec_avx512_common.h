@@ -50,10 +50,10 @@ static inline vf vf_load_i8_part(const int8_t *p, int64_t n)
 /* 4-bit values (kvsimd.h KV_I4: stored as q + 8) of the 16 bytes in x, low (hi = 0) or high nibbles:
    each byte widened to a lane, shifted, and its low 4 bits pick q as a float from a 16-entry table
    (VPERMPS reads only those bits of each index: no mask, no subtraction, no conversion) */
+static inline __m512 kv_i4_table(void) { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); }
 static inline vf kv_i4_widen(__m128i x, int hi)
 {
-    const __m512i w = _mm512_srl_epi32(_mm512_cvtepu8_epi32(x), _mm_cvtsi32_si128(4 * hi));
-    return _mm512_permutexvar_ps(w, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm512_permutexvar_ps(_mm512_srl_epi32(_mm512_cvtepu8_epi32(x), _mm_cvtsi32_si128(4 * hi)), kv_i4_table());
 }
 static inline vf vf_load_i4(const uint8_t *p, int hi) { return kv_i4_widen(_mm_loadu_si128((const __m128i *)p), hi); }
 /* both halves of the 16 bytes in x: the low nibbles' values and the high ones' (the vectors at c and
@@ -61,9 +61,8 @@ static inline vf vf_load_i4(const uint8_t *p, int hi) { return kv_i4_widen(_mm_l
 static inline void kv_i4_pair(__m128i x, vf *lo, vf *hi)
 {
     const __m512i w = _mm512_cvtepu8_epi32(x);
-    const __m512 t = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    *lo = _mm512_permutexvar_ps(w, t);
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t);
+    *lo = _mm512_permutexvar_ps(w, kv_i4_table());
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), kv_i4_table());
 }
 static inline void vf_load_i4_pair(const uint8_t *p, vf *lo, vf *hi) { kv_i4_pair(_mm_loadu_si128((const __m128i *)p), lo, hi); }
 /* 16 halves widened to 16 floats by the row's kv_widen16 */
@@ -165,10 +164,6 @@ static inline vf vf_load_i8_2(const int8_t *p0, const int8_t *p1)
 {
     const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-}
-static inline vf vf_load_i4_2(const uint8_t *p0, const uint8_t *p1, int hi)
-{
-    return kv_i4_widen(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p0), _mm_loadl_epi64((const __m128i *)p1)), hi);
 }
 static inline void vf_load_i4_2pair(const uint8_t *p0, const uint8_t *p1, vf *lo, vf *hi)
 {
