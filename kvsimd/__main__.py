@@ -59,7 +59,8 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=_integer(1), default=None,
                    help="threads (at most the cores this process may use; more are capped with a warning)")
-    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4"], default="float16")
+    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4", "int8/int4"], default="float16",
+                   help="KV-cache storage (int8/int4: int8 keys, int4 values)")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
                    help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
@@ -138,7 +139,8 @@ def _generate(args, stats):
     if n_keep >= capacity - 1:
         raise _Usage("--n-keep %d leaves no sliding window in a %d-token cache (see --window)" % (n_keep, capacity))
     D, nb = cfg.head_dim, -(-cfg.head_dim // 32)   # bytes of one cached row: int8 / int4 add a float32 scale per 32 values
-    row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * nb, "int4": 16 * nb + 4 * nb}[args.cache_dtype]
+    row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * nb, "int4": 16 * nb + 4 * nb}
+    kv_bytes = sum(row_bytes[d] for d in (args.cache_dtype.split("/") * 2)[:2])    # a K row and a V row
     stream = tok.stream()
     out = sys.stdout
     # generate() checks its arguments now and prefills at the first next(): statistics from here on
@@ -146,7 +148,7 @@ def _generate(args, stats):
                          top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
                          cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy,
                          lookup=args.lookup)
-    stats.update(prompt=len(ids), cache_mib=2 * cfg.n_layers * cfg.n_kv_heads * capacity * row_bytes / 2**20,
+    stats.update(prompt=len(ids), cache_mib=cfg.n_layers * cfg.n_kv_heads * capacity * kv_bytes / 2**20,
                  started=time.perf_counter())
     try:
         for t in gen:

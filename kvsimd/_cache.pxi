@@ -8,6 +8,29 @@ from kvsimd.errors import KVSimdBusyError, KVSimdCapacityError, KVSimdISAError
 
 # name: (kv_dtype, the NumPy dtype of the storage views); int4 is viewed as its bytes (uint8)
 _DTYPES = {"float16": (KV_F16, _F16), "float32": (KV_F32, _F32), "int8": (KV_I8, _I8), "int4": (KV_I4, _U8)}
+_QUANTIZED = ("int8", "int4")
+
+
+def _cache_dtypes(dtype):
+    """(K's name, V's name) of a cache ``dtype``: one name for both, or "K/V" for quantized keys and
+    values of different widths ("int8/int4": int8 keys, int4 values)."""
+    if isinstance(dtype, str) and "/" in dtype:
+        kn, _, vn = dtype.partition("/")
+        if kn in _QUANTIZED and vn in _QUANTIZED:
+            return kn, vn
+        raise KVSimdTypeError("dtype \"K/V\" takes int8 or int4 on each side (e.g. \"int8/int4\": int8 keys, int4 "
+                              "values), got %r" % (dtype,))
+    if isinstance(dtype, str) and dtype == "int4":
+        key = dtype
+    else:
+        try:
+            key = _np.dtype(dtype).name
+        except (TypeError, ValueError):
+            key = None
+    if key not in _DTYPES:
+        raise KVSimdTypeError("dtype must be float16, float32, int8, int4 or \"int8/int4\" (int8 keys, int4 values), "
+                              "got %r" % (dtype,))
+    return key, key
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
 cdef enum:
     _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
@@ -25,7 +48,10 @@ cdef class _KVStore:
     / :meth:`value_scales` view the scales).  An int4 cache stores two values per byte, 16 bytes
     per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
     those bytes, uint8 ``[..., 16 * ceil(head_dim / 32)]`` (:func:`kvsimd.reference.unpack_int4`
-    reads them).  ``hadamard`` (default: True for int4, False otherwise; quantized caches only):
+    reads them).  ``dtype="int8/int4"`` (any "K/V" pair of int8 and int4): keys of the first width and
+    values of the second; int8 keys with int4 values cost a third of float16's bytes and keep most of
+    int8's accuracy (4-bit keys are what costs: README).  ``hadamard`` (default: True when K or V is
+    int4, False otherwise; quantized caches only):
     every whole block of 32 values of K and V rows is stored turned by the 32 x 32 Hadamard matrix H
     (``kvsimd.reference.hadamard_rows``; ``kv_hadamard_rows`` in kvsimd.h): an outlier channel is
     spread over its block before the block's scale is taken.  Attention turns the query by H first
@@ -43,10 +69,10 @@ cdef class _KVStore:
     """
     cdef kv_cache c
     cdef readonly int64_t n_layers, n_kv_heads, head_dim, capacity, batch
-    cdef object _np_dtype
-    cdef kv_dtype _kv_dtype
-    cdef str _dtype_name
-    cdef int64_t _row_len         # last axis of the K/V views: head_dim, or int4's bytes per row
+    cdef object _np_dtype, _v_np_dtype   # of the keys() and values() views
+    cdef kv_dtype _kv_dtype, _v_dtype     # what K and V store
+    cdef str _dtype_name                  # the dtype argument's name ("int8/int4": K/V differ)
+    cdef int64_t _row_len, _v_row_len     # last axis of the K / V views: head_dim, or int4's bytes per row
     cdef readonly bint hadamard   # K/V rows stored turned by H (see the class docstring)
     cdef object _lengths
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
@@ -64,27 +90,23 @@ cdef class _KVStore:
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
         cdef int64_t hd = _need_int(head_dim, "head_dim", 1, KV_MAX_HEAD_DIM)
         cdef int64_t cap = _need_int(capacity, "capacity", 1, KV_MAX_TOKENS), bt = _need_int(batch, "batch", 1)
-        if isinstance(dtype, str) and dtype == "int4":
-            key = dtype
-        else:
-            try:
-                key = _np.dtype(dtype).name
-            except (TypeError, ValueError):
-                key = None
-        if key not in _DTYPES:
-            raise KVSimdTypeError("dtype must be float16, float32, int8 or int4, got %r" % (dtype,))
-        self._kv_dtype, self._np_dtype = _DTYPES[key]
+        kn, vn = _cache_dtypes(dtype)
+        key = kn if kn == vn else kn + "/" + vn
+        self._kv_dtype, self._np_dtype = _DTYPES[kn]
+        self._v_dtype, self._v_np_dtype = _DTYPES[vn]
         self._dtype_name = key
         if hadamard is None:
-            self.hadamard = key == "int4"
+            self.hadamard = "int4" in (kn, vn)
         else:
             self.hadamard = _need_flag(hadamard, "hadamard")
             if self.hadamard and not kv_dtype_scaled(self._kv_dtype):
                 raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s"
                                        % key)
         self._row_len = <int64_t>kv_row_bytes(self._kv_dtype, hd) // self._np_dtype.itemsize
+        self._v_row_len = <int64_t>kv_row_bytes(self._v_dtype, hd) // self._v_np_dtype.itemsize
         # exact: Python ints
-        nbytes = int(nl) * 2 * int(bt) * int(hkv) * int(cap) * int(self._row_len) * self._np_dtype.itemsize
+        nbytes = int(nl) * int(bt) * int(hkv) * int(cap) * (kv_row_bytes(self._kv_dtype, hd) +
+                                                            kv_row_bytes(self._v_dtype, hd))
         if kv_dtype_scaled(self._kv_dtype):   # the block scales (cache.c)
             nbytes = (nbytes + 63) // 64 * 64 + int(nl) * 2 * int(bt) * int(hkv) * int(cap) * kv_i8_blocks(hd) * 4
         what = ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s) needs %d bytes"
@@ -96,7 +118,7 @@ cdef class _KVStore:
         if need > avail:
             raise KVSimdMemoryError("%s (%d with its bookkeeping), more than the %d bytes of memory available now"
                                     % (what, need, avail))
-        cdef kv_status s = kv_cache_create(&self.c, nl, bt, hkv, cap, hd, self._kv_dtype)
+        cdef kv_status s = kv_cache_create(&self.c, nl, bt, hkv, cap, hd, self._kv_dtype, self._v_dtype)
         if s == KV_ERR_NOMEM or s == KV_ERR_CAPACITY:
             raise KVSimdMemoryError("%s: cannot allocate them" % what)
         _check_status(s, what)
@@ -173,13 +195,15 @@ cdef class _KVStore:
 
     @property
     def dtype(self):
-        """The NumPy dtype of the :meth:`keys` / :meth:`values` views (uint8 for an int4 cache: its
-        bytes); :attr:`kv_dtype` names what is stored."""
+        """The NumPy dtype of the :meth:`keys` views (uint8 for int4: its bytes), and of the
+        :meth:`values` views unless V is stored otherwise (``"int8/int4"``: ``values().dtype`` is
+        uint8); :attr:`kv_dtype` names what is stored."""
         return self._np_dtype
 
     @property
     def kv_dtype(self):
-        """What the cache stores: "float16", "float32", "int8" or "int4"."""
+        """What the cache stores: "float16", "float32", "int8", "int4", or "K/V" when keys and values
+        differ ("int8/int4": int8 keys, int4 values)."""
         return self._dtype_name
 
     @property
@@ -206,15 +230,16 @@ cdef class _KVStore:
             raise KVSimdValueError("layer must be in 0..%d, got %d" % (self.n_layers - 1, l))
         return l
 
-    cdef int _npy(self) noexcept:
-        return (cnp.NPY_FLOAT16 if self._kv_dtype == KV_F16 else cnp.NPY_INT8 if self._kv_dtype == KV_I8
-                else cnp.NPY_UINT8 if self._kv_dtype == KV_I4 else cnp.NPY_FLOAT32)
+    cdef int _npy(self, int which) noexcept:
+        cdef kv_dtype d = self._v_dtype if which else self._kv_dtype
+        return (cnp.NPY_FLOAT16 if d == KV_F16 else cnp.NPY_INT8 if d == KV_I8
+                else cnp.NPY_UINT8 if d == KV_I4 else cnp.NPY_FLOAT32)
 
     cdef object _block(self, int64_t layer, int which, int64_t seq, bint writeable):
         """[Hkv, capacity, D] NumPy view of one block (int4: D's bytes); its base keeps this cache alive."""
         cdef cnp.npy_intp dims[3]
-        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self._row_len
-        arr = cnp.PyArray_SimpleNewFromData(3, dims, self._npy(), kv_cache_block(&self.c, layer, which, seq))
+        dims[0], dims[1], dims[2] = self.n_kv_heads, self.capacity, self._v_row_len if which else self._row_len
+        arr = cnp.PyArray_SimpleNewFromData(3, dims, self._npy(which), kv_cache_block(&self.c, layer, which, seq))
         cnp.set_array_base(arr, self)
         if not writeable:
             arr.flags.writeable = False
@@ -246,8 +271,9 @@ cdef class _KVStore:
         w = _need_int(which, "which")
         if w not in (0, 1):
             raise KVSimdValueError("which must be 0 (keys) or 1 (values), got %d" % w)
-        dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, self._row_len
-        arr = cnp.PyArray_SimpleNewFromData(4, dims, self._npy(), kv_cache_block(&self.c, l, w, 0))
+        dims[0], dims[1], dims[2], dims[3] = self.batch, self.n_kv_heads, self.capacity, \
+            self._v_row_len if w else self._row_len
+        arr = cnp.PyArray_SimpleNewFromData(4, dims, self._npy(w), kv_cache_block(&self.c, l, w, 0))
         cnp.set_array_base(arr, self)
         arr.flags.writeable = False
         return arr
@@ -260,7 +286,8 @@ cdef class _KVStore:
         return self._block(l, 0, s, False)[:, :self._len_arg(s, length)]
 
     def values(self, layer, seq=0, length=None):
-        """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the values."""
+        """Read-only zero-copy view ``[n_kv_heads, length, head_dim]`` of the values (int4: their
+        bytes, as :meth:`keys`)."""
         l, s = self._layer(layer), self._seq(seq)
         return self._block(l, 1, s, False)[:, :self._len_arg(s, length)]
 
@@ -313,21 +340,22 @@ cdef class _KVStore:
         """float32 rows src [Hkv, T, D] (validated, C-contiguous, not in this storage) into slots
         t0.. of one block, in the cache's dtype (the one conversion of written K/V)."""
         cdef int64_t T = src.shape[1], D = self.head_dim, C = self.capacity, h, nb = kv_i8_blocks(self.head_dim)
-        cdef int64_t rb = <int64_t>kv_row_bytes(self._kv_dtype, D)
+        cdef kv_dtype dt = self._v_dtype if which else self._kv_dtype
+        cdef int64_t rb = <int64_t>kv_row_bytes(dt, D)
         cdef char *q
         cdef float *sc
         cdef const float *x
         blk = self._block(l, which, s, True)
-        if self._kv_dtype == KV_F16:
+        if dt == KV_F16:
             for h in range(self.n_kv_heads):
                 to_float16(src[h], out=blk[h, t0:t0 + T])
-        elif kv_dtype_scaled(self._kv_dtype):
+        elif kv_dtype_scaled(dt):
             for h in range(self.n_kv_heads):
                 q = <char *>kv_cache_block(&self.c, l, which, s) + (h * C + t0) * rb
                 sc = kv_cache_scales(&self.c, l, which, s) + (h * C + t0) * nb
                 x = <const float *>_ptr(src) + h * T * D
                 with nogil:
-                    kv_quantize_rows(self._kv_dtype, self.hadamard, q, rb, sc, x, D, T, D)
+                    kv_quantize_rows(dt, self.hadamard, q, rb, sc, x, D, T, D)
         else:
             blk[:, t0:t0 + T] = src
         return 0
@@ -440,7 +468,8 @@ cdef class _KVStore:
             _attn_init(&p, <const float *>_ptr(q), NULL, kv_cache_block(&self.c, l, 0, s),
                        kv_cache_block(&self.c, l, 1, s), <float *>_ptr(out), alibi, NULL,
                        <const int64_t *>_ptr(rng), 1, H, self.n_kv_heads, D, self.capacity, sc, cap, self._kv_dtype,
-                       1, 0, 0, 0, 0, kv_cache_scales(&self.c, l, 0, s), kv_cache_scales(&self.c, l, 1, s))
+                       1, 0, 0, 0, 0, kv_cache_scales(&self.c, l, 0, s), kv_cache_scales(&self.c, l, 1, s),
+                       self._v_dtype)
             wsp = _aligned64(ws)
             with nogil:
                 kv_attend(&p, wsp, nt)

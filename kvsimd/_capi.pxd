@@ -51,6 +51,7 @@ cdef extern from "kvsimd.h" nogil:
         float scale
         float softcap
         int32_t dtype
+        int32_t v_dtype
         int64_t part_lo, part_hi
         float *part_ml
         const float *k_scale
@@ -173,10 +174,10 @@ cdef extern from "kvsimd.h" nogil:
         float *scales
         size_t nbytes
         int64_t n_layers, batch, n_kv_heads, capacity, head_dim
-        kv_dtype dtype
+        kv_dtype dtype, v_dtype
 
     kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t n_kv_heads,
-                              int64_t capacity, int64_t head_dim, kv_dtype dtype) noexcept
+                              int64_t capacity, int64_t head_dim, kv_dtype dtype, kv_dtype v_dtype) noexcept
     void kv_cache_destroy(kv_cache *c) noexcept
     void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq) noexcept
     float *kv_cache_scales(const kv_cache *c, int64_t layer, int which, int64_t seq) noexcept

@@ -8,7 +8,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
     k, v: float16, float32 or int8 ``[Hkv, N, D]``, or uint8 ``[Hkv, N, 16 * ceil(D / 32)]`` holding
-    int4 values two per byte (same dtype; int8 and int4 with their float32 block scales ``k_scale``,
+    int4 values two per byte (same dtype, or int8 keys with int4 values and the other way round, as
+    a ``KVCache(dtype="int8/int4")`` stores them; int8 and int4 with their float32 block scales ``k_scale``,
     ``v_scale`` ``[Hkv, N, ceil(D / 32)]``: value d of row t stands for its integer times
     ``k_scale[g, t, d // 32]``, see :func:`quantize_kv`); H a multiple of
     Hkv (GQA/MQA: query head h uses KV head ``h // (H // Hkv)``).  ``scale`` defaults to
@@ -38,18 +39,20 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         raise KVSimdValueError("q must be 2-D [H, D] or 3-D [T, H, D], got shape %s" % (q.shape,))
     _need_array(k, "k", _KV_STORED, 3, "[Hkv, N, D]")
     _need_array(v, "v", _KV_STORED, 3, "[Hkv, N, D]")
-    if k.dtype != v.dtype:
-        raise KVSimdTypeError("k and v must have the same dtype, got %s and %s" % (k.dtype, v.dtype))
-    if k.shape != v.shape:
+    if k.dtype != v.dtype and not (k.dtype in (_I8, _U8) and v.dtype in (_I8, _U8)):
+        raise KVSimdTypeError("k and v must have the same dtype (or be int8 and int4 rows), got %s and %s"
+                              % (k.dtype, v.dtype))
+    if k.shape[:2] != v.shape[:2] or (k.dtype == v.dtype and k.shape != v.shape):
         raise KVSimdValueError("k and v must have the same shape, got %s and %s" % (k.shape, v.shape))
     cdef bint rows = q.ndim == 3
     cdef int64_t T = q.shape[0] if rows else 1
     cdef int64_t H = q.shape[q.ndim - 2], D = q.shape[q.ndim - 1], Hkv = k.shape[0], N = k.shape[1]
     _need_head_dim(D)
-    if k.dtype == _U8:
-        _need_row_length(k, D, "k")
-    elif k.shape[2] != D:
-        raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, k.shape))
+    for x, name in ((k, "k"), (v, "v")):
+        if x.dtype == _U8:
+            _need_row_length(x, D, name)
+        elif x.shape[2] != D:
+            raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, x.shape))
     k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
     v_scale = _need_block_scales(v, v_scale, "v", "v_scale", D)
     if Hkv < 1 or H < 1 or H % Hkv:
@@ -134,7 +137,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
                <const float *>_ptr(k_scale) if k_scale is not None else NULL,
-               <const float *>_ptr(v_scale) if v_scale is not None else NULL)
+               <const float *>_ptr(v_scale) if v_scale is not None else NULL, _kv_code(v))
     with nogil:
         kv_attend(&p, wsp, nt)
     return out

@@ -242,9 +242,9 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef char *vc
     cdef float *ksc
     cdef float *vsc
-    cdef kv_dtype dt = store._kv_dtype
+    cdef kv_dtype dt = store._kv_dtype, vdt = store._v_dtype
     cdef int64_t nsb = kv_i8_blocks(D)    # int8, int4: scales per row
-    cdef size_t es = 2 if dt == KV_F16 else 4, rb = kv_row_bytes(dt, D)
+    cdef size_t es = 2 if dt == KV_F16 else 4, rb = kv_row_bytes(dt, D), vrb = kv_row_bytes(vdt, D)
     cdef bint quantized = kv_dtype_scaled(dt), hd = store.hadamard
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
@@ -274,7 +274,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                     if quantized:
                         kv_quantize_rows(dt, hd, kc + (h * C + slot) * rb, rb, ksc + (h * C + slot) * nsb,
                                          krow + h * D, D, 1, D)
-                        kv_quantize_rows(dt, hd, vc + (h * C + slot) * rb, rb, vsc + (h * C + slot) * nsb,
+                        kv_quantize_rows(vdt, hd, vc + (h * C + slot) * vrb, vrb, vsc + (h * C + slot) * nsb,
                                          vrow + h * D, D, 1, D)
                     elif es == 2:
                         kv_f32_to_f16(<uint16_t *>(kc + ((h * C + slot) * D) * es), krow + h * D, D)
@@ -294,7 +294,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                 _attn_init(&p, qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
                            out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
                            H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
-                           window, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq))
+                           window, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq), vdt)
                 kv_attend(&p, wsp, nt)
             for r in range(R if not (plan.band and R > 1) else 0):
                 sq = sqp[r]
@@ -302,7 +302,8 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
                            alibi, kpos_all + sq * C if kpos_all != NULL else NULL,
                            rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, dt,
-                           1, 0, 0, 0, 0, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq))
+                           1, 0, 0, 0, 0, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq),
+                           vdt)
                 kv_attend(&p, wsp, nt)
             if hd:       # and the outputs turned back
                 kv_hadamard_rows(out, D, R * H, D)
@@ -341,7 +342,8 @@ cdef int _attend_cross(_KVStore cross, int64_t l, const int64_t *seqs, int64_t R
                 _attn_init(&p, q + r * H * D, NULL, kv_cache_block(&cross.c, l, 0, s),
                            kv_cache_block(&cross.c, l, 1, s), out + r * H * D, NULL, NULL, rng, 1,
                            H, Hkv, D, cross.capacity, scale, 0.0, cross._kv_dtype,
-                           1, 0, 0, 0, 0, kv_cache_scales(&cross.c, l, 0, s), kv_cache_scales(&cross.c, l, 1, s))
+                           1, 0, 0, 0, 0, kv_cache_scales(&cross.c, l, 0, s), kv_cache_scales(&cross.c, l, 1, s),
+                           cross._v_dtype)
                 if cross.hadamard:   # q and out turned as the rows are (_KVStore's docstring)
                     kv_hadamard_rows(q + r * H * D, D, H, D)
                 kv_attend(&p, wsp, nt)

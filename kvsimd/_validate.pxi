@@ -420,11 +420,12 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
                             int64_t n_ranges, int64_t H, int64_t Hkv, int64_t D, int64_t n_total, float scale,
                             float softcap, kv_dtype dtype, int64_t T=1, int64_t q_stride=0, int64_t out_stride=0,
                             int64_t causal_end=0, int64_t window=0, const float *k_scale=NULL,
-                            const float *v_scale=NULL) noexcept nogil:
+                            const float *v_scale=NULL, int v_dtype=-1) noexcept nogil:
     """The one filling of kv_attn_params: every field, every caller (ranges as kv_attn_range rows;
     softcap 0: no soft cap, else a value _need_softcap accepted).  T query rows at q + t * q_stride
     (q_alt the same), out + t * out_stride; causal_end > 0: row t reads keys < causal_end + t, and
-    with window > 0 keys >= causal_end + t - window (kvsimd.h)."""
+    with window > 0 keys >= causal_end + t - window (kvsimd.h).  dtype: of K, and of V unless
+    v_dtype >= 0 gives V's (a cache with int8 keys and int4 values)."""
     memset(p, 0, sizeof(kv_attn_params))
     p.q, p.q_alt, p.k, p.v, p.out = q, q_alt, k, v, out
     p.alibi, p.key_pos = alibi, key_pos
@@ -437,4 +438,5 @@ cdef inline void _attn_init(kv_attn_params *p, const float *q, const float *q_al
     p.scale = scale
     p.softcap = softcap
     p.dtype = dtype
+    p.v_dtype = dtype if v_dtype < 0 else v_dtype
     p.k_scale, p.v_scale = k_scale, v_scale

@@ -104,7 +104,7 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
 # rounding is the measured envelope (float16 K/V: reference = float64 math on the fp16 values).
 # int8 and int4 K/V: each row is widened to exactly the float32 values q * scale
 # (reference.dequantize_kv), so against float64 math on those values the float32 tolerance holds.
-ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
+ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5, "int8/int4": 1e-5}
 
 
 def quantized_step_bound(scale, D: int):
@@ -226,7 +226,7 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
         return np.stack([attend_bound(q[t], k, v, dtype=dtype, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
-    dtype = dtype if dtype == "int4" else np.dtype(k.dtype if dtype is None else dtype).name
+    dtype = dtype if dtype in ("int4", "int8/int4") else np.dtype(k.dtype if dtype is None else dtype).name
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale
     err = 0.0

@@ -361,11 +361,13 @@ def dequantize_kv(q, scale, D=None):
     return (q.astype(np.float32) * per).astype(np.float32)
 
 
-def _as_cached(kv, x, D):
-    """K or V rows ``x`` as a cache of kind ``kv`` holds them: "float" as they are; "int8" / "int4"
-    quantized as KVCache(dtype=...) stores them by default (int4 turned by H, int8 not); ("int4",
-    False) or ("int8", True) to choose the turn.  Returns float64."""
-    dtype, had = (kv, kv == "int4") if isinstance(kv, str) else kv
+def _as_cached(kv, x, D, which=0):
+    """K (``which`` 0) or V (1) rows ``x`` as a cache of kind ``kv`` holds them: "float" as they are;
+    "int8" / "int4" / "int8/int4" (int8 keys, int4 values) quantized as KVCache(dtype=...) stores
+    them by default (turned by H when K or V is int4, else not); ("int4", False) or ("int8", True)
+    to choose the turn.  Returns float64."""
+    name, had = (kv, "int4" in kv.split("/")) if isinstance(kv, str) else kv
+    dtype = name.split("/")[which] if "/" in name else name
     if dtype == "float":
         return x
     y = dequantize_kv(*quantize_kv(x, dtype, had), D).astype(np.float64)
@@ -423,7 +425,8 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
     """Causal self-attention at ``positions`` (RoPE / ALiBi by the config), or bidirectional
     without position terms when ``positions`` is None (the encoder).  ``qk``: the norms of each
     q and k head (cfg.qk_norm), before RoPE; ``window``: the layer's attention window; ``kv``
-    "int8" / "int4" (or (dtype, hadamard)): K (after RoPE) and V read as such a cache stores them (:func:`_as_cached`)."""
+    "int8" / "int4" / "int8/int4" (or (dtype, hadamard)): K (after RoPE) and V read as such a cache stores them
+    (:func:`_as_cached`)."""
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k = _heads(_linear(h, a.wk, a.bk), Hkv, D)
@@ -439,7 +442,7 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    k, v = _as_cached(kv, k, D), _as_cached(kv, v, D)
+    k, v = _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
     scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
     return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
@@ -448,7 +451,7 @@ def _cross_attention(cfg, a, h, enc_out, kv="float"):
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
-    k, v = _as_cached(kv, k, D), _as_cached(kv, v, D)
+    k, v = _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
     return _linear(_attention(q, k, v), a.wo, a.bo)
 
 
@@ -466,7 +469,8 @@ def layer(cfg, lw, x, positions=None, enc_out=None, window=0, kv="float"):
     position terms (the encoder).  ``enc_out [S, d_source]`` adds cross-attention over it.
     ``window`` > 0: each query reads its last ``window`` keys only.  With ``cfg.post_norms`` the
     attention and FFN outputs are normed (post_norm1, post_norm2) before their residual adds.
-    ``kv="int8"`` or ``"int4"``: the self- and cross-attention read K/V as such caches store them."""
+    ``kv="int8"``, ``"int4"`` or ``"int8/int4"``: the self- and cross-attention read K/V as such caches
+    store them."""
     x = np.asarray(x, dtype=np.float64)
     cross = enc_out is not None
     _check_layer_rules(cfg, "cfg", cross)
@@ -559,8 +563,9 @@ def encode(model, src):
 
 
 def forward(model, tokens, src=None, positions=None, kv="float"):
-    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch (``kv="int8"`` or ``"int4"``:
-    the self-attention K/V quantized as such a cache stores them, :func:`quantize_kv`).
+    """float64 logits ``[T, vocab]`` of a causal pass over ``tokens`` from scratch (``kv="int8"``,
+    ``"int4"``, ``"int8/int4"``: the self-attention K/V quantized as such a cache stores them,
+    :func:`quantize_kv`).
 
     ``model``: a decoder (``cfg``, ``embed``, ``layers``, ``final_norm``, ``lm_head``, ``lm_bias``,
     ``pos_embed``, ``embed_norm``), or an encoder-decoder with ``src`` (its source ids, run through

@@ -118,8 +118,9 @@ static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : K
  *   with query = 1 (the attention-sink query of a ring cache, rotated at another position).
  *   cap(s) = softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's attention logit soft-capping),
  *   else s: the scaled dot product is capped first, then the ALiBi bias is subtracted.
- *   q, q_alt, out [H, D] float32; k, v [Hkv, n_total, D] (dtype, rows of kv_row_bytes; KV_I8, KV_I4: block scales
- *   k_scale, v_scale [Hkv, n_total, kv_i8_blocks(D)], see kv_dtype); ranges: n_ranges >= 1
+ *   q, q_alt, out [H, D] float32; k [Hkv, n_total, D] (dtype), v the same (v_dtype), rows of kv_row_bytes;
+ *   KV_I8, KV_I4: block scales k_scale, v_scale [Hkv, n_total, kv_i8_blocks(D)], see kv_dtype; int8 keys
+ *   may go with int4 values and the other way round); ranges: n_ranges >= 1
  *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
  *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
  *   in order.  The kernel computes KV heads g0..g1-1 and query rows r0..r1-1 (its arguments:
@@ -166,7 +167,8 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, window, 'q')         /* > 0: row t reads keys >= causal_end + t - window; 0: no cut */ \
     F(float, scale, 'f') \
     F(float, softcap, 'f')          /* > 0: scores capped to +-softcap; 0: off */ \
-    F(int32_t, dtype, 'i')          /* kv_dtype of k and v */ \
+    F(int32_t, dtype, 'i')          /* kv_dtype of k */ \
+    F(int32_t, v_dtype, 'i')        /* kv_dtype of v: both scaled (KV_I8, KV_I4) or neither */ \
     F(int64_t, part_lo, 'q')        /* split-K piece (ops.c): see above */ \
     F(int64_t, part_hi, 'q') \
     F(float *, part_ml, 'Q') \
@@ -373,7 +375,8 @@ void kv_rope_inv_freq(double *inv, double theta, int64_t R, int64_t rotary_dim);
    as float pairs (what the rotate kernel reads). */
 void kv_rope_table(float *cs, double units, const double *inv, int64_t R, double scale);
 
-/* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][row], 64-byte aligned; for KV_I8, KV_I4
+/* cache.c: storage of a KV cache, [layer][K|V][seq][kv head][slot][row] (K rows of kv_row_bytes(dtype), V rows
+   of kv_row_bytes(v_dtype)), 64-byte aligned; for KV_I8, KV_I4
    also the block scales, [layer][K|V][seq][kv head][slot][kv_i8_blocks(d)] float32, after the
    values in the same allocation. */
 typedef struct kv_cache {
@@ -381,10 +384,10 @@ typedef struct kv_cache {
     float *scales;          /* KV_I8, KV_I4: the block scales; NULL otherwise */
     size_t nbytes;
     int64_t n_layers, batch, n_kv_heads, capacity, head_dim;
-    kv_dtype dtype;
+    kv_dtype dtype, v_dtype;    /* of K and of V: both scaled (KV_I8, KV_I4) or neither */
 } kv_cache;
 kv_status kv_cache_create(kv_cache *c, int64_t n_layers, int64_t batch, int64_t n_kv_heads, int64_t capacity,
-                          int64_t head_dim, kv_dtype dtype);
+                          int64_t head_dim, kv_dtype dtype, kv_dtype v_dtype);
 void kv_cache_destroy(kv_cache *c);                 /* accepts a destroyed or zeroed cache */
 void *kv_cache_block(const kv_cache *c, int64_t layer, int which, int64_t seq);
 /* [Hkv, capacity, kv_i8_blocks(head_dim)] block scales of K (which = 0) or V; NULL unless scaled */

@@ -192,6 +192,7 @@ class EmulatedRow:
         dst = g.put(np.zeros(T * H * D, np.float32), guard=self.GUARD)
         ml = g.put(np.zeros(T * H * 2, np.float32), guard=self.GUARD) if part is not None else 0
         i8 = k.dtype in (np.int8, np.uint8)
+        code = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2, np.dtype(np.uint8): 3}  # kv_dtype
         scales = {"k_scale": g.put(k_scale, offset=4), "v_scale": g.put(v_scale, offset=4)} if i8 else {}
         prm = self._pack("kv_attn_params", {
             "q": g.put(q), "k": g.put(k, offset=3 if i8 else 2), "v": g.put(v, offset=3 if i8 else 2), "out": dst,
@@ -201,7 +202,7 @@ class EmulatedRow:
             "ranges": g.put(packed), "n_ranges": len(rows_), "H": H, "Hkv": Hkv, "D": D, "n_total": N,
             "T": T, "q_stride": H * D, "out_stride": H * D, "causal_end": cend, "window": window or 0,
             "scale": 1.0 / np.sqrt(D) if scale is None else scale, "softcap": softcap or 0.0,
-            "dtype": 3 if k.dtype == np.uint8 else 2 if i8 else 1 if k.dtype == np.float16 else 0, **scales,
+            "dtype": code[k.dtype], "v_dtype": code[v.dtype], **scales,
             **({} if part is None else {"part_lo": part[0], "part_hi": part[1], "part_ml": ml})})
         ws = g.alloc(ext._attn_workspace_bytes(H, Hkv, D), align=64)
         g.call(self._fn("attn"), g.put(prm), 0, Hkv, 0, T, ws)

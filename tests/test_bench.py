@@ -85,7 +85,13 @@ def test_subcommand_quick_json(tmp_path, sub):
             nb = -(-r["D"] // 32)
             assert r["bytes_per_token"] == 2 * r["Hkv"] * (16 * nb + 4 * nb)  # 4 bits a value + the block scales
             assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
-        assert "An int8 and an int4 KV cache" in md
+        mixed = [r for r in rows if r["op"] == "attend-int8/int4"]
+        assert {r["isa"] for r in mixed} == set(doc["header"]["isa"]["supported"])
+        for r in mixed:
+            nb = -(-r["D"] // 32)
+            assert r["bytes_per_token"] == r["Hkv"] * (r["D"] + 16 * nb + 8 * nb)   # int8 keys, int4 values
+            assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
+        assert "An int8 and an int4 KV cache" in md and "int8/int4" in md
     if sub == "roofline":
         assert {r["kind"] for r in rows} == {"read", "write", "copy", "fma"}
         assert {r["where"] for r in rows if r["kind"] != "fma"} == {"dram", "llc"}

@@ -191,11 +191,12 @@ def test_lookup_prints_the_greedy_tokens_and_refuses_sampling(tiny):
 
 
 def test_cli_quantized_cache_reports_its_size(tiny):
-    """--cache-dtype int8 / int4: the same run on a quantized KV cache; the KV-cache size it reports
-    counts one byte (int8) or half a byte (int4, 16 bytes per block of 32) per value and a float32
-    scale per 32 values (against float32's four bytes per value)."""
+    """--cache-dtype int8 / int4 / int8/int4: the same run on a quantized KV cache; the KV-cache size
+    it reports counts one byte (int8) or half a byte (int4, 16 bytes per block of 32) per value and a
+    float32 scale per 32 values (against float32's four bytes per value); int8/int4 an int8 key row
+    and an int4 value row."""
     sizes = {}
-    for dt in ("float32", "int8", "int4"):
+    for dt in ("float32", "int8", "int4", "int8/int4"):
         r = cli(["generate", "--model", tiny, "--max-new-tokens", "8", "--cache-dtype", dt, "abcabc"])
         assert r.returncode == 0, r.stderr
         assert "decode 8 tokens" in r.stderr and dt in r.stderr
@@ -206,6 +207,8 @@ def test_cli_quantized_cache_reports_its_size(tiny):
     assert sizes["int8"] > 0 and sizes["int8"] == pytest.approx(sizes["float32"] * per, rel=1e-3)
     per = (16 * nb + 4 * nb) / (4 * cfg.head_dim)
     assert sizes["int4"] > 0 and sizes["int4"] == pytest.approx(sizes["float32"] * per, rel=1e-3)
+    per = (cfg.head_dim + 4 * nb + 16 * nb + 4 * nb) / (2 * 4 * cfg.head_dim)
+    assert sizes["int8/int4"] > 0 and sizes["int8/int4"] == pytest.approx(sizes["float32"] * per, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------ the real model (SmolLM2)

@@ -359,7 +359,7 @@ def new_cache_policy_none():
     model().new_cache(policy=None)
 
 
-@case(r"dtype must be float16, float32, int8 or int4, got 'int16'")
+@case(r"dtype must be float16, float32, int8, int4 or \"int8/int4\" \(int8 keys, int4 values\), got 'int16'")
 def new_cache_dtype_int16():
     model().new_cache(dtype="int16")
 

@@ -19,6 +19,13 @@ from test_attend_rows import CASES as ROW_CASES
 
 DTYPES = ["int8", "int4"]
 QMAX = {"int8": 127, "int4": 7}
+# attention: K and V of one dtype, or "K/V" of two (KVCache(dtype="int8/int4"): int8 keys, int4 values)
+KV_DTYPES = DTYPES + ["int8/int4", "int4/int8"]
+
+
+def sides(dtype):
+    """(K's dtype, V's dtype) of a dtype of KV_DTYPES."""
+    return tuple(dtype.split("/")) if "/" in dtype else (dtype, dtype)
 
 
 def quantized(rng, shape, spread=1.0, dtype="int8"):
@@ -40,7 +47,8 @@ def check(row, q, kq, ks, vq, vs, what="", **kw):
     D = q.shape[-1]
     kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)
     ref = reference.attend(q, kd, vd, **kw)
-    dt = "int4" if kq.dtype == np.uint8 else "int8"
+    name = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "int4"}
+    dt = name[kq.dtype] if kq.dtype == vq.dtype else "int8/int4"   # the float32 tolerance either way
     err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(q, kd, vd, dtype=dt, **kw), 1e-300)
     worst = np.unravel_index(np.argmax(err), err.shape)
     assert err.max() <= 1, f"{row.isa} {what}: error {err.max():.3g} x the bound at {worst}"
@@ -158,13 +166,14 @@ def test_quantize_kv_bad_input():
 
 @pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 700, 64), (4, 1, 1100, 80), (8, 8, 40, 7), (32, 1, 300, 128),
                                        (64, 8, 90, 128), (2, 2, 1, 16)])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attend_quantized_single_query(row, rng, H, Hkv, N, D, dtype):
-    """One query over int8 / int4 K/V: MHA, GQA, MQA on the query-on-lanes path (G = 32), head dims
-    with a vector tail (int4: a padded last block), a partial last block of keys, one key."""
+    """One query over int8 / int4 K/V (or int8 K with int4 V, and the other way round): MHA, GQA,
+    MQA on the query-on-lanes path (G = 32), head dims with a vector tail (int4: a padded last
+    block), a partial last block of keys, one key."""
     q = rng.standard_normal((H, D)).astype(np.float32)
-    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
-    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=dtype)
+    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
+    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
     check(row, q, kq, ks, vq, vs, "plain")
     slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
     check(row, 3 * q, kq, ks, vq, vs, "alibi, softcap", alibi_slopes=slopes, softcap=2.0)
@@ -174,27 +183,28 @@ def test_attend_quantized_single_query(row, rng, H, Hkv, N, D, dtype):
 
 
 @pytest.mark.emulated_slow
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("T,H,Hkv,N,D", ROW_CASES)
 def test_attend_quantized_rows(row, rng, T, H, Hkv, N, D, dtype):
-    """Several query rows (a prefill chunk) over int8 / int4 K/V: both tile paths, causal cuts, windows."""
+    """Several query rows (a prefill chunk) over int8 / int4 / mixed K/V: both tile paths, causal
+    cuts, windows."""
     q = rng.standard_normal((T, H, D)).astype(np.float32)
-    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
-    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=dtype)
+    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
+    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
     check(row, q, kq, ks, vq, vs, "causal")
     check(row, q, kq, ks, vq, vs, "window", window=5)
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 1, 128)])
 def test_attend_quantized_split_k_on_two_threads(isa, rng, H, Hkv, D, dtype):
-    """Split-K pieces (2 threads, heads that do not divide among them) read int8 / int4 rows and
-    their scales from the right keys: within the bound, and the same bits on a repeat."""
+    """Split-K pieces (2 threads, heads that do not divide among them) read int8 / int4 / mixed
+    rows and their scales from the right keys: within the bound, and the same bits on a repeat."""
     N = 3000
     q = rng.standard_normal((H, D)).astype(np.float32)
-    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
-    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=dtype)
+    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
+    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
     assert ext._attend_pieces(H, Hkv, D, 1, N, 2) > 1
     before = ext._get_kernel_threads()
     try:
@@ -258,8 +268,14 @@ def test_attend_int8_bad_input(rng):
         ops.attend(q40, k4, k4, v_scale=s4)
     with pytest.raises(KVSimdValueError, match=r"k_scale must have shape \(1, 10, 2\)"):
         ops.attend(q40, k4, k4, k_scale=ks, v_scale=s4)
-    with pytest.raises(KVSimdTypeError, match="same dtype"):
+    # int4 keys with int8 values (and the other way round) are a pair a cache stores; each side its
+    # own row length
+    with pytest.raises(KVSimdValueError, match=r"head_dim mismatch: q is \(2, 40\) but k/v are \(1, 10, 32\)"):
         ops.attend(q40, k4, k4.view(np.int8), k_scale=s4, v_scale=s4)
+    with pytest.raises(KVSimdValueError, match=r"v is uint8 \(int4, two values per byte\): head_dim 8 needs rows"):
+        ops.attend(q, kq, k4, k_scale=ks, v_scale=s4)
+    with pytest.raises(KVSimdValueError, match="same shape"):
+        ops.attend(q40, k4, k4[:, :5].view(np.int8), k_scale=s4, v_scale=s4)
 
 
 # ---------------------------------------------------------------------------- shift of int8 keys
@@ -316,36 +332,45 @@ def test_shift_quantized_keys_bad_input(rng):
 # ---------------------------------------------------------------------------- KVCache(dtype="int8" / "int4")
 
 @pytest.mark.parametrize("dtype,D,had", [("int8", 64, None), ("int4", 64, None), ("int4", 80, None), ("int4", 64, False),
-                                         ("int8", 64, True)])
+                                         ("int8", 64, True), ("int8/int4", 64, None), ("int8/int4", 80, None),
+                                         ("int4/int8", 96, None), ("int8/int4", 64, False)])
 def test_cache_quantized_write_views_and_attend(rng, dtype, D, had):
-    """Rows written as the rule stores them (turned by H for int4 unless hadamard=False), read in
-    place by attention (with the query turned and the output turned back), close to a float32
-    cache."""
+    """Rows written as the rule stores them (turned by H when K or V is int4, unless
+    hadamard=False), read in place by attention (with the query turned and the output turned
+    back), close to a float32 cache; "int8/int4": int8 keys and int4 values, each side as its own
+    dtype's cache stores it."""
     L, Hkv, C = 2, 3, 50
     c = KVCache(L, Hkv, D, C, dtype=dtype, hadamard=had)
-    had = dtype == "int4" if had is None else had
+    had = "int4" in sides(dtype) if had is None else had
     assert c.hadamard == had
     f = KVCache(L, Hkv, D, C, dtype="float32")
     nb = -(-D // 32)
-    row = D if dtype == "int8" else 16 * nb
-    assert c.dtype == (np.int8 if dtype == "int8" else np.uint8) and c.kv_dtype == dtype and f.kv_dtype == "float32"
+    row = {"int8": D, "int4": 16 * nb}
+    kd, vd = sides(dtype)
+    np_dt = {"int8": np.int8, "int4": np.uint8}
+    assert c.dtype == np_dt[kd] and c.kv_dtype == dtype and f.kv_dtype == "float32"
     assert "dtype=%s" % dtype in repr(c)
     # values and scales: rows of D bytes (int4: 16 per block of 32) + 4 bytes per 32 values, a 64-byte
     # aligned gap at most between them
-    assert L * 2 * Hkv * C * (row + 4 * nb) <= c.nbytes <= L * 2 * Hkv * C * (row + 4 * nb) + 64
+    need = L * Hkv * C * (row[kd] + row[vd] + 8 * nb)
+    assert need <= c.nbytes <= need + 64
     k = rng.standard_normal((Hkv, 20, D)).astype(np.float32)
     v = rng.standard_normal((Hkv, 20, D)).astype(np.float32)
     for cache in (c, f):
         cache.write(1, k, v)
         cache.commit(20)
-    assert c.keys(1).shape == (Hkv, 20, row)
-    rq, rs = reference.quantize_kv(k, dtype, had)
+    assert c.keys(1).shape == (Hkv, 20, row[kd]) and c.values(1).shape == (Hkv, 20, row[vd])
+    assert c.keys(1).dtype == np_dt[kd] and c.values(1).dtype == np_dt[vd]
+    rq, rs = reference.quantize_kv(k, kd, had)
     assert np.array_equal(c.keys(1), rq) and np.array_equal(c.key_scales(1), rs)
-    vq, vs = reference.quantize_kv(v, dtype, had)
+    vq, vs = reference.quantize_kv(v, vd, had)
     assert np.array_equal(c.values(1), vq) and np.array_equal(c.value_scales(1), vs)
+    # layer 0 untouched: the blocks of different row lengths do not overlap
+    assert not c.keys(0, length=C).any() and not c.values(0, length=C).any()
+    assert not c.key_scales(0, length=C).any() and not c.value_scales(0, length=C).any()
     assert c.key_scales(1).shape == (Hkv, 20, nb) and not c.key_scales(1).flags.writeable
     assert c.key_scales(0, length=C).shape == (Hkv, C, nb)
-    assert c._layer_view(1, 0).shape == (1, Hkv, C, row)
+    assert c._layer_view(1, 0).shape == (1, Hkv, C, row[kd]) and c._layer_view(1, 1).shape == (1, Hkv, C, row[vd])
     q = rng.standard_normal((6, D)).astype(np.float32)
     got = c.attend(1, q)
     cp = np.ascontiguousarray
@@ -355,12 +380,21 @@ def test_cache_quantized_write_views_and_attend(rng, dtype, D, had):
     assert np.array_equal(got, want)
     # within the quantization's reach of the float32 cache: |dq| <= scale / 2 per component
     assert np.abs(got - f.attend(1, q)).max() < (0.05 if dtype == "int8" else 0.5)
+    if "/" in dtype:    # each side read as its own width: the same as two one-dtype caches' views
+        one_k, one_v = (KVCache(L, Hkv, D, C, dtype=d, hadamard=had) for d in (kd, vd))
+        for cache in (one_k, one_v):
+            cache.write(1, k, v)
+            cache.commit(20)
+        assert np.array_equal(c.keys(1), one_k.keys(1)) and np.array_equal(c.values(1), one_v.values(1))
     with pytest.raises(KVSimdValueError, match="hadamard=True applies to quantized caches"):
         KVCache(1, 1, 8, 4, dtype="float16", hadamard=True)
     with pytest.raises(KVSimdTypeError, match="has no scales"):
         f.key_scales(0)
-    with pytest.raises(KVSimdTypeError, match="float16, float32, int8 or int4"):
+    with pytest.raises(KVSimdTypeError, match="float16, float32, int8, int4 or"):
         KVCache(1, 1, 8, 4, dtype="int16")
+    for bad in ("float16/int4", "int8/", "int8/int4/int4", "int4/float32"):
+        with pytest.raises(KVSimdTypeError, match=r"dtype \"K/V\" takes int8 or int4 on each side .* got '%s'" % bad):
+            KVCache(1, 1, 8, 4, dtype=bad)
 
 
 def _model(seed=0):
@@ -369,7 +403,8 @@ def _model(seed=0):
     return random_decoder(64, 64, 2, 4, 2, 32, 96, seed=seed, position="rope")
 
 
-CACHE_KINDS = [("int8", False), ("int4", True), ("int4", False)]   # (dtype, hadamard): int4 turned by default
+# (dtype, hadamard): int4 turned by default; int8 keys with int4 values
+CACHE_KINDS = [("int8", False), ("int4", True), ("int4", False), ("int8/int4", True)]
 
 
 @pytest.mark.parametrize("dtype,had", CACHE_KINDS)
@@ -381,20 +416,22 @@ def test_decoder_quantized_cache_layer0_rows_are_the_float32_rows_quantized(dtyp
     c8, c32 = m.new_cache(capacity=64, dtype=dtype, hadamard=had), m.new_cache(capacity=64, dtype="float32")
     m.prefill(toks, cache=c8)
     m.prefill(toks, cache=c32)
-    for which, scales in ((c8.keys, c8.key_scales), (c8.values, c8.value_scales)):
-        ref_q, ref_s = reference.quantize_kv(np.ascontiguousarray((c32.keys if which == c8.keys
-                                                                          else c32.values)(0)), dtype, had)
+    for which, scales, f32, side in ((c8.keys, c8.key_scales, c32.keys, 0),
+                                     (c8.values, c8.value_scales, c32.values, 1)):
+        ref_q, ref_s = reference.quantize_kv(np.ascontiguousarray(f32(0)), sides(dtype)[side], had)
         assert np.array_equal(which(0), ref_q) and np.array_equal(scales(0), ref_s)
-    # a decode step writes its row the same way
+    # a decode step writes its rows the same way
     m.step([7], cache=c8)
     m.step([7], cache=c32)
-    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.keys(0)[:, -1:]), dtype, had)
+    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.keys(0)[:, -1:]), sides(dtype)[0], had)
     assert np.array_equal(c8.keys(0)[:, -1:], rq) and np.array_equal(c8.key_scales(0)[:, -1:], rs)
+    rq, rs = reference.quantize_kv(np.ascontiguousarray(c32.values(0)[:, -1:]), sides(dtype)[1], had)
+    assert np.array_equal(c8.values(0)[:, -1:], rq) and np.array_equal(c8.value_scales(0)[:, -1:], rs)
 
 
 # the largest logit difference (relative to the largest logit) from a float32 cache, per dtype:
 # measured 0.007 (int8), 0.09-0.11 (int4 turned by H) and 0.14 (int4 plain) on this model and prompt
-STREAM_CLOSE = {("int8", False): 0.05, ("int4", True): 0.25, ("int4", False): 0.25}
+STREAM_CLOSE = {("int8", False): 0.05, ("int4", True): 0.25, ("int4", False): 0.25, ("int8/int4", True): 0.25}
 
 
 @pytest.mark.parametrize("dtype,had", CACHE_KINDS)

@@ -312,8 +312,8 @@ class _Stack:
         "shift" drops them and rotates the kept keys back in place, "sink_query" drops the
         oldest token each step and rewrites nothing (the query is rotated twice instead),
         "auto" picks "shift" where positions can shift and "reevaluate" elsewhere.  ``dtype``
-        "float16", "float32", "int8" or "int4"; ``hadamard`` as :class:`kvsimd.KVCache` (default: on
-        for int4)."""
+        "float16", "float32", "int8", "int4" or "int8/int4" (int8 keys, int4 values); ``hadamard`` as
+        :class:`kvsimd.KVCache` (default: on when K or V is int4)."""
         self._ensure_valid()
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype,
                        hadamard=hadamard, n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard)

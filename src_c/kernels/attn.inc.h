@@ -508,8 +508,8 @@ typedef struct KV_FN(attn_state) {
     int64_t M;              /* query vectors of the current tile */
     int64_t MP;             /* lanes path: MQ rounded up to KV_W, the stride of its [., MP] arrays */
     int64_t lo_max, hi_min; /* lanes path: the keys every vector of the tile sees */
-    size_t row_bytes;       /* kv_row_bytes of the dtype */
-    int64_t pf_blocks;      /* prefetch distance in blocks (kv_ahead) */
+    size_t krb, vrb;        /* kv_row_bytes of the K and V dtypes */
+    int64_t kpf, vpf;       /* prefetch distances in blocks of K and V (kv_ahead) */
     int aligned;            /* D % KV_W == 0: full blocks are read in place */
     float *qbuf;            /* [MQ, KV_KP Dp] scaled queries (store_query) */
     float *qalt;            /* [MQ, KV_KP Dp] scaled q_alt */
@@ -538,9 +538,11 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->MP = (st->MQ + KV_W - 1) / KV_W * KV_W;
     st->N = p->n_total;
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
-    st->row_bytes = kv_row_bytes((kv_dtype)p->dtype, st->D);
+    st->krb = kv_row_bytes((kv_dtype)p->dtype, st->D);
+    st->vrb = kv_row_bytes((kv_dtype)p->v_dtype, st->D);
     /* the same distance in bytes as fp16's KV_PF blocks for the narrower rows */
-    st->pf_blocks = p->dtype == KV_I8 ? 2 * KV_PF : p->dtype == KV_I4 ? 4 * KV_PF : KV_PF;
+    st->kpf = p->dtype == KV_I8 ? 2 * KV_PF : p->dtype == KV_I4 ? 4 * KV_PF : KV_PF;
+    st->vpf = p->v_dtype == KV_I8 ? 2 * KV_PF : p->v_dtype == KV_I4 ? 4 * KV_PF : KV_PF;
     /* Full blocks are read straight from the cache (fp16 and int8 widened in registers); a
        partial last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
@@ -573,10 +575,10 @@ KV_AINLINE void KV_FN(attn_bind)(KV_FN(attn_state) *st, int64_t g, int64_t r0, i
     st->h0 = g * st->G;
     st->r0 = r0;
     st->M = (r1 - r0) * st->G;
-    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->row_bytes;
-    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->row_bytes;
+    st->kbase = (const char *)p->k + (size_t)(g * st->N) * st->krb;
+    st->vbase = (const char *)p->v + (size_t)(g * st->N) * st->vrb;
     st->kscale = kv_dtype_scaled((kv_dtype)p->dtype) ? p->k_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
-    st->vscale = kv_dtype_scaled((kv_dtype)p->dtype) ? p->v_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
+    st->vscale = kv_dtype_scaled((kv_dtype)p->v_dtype) ? p->v_scale + g * st->N * kv_i8_blocks(st->D) : NULL;
 }
 
 /* Keys row r may read: [*lo, *hi) (the whole int64 range when uncut). */
@@ -634,13 +636,13 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G, M = st->M;
-    const char *kpf_next = st->vbase + (size_t)c0 * st->row_bytes;
+    const char *kpf_next = st->vbase + (size_t)c0 * st->vrb;
     const int capped = p->softcap > 0.0f;
     const vf cap = vf_set1(p->softcap), inv_cap = vf_set1(capped ? 1.0f / p->softcap : 0.0f);
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
-        const char *kpf = kv_ahead(st->kbase, t, c1, st->row_bytes, st->pf_blocks, kpf_next);
+        const char *kpf = kv_ahead(st->kbase, t, c1, st->krb, st->kpf, kpf_next);
         int64_t ks;
         int rmode;
         const float *ksc;
@@ -648,7 +650,7 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
                                            &ksc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
-            KV_FN(scores_n)(qs + i0 * KV_KP * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->row_bytes,
+            KV_FN(scores_n)(qs + i0 * KV_KP * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->krb,
                             st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK);
             for (int i = 0; i < nh; i++) {
                 float *s = st->sc + (i0 + i) * KV_CHUNK + (t - c0);
@@ -741,17 +743,17 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
-        const char *vpf = kv_ahead(st->vbase, t, c1, st->row_bytes, st->pf_blocks, next_k);
+        const char *vpf = kv_ahead(st->vbase, t, c1, st->vrb, st->vpf, next_k);
         int64_t vs;
         int rmode;
         const float *vsc;
-        const void *vb = KV_FN(block_rows)(st->vbase, st->vscale, st->vblk, p->dtype, t, nb, D, Dp, st->aligned, &vs, &rmode,
+        const void *vb = KV_FN(block_rows)(st->vbase, st->vscale, st->vblk, p->v_dtype, t, nb, D, Dp, st->aligned, &vs, &rmode,
                                            &vsc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
             KV_FN(accumulate_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : st->one,
                                 st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, rmode, vs, vsc, Dp, nh,
-                                i0 ? NULL : vpf, st->row_bytes);
+                                i0 ? NULL : vpf, st->vrb);
         }
     }
 }
@@ -762,11 +764,11 @@ KV_AINLINE const char *KV_FN(attn_next_k)(const KV_FN(attn_state) *st, int64_t r
 {
     const kv_attn_params *p = st->p;
     if (c1 < e1)
-        return st->kbase + (size_t)c1 * st->row_bytes;
+        return st->kbase + (size_t)c1 * st->krb;
     if (ri + 1 < p->n_ranges)
-        return st->kbase + (size_t)p->ranges[ri + 1].t0 * st->row_bytes;
+        return st->kbase + (size_t)p->ranges[ri + 1].t0 * st->krb;
     if (st->g + 1 < g1)
-        return st->kbase + (size_t)(st->N + p->ranges[0].t0) * st->row_bytes;
+        return st->kbase + (size_t)(st->N + p->ranges[0].t0) * st->krb;
     return NULL;
 }
 
@@ -1032,7 +1034,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_lane_prefetch(st->kbase, t, c1, st->row_bytes);
+        kv_lane_prefetch(st->kbase, t, c1, st->krb);
         KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv);
     }
@@ -1097,8 +1099,8 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_lane_prefetch(st->vbase, t, c1, st->row_bytes);
-        KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->dtype, t, tn - t, D, Dp);
+        kv_lane_prefetch(st->vbase, t, c1, st->vrb);
+        KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv);
     }
 }

@@ -84,7 +84,8 @@ static void test_attention(const kv_kernels *row, const char *name)
             const kv_attn_range whole = {.query = 0, .t0 = 0, .t1 = N, .query_pos = N - 1};
             kv_attn_params p = {.q = q, .k = dt ? (void *)kh : (void *)kf, .v = dt ? (void *)vh : (void *)vf,
                                 .out = out, .ranges = &whole, .n_ranges = 1, .H = H, .Hkv = Hkv, .D = D,
-                                .n_total = N, .T = 1, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32};
+                                .n_total = N, .T = 1, .scale = (float)(1.0 / sqrt((double)D)), .dtype = dt ? KV_F16 : KV_F32,
+                                .v_dtype = dt ? KV_F16 : KV_F32};
             row->attn(&p, 0, Hkv, 0, 1, ws);
             double worst = 0;
             for (int64_t i = 0; i < H * D; i++) {
@@ -202,14 +203,25 @@ static void test_dispatch(void)
 static void test_sizes(void)
 {
     kv_cache c;
-    CHECK(kv_cache_create(&c, 1000000, 1000000, 1000000, 1000000, 512, KV_F16) == KV_ERR_CAPACITY,
+    CHECK(kv_cache_create(&c, 1000000, 1000000, 1000000, 1000000, 512, KV_F16, KV_F16) == KV_ERR_CAPACITY,
           "a cache whose size wraps size_t was accepted");
     CHECK(c.data == NULL && c.nbytes == 0, "a refused cache holds memory");
-    CHECK(kv_cache_create(&c, INT64_MAX, 1, 1, 1, 1, KV_F32) == KV_ERR_CAPACITY, "n_layers * 2 wraps");
-    CHECK(kv_cache_create(&c, 1, 1, 1, (int64_t)1 << 62, 64, KV_F32) == KV_ERR_CAPACITY, "capacity * head_dim wraps");
-    CHECK(kv_cache_create(&c, 1, 1, 1, 1, 1, (kv_dtype)7) == KV_ERR_ARG, "an unknown dtype was accepted");
-    CHECK(kv_cache_create(&c, 2, 3, 4, 5, 6, KV_F16) == KV_OK && c.nbytes == (size_t)2 * 2 * 3 * 4 * 5 * 6 * 2,
+    CHECK(kv_cache_create(&c, INT64_MAX, 1, 1, 1, 1, KV_F32, KV_F32) == KV_ERR_CAPACITY, "n_layers * 2 wraps");
+    CHECK(kv_cache_create(&c, 1, 1, 1, (int64_t)1 << 62, 64, KV_F32, KV_F32) == KV_ERR_CAPACITY,
+          "capacity * head_dim wraps");
+    CHECK(kv_cache_create(&c, 1, 1, 1, 1, 1, (kv_dtype)7, KV_F32) == KV_ERR_ARG, "an unknown dtype was accepted");
+    CHECK(kv_cache_create(&c, 1, 1, 1, 1, 1, KV_F32, (kv_dtype)7) == KV_ERR_ARG, "an unknown V dtype was accepted");
+    CHECK(kv_cache_create(&c, 1, 1, 1, 1, 32, KV_F16, KV_I8) == KV_ERR_ARG, "scales for V only were accepted");
+    CHECK(kv_cache_create(&c, 2, 3, 4, 5, 6, KV_F16, KV_F16) == KV_OK && c.nbytes == (size_t)2 * 2 * 3 * 4 * 5 * 6 * 2,
           "nbytes %zu", c.nbytes);
+    kv_cache_destroy(&c);
+    /* int8 K (64 bytes a row) and int4 V (32): V of layer 1, sequence 2 after layer 0's K and V and
+       layer 1's K, and the values of every row before the scales */
+    CHECK(kv_cache_create(&c, 2, 3, 4, 5, 64, KV_I8, KV_I4) == KV_OK, "int8 K with int4 V refused");
+    CHECK((char *)kv_cache_block(&c, 1, 1, 2) - (char *)c.data == 3 * 4 * 5 * (64 + 32) + 3 * 4 * 5 * 64 + 2 * 4 * 5 * 32,
+          "V block of layer 1, sequence 2 at %td", (char *)kv_cache_block(&c, 1, 1, 2) - (char *)c.data);
+    CHECK((char *)c.scales - (char *)c.data >= 2 * 3 * 4 * 5 * (64 + 32) &&
+          c.nbytes == (size_t)((char *)c.scales - (char *)c.data) + 2 * 2 * 3 * 4 * 5 * 2 * 4, "scales of the mixed cache");
     kv_cache_destroy(&c);
     CHECK(kv_attn_workspace_bytes(4, 0, 64) == 0, "Hkv = 0 has a workspace");
     CHECK(kv_attn_workspace_bytes((int64_t)1 << 62, 1, 64) == 0, "a workspace size that wraps was returned");
