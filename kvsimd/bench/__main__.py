@@ -310,14 +310,15 @@ def main(argv=None):
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
                     help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
                          "of the same length (llama.cpp and transformers always prefill)")
-    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8", "int4", "int4-plain"),
+    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8", "int4", "int8/int4", "int4-plain"),
                     help="quality: the KV-cache dtype(s) every configuration runs with (default float16; the "
                          "first one also runs the oracle)")
     ap.add_argument("--kv-int8", action="store_true",
                     help="decode of a GGUF model: also kvsimd with an int8 KV cache and llama.cpp with q8_0 K/V "
                          "(flash attention), side by side with the float16 caches")
     ap.add_argument("--kv-int4", action="store_true",
-                    help="decode of a GGUF model: also kvsimd with an int4 KV cache (turned by the Hadamard matrix), "
+                    help="decode of a GGUF model: also kvsimd with an int4 KV cache and one of int8 keys with int4 "
+                         "values (both turned by the Hadamard matrix), "
                          "side by side with the float16 caches")
     ap.add_argument("--llama-flash-attn", action="store_true",
                     help="decode of a GGUF model: llama.cpp with flash attention (default: off, "

@@ -220,7 +220,7 @@ def run(contexts, threads, steps, progress=None, models=None):
 # ------------------------------------------------------------------------------ GGUF files, beside llama.cpp
 GGUF_PEERS = ("llama.cpp", "transformers")
 KV_INT8_PEERS = ("kvsimd-int8", "llama.cpp-q8_0")    # --kv-int8: the quantized caches beside the float16 ones
-KV_INT4_PEERS = ("kvsimd-int4",)                      # --kv-int4: kvsimd's int4 cache as well
+KV_INT4_PEERS = ("kvsimd-int4", "kvsimd-int8/int4")   # --kv-int4: kvsimd's int4 caches as well
 _LLAMA_HINT = ('pip install -e ".[peers]" (built natively: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install '
                '--no-binary llama-cpp-python llama-cpp-python)')
 PEER_HINTS = {"llama.cpp": _LLAMA_HINT, "llama.cpp-q8_0": _LLAMA_HINT,

@@ -142,10 +142,12 @@ def bench_attention_ceiling(isas, shapes, threads, repeat, tokens=None, progress
     return rows
 
 
-def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=None, dtypes=("int8", "int4")):
-    """Quantized KV caches against float16 (rows op "attend-int8", "attend-int4"): per shape, N, row
-    and thread count, the same keys as float16 and as each of ``dtypes`` with block scales
-    (ops.quantize_kv; int4 turned by H as KVCache(dtype="int4") stores it), the calls alternated
+def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=None,
+                              dtypes=("int8", "int4", "int8/int4")):
+    """Quantized KV caches against float16 (rows op "attend-" + dtype): per shape, N, row and thread
+    count, the same keys as float16 and as each of ``dtypes`` (a KVCache dtype: "int8/int4" int8
+    keys, int4 values) with block scales (ops.quantize_kv; turned by H when K or V is int4, as
+    KVCache stores them), the calls alternated
     repeat by repeat, each cold (the LLC evicted first: what a decode step that streams a cache larger
     than the LLC sees).  ``ratio`` is the median per-repeat quantized / float16 time with a 95%
     interval; bytes are K + V (+ scales) as stored, per token of context."""
@@ -159,8 +161,9 @@ def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=
             for N in contexts:
                 k32, v32 = fill((Hkv, N, D), np.float32, 1), fill((Hkv, N, D), np.float32, 2)
                 k16, v16 = k32.astype(np.float16), v32.astype(np.float16)
-                quant = [(ops.quantize_kv(k32, dt, hadamard=dt == "int4"), ops.quantize_kv(v32, dt, hadamard=dt == "int4"))
-                         for dt in dtypes]
+                sides = [(dt.split("/") * 2)[:2] for dt in dtypes]
+                quant = [(ops.quantize_kv(k32, kd, hadamard="int4" in (kd, vd)),
+                          ops.quantize_kv(v32, vd, hadamard="int4" in (kd, vd))) for kd, vd in sides]
                 del k32, v32
                 q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
                 b16 = k16.nbytes + v16.nbytes

@@ -1,7 +1,8 @@
 """One implementation per process: the workers of the GGUF decode bench (:mod:`.decode`).
 
 ``python -m kvsimd.bench.peers IMPL PATH --n-ctx N`` loads GGUF file PATH with IMPL (``kvsimd``:
-``Decoder.from_gguf``, float16 KV cache, ``kvsimd-int8`` / ``kvsimd-int4`` the same with an int8 / int4 cache;
+``Decoder.from_gguf``, float16 KV cache, ``kvsimd-int8`` / ``kvsimd-int4`` / ``kvsimd-int8/int4`` the
+same with an int8 / int4 cache / int8 keys with int4 values;
 ``llama.cpp``: ``llama_cpp.Llama`` on the same file, f16 KV cache, ``llama.cpp-q8_0`` with q8_0
 K and V (which llama.cpp runs with flash attention only);
 ``transformers``: ``AutoModelForCausalLM.from_pretrained(gguf_file=...)``, float32 weights) and
@@ -32,7 +33,7 @@ import time
 
 import numpy as np
 
-IMPLS = ("kvsimd", "kvsimd-int8", "kvsimd-int4", "llama.cpp", "llama.cpp-q8_0", "transformers")
+IMPLS = ("kvsimd", "kvsimd-int8", "kvsimd-int4", "kvsimd-int8/int4", "llama.cpp", "llama.cpp-q8_0", "transformers")
 
 
 def rss_mib():

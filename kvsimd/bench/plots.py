@@ -4,6 +4,8 @@ Every chart gets pyplot from :func:`pyplot`, which raises :class:`PlotUnavailabl
 the install hint) when matplotlib is missing; the command lines write their JSON before drawing."""
 import os
 
+from kvsimd.bench.schema import QUANTIZED_OPS
+
 # kvsimd is installed from its source checkout (it is on no package index): this is the hint that works
 INSTALL_HINT = 'pip install -e ".[plot]" (from the kvsimd source checkout)'
 
@@ -81,7 +83,8 @@ def write_all(doc, outdir):
     out = []
     if "attention" in res:
         out.append(os.path.join(outdir, "attention.png"))
-        _kernel_chart([r for r in res["attention"] if r["op"] not in ("attend-ceiling", "attend-int8", "attend-int4")], roof, "read_GBps",
+        _kernel_chart([r for r in res["attention"] if r["op"] != "attend-ceiling" and r["op"] not in QUANTIZED_OPS],
+                      roof, "read_GBps",
                       "Decode attention: GB/s of K+V vs context length", out[-1])
     if "rope" in res:
         out.append(os.path.join(outdir, "rope.png"))

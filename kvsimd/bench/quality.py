@@ -44,9 +44,9 @@ def load_tokens(model, text_path, n_tokens):
     return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
 
 
-# KV-cache kinds the quality runs compare: a dtype of KVCache, or "int4-plain" (int4 without the
-# Hadamard turn that KVCache(dtype="int4") applies by default)
-CACHE_KINDS = ("float16", "float32", "int8", "int4", "int4-plain")
+# KV-cache kinds the quality runs compare: a dtype of KVCache ("int8/int4": int8 keys, int4 values),
+# or "int4-plain" (int4 without the Hadamard turn that KVCache(dtype="int4") applies by default)
+CACHE_KINDS = ("float16", "float32", "int8", "int4", "int8/int4", "int4-plain")
 
 
 def cache_args(kind):

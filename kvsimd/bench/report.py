@@ -13,7 +13,7 @@ import json
 import math
 import sys
 
-from kvsimd.bench.schema import validate
+from kvsimd.bench.schema import QUANTIZED_OPS, validate
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -107,15 +107,15 @@ def ceiling_md(rows):
 
 
 def int8_md(rows):
-    """The int8 and int4 KV caches beside float16: time per call, ratio, bytes per token."""
+    """The int8, int4 and int8/int4 KV caches beside float16: time per call, ratio, bytes per token."""
     body = [["%s %d/%d/%d" % (r["shape"], r["H"], r["Hkv"], r["D"]), r["N"], r["dtype"], r["isa"], r["threads"],
              "%s / %s" % (_f(r["fp16_median_s"] * 1e3, 3), _f(r["median_s"] * 1e3, 3)),
              "%s / %s" % (_f(r["fp16_GBps"]), _f(r["GBps"])),
              "%s [%s, %s]" % (_f(r["ratio"], 3), _f(r["ratio_ci95"][0], 3), _f(r["ratio_ci95"][1], 3)),
              "%d / %d" % (r["fp16_bytes_per_token"], r["bytes_per_token"])] for r in rows]
-    return ("An int8 and an int4 KV cache (one float32 scale per 32 values) beside float16: the same keys, the "
-            "calls alternated, each cold (LLC evicted), median of repeats; targets beyond the LLC: int8 time "
-            "<= 0.6x float16, int4 <= 0.4x.\n\n"
+    return ("An int8 and an int4 KV cache (one float32 scale per 32 values; int8/int4: int8 keys, int4 values) "
+            "beside float16: the same keys, the calls alternated, each cold (LLC evicted), median of repeats; "
+            "targets beyond the LLC: int8 time <= 0.6x float16, int4 <= 0.4x.\n\n"
             + _table(["shape H/Hkv/D", "N", "cache", "row", "threads", "ms float16 / cache", "GB/s float16 / cache",
                       "cache / float16 time [95% CI]", "K+V bytes per token and layer"], body))
 
@@ -459,9 +459,9 @@ def render(doc, quality=None, images=None):
         parts += ["### Roofline", roofline_md(res["roofline"])]
     if "attention" in res:
         ceiling = [r for r in res["attention"] if r["op"] == "attend-ceiling"]
-        int8 = [r for r in res["attention"] if r["op"] in ("attend-int8", "attend-int4")]
+        int8 = [r for r in res["attention"] if r["op"] in QUANTIZED_OPS]
         parts += _kernel_section([r for r in res["attention"]
-                                  if r["op"] not in ("attend-ceiling", "attend-int8", "attend-int4")],
+                                  if r["op"] != "attend-ceiling" and r["op"] not in QUANTIZED_OPS],
                                  "read",
                                  "### Decode attention (`attend`)",
                                  "GB/s of K+V read per call, cold caches, 1 thread, median of repeats, K/V arrays "

@@ -14,7 +14,8 @@ Sections and the keys every row has (figures are positive and finite):
 * attention  -- op "attend", impl ("kvsimd" | "numpy" | "torch-sdpa"), shape, H, Hkv, D, N, dtype,
                 median_s, GBps, pct_read_roofline (kvsimd rows: isa); op "attend-ceiling" (kvsimd, float16,
                 beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling, binds; op
-                "attend-int8" / "attend-int4" (kvsimd, int8 / int4 beside float16, cold): isa, threads, median_s,
+                "attend-int8" / "attend-int4" / "attend-int8/int4" (kvsimd, int8 / int4 / int8 keys with int4
+                values beside float16, cold): isa, threads, median_s,
                 fp16_median_s, GBps, fp16_GBps, ratio (quantized / float16 time), ratio_ci95, bytes_per_token,
                 fp16_bytes_per_token
 * rope       -- op "shift_keys", impl ("kvsimd" | "numpy" | "torch"), shape, Hkv, D, N, dtype,
@@ -47,6 +48,8 @@ import math
 
 SCHEMA_VERSION = 1
 
+# the quantized caches' attention rows beside float16 (kernels.bench_attention_quantized)
+QUANTIZED_OPS = ("attend-int8", "attend-int4", "attend-int8/int4")
 # section -> op (or None for every row) -> keys that must be present; values in POSITIVE must be > 0
 _QUANTIZED_KEYS = ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads", "median_s", "fp16_median_s",
                    "GBps", "fp16_GBps", "ratio", "ratio_ci95", "bytes_per_token", "fp16_bytes_per_token"]
@@ -57,7 +60,7 @@ ROW_KEYS = {
                   "attend-ceiling": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads",
                                      "median_s", "GBps", "read_GBps", "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
                                      "binds"],
-                  "attend-int8": _QUANTIZED_KEYS, "attend-int4": _QUANTIZED_KEYS},
+                  **{op: _QUANTIZED_KEYS for op in QUANTIZED_OPS}},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
