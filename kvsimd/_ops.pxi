@@ -3,7 +3,7 @@
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
            ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None, k_scale=None,
-           v_scale=None):
+           v_scale=None, hadamard=False):
     """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
@@ -32,7 +32,14 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     last row sees key N-1), or every key with ``causal=False``; with ``window`` W (causal only) only
     the last W of those, keys ``> causal_offset + t - W``.  Its ALiBi query position is
     ``query_position + t`` (default ``query_position``: the offset), a range's own one + t.  Each
-    K/V row is read once per KV-head group and tile of rows; every row must see a key."""
+    K/V row is read once per KV-head group and tile of rows; every row must see a key.
+
+    ``hadamard=True`` (int8 and int4 K/V only): the rows of k and v were stored turned by the
+    32 x 32 Hadamard matrix H (``quantize_kv(..., hadamard=True)``, a :class:`KVCache` with
+    ``hadamard``), so that H of the values a row stands for is the row (a shorter last block as it
+    is).  The kernel then reads a turned copy of q (and of ``q_alt``; the caller's arrays are not
+    changed) and ``out`` is turned back in place after it: scores and output are those of the
+    unturned rows, up to the float32 rounding of the two turns."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
@@ -55,6 +62,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             raise KVSimdValueError("head_dim mismatch: q is %s but k/v are %s" % (q.shape, x.shape))
     k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
     v_scale = _need_block_scales(v, v_scale, "v", "v_scale", D)
+    cdef bint hd = _need_flag(hadamard, "hadamard")
+    if hd and k_scale is None:
+        raise KVSimdValueError("hadamard=True applies to quantized K/V (int8, or int4 as uint8 rows), got k and v of "
+                               "dtype %s" % (k.dtype,))
     if Hkv < 1 or H < 1 or H % Hkv:
         raise KVSimdValueError("query heads H=%d must be a positive multiple of KV heads Hkv=%d" % (H, Hkv))
     if N < 1:
@@ -131,6 +142,12 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     cdef int64_t nr = 1
     if ranges is not None:
         rp, nr = <const int64_t *>_ptr(rng), rng.shape[0]
+    if hd:      # the rows are stored turned by H: so are the queries the kernel reads (copies)
+        q = q.copy()
+        kv_hadamard_rows(<float *>_ptr(q), D, T * H, D)
+        if q_alt is not None:
+            q_alt = q_alt.copy()
+            kv_hadamard_rows(<float *>_ptr(q_alt), D, T * H, D)
     cdef int nt = _threads_now()
     ws = _workspace(H, Hkv, D, nt)
     cdef void *wsp = _aligned64(ws)
@@ -138,8 +155,11 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
                <const float *>_ptr(k_scale) if k_scale is not None else NULL,
                <const float *>_ptr(v_scale) if v_scale is not None else NULL, _kv_code(v))
+    cdef float *op = <float *>_ptr(out)
     with nogil:
         kv_attend(&p, wsp, nt)
+        if hd:  # and the output turned back
+            kv_hadamard_rows(op, D, T * H, D)
     return out
 
 

@@ -122,14 +122,22 @@ def hadamard_step_bound(scale, x):
     32 * scale / 2; plus the float32 butterflies of turning x (and, reading back, of turning q *
     scale): five roundings of partial sums, at most 2 * 5 * 2**-24 * the block's sum |x| (with
     margin for |x| itself being that far off).  A shorter last block: :func:`quantized_step_bound`."""
-    x = np.abs(np.asarray(x, np.float64))
-    D = x.shape[-1]
+    D = np.shape(x)[-1]
     w = D // 32 * 32
     bound = quantized_step_bound(scale, D)
     per = np.repeat(np.asarray(scale, np.float64), 32, axis=-1)[..., :w]
-    sums = np.repeat(x[..., :w].reshape(x.shape[:-1] + (-1, 32)).sum(axis=-1), 32, axis=-1)
-    bound[..., :w] = per * 32 * (0.5 + 2.0 ** -23) + 12 * 2.0 ** -24 * sums
+    bound[..., :w] = per * 32 * (0.5 + 2.0 ** -23) + 12 * 2.0 ** -24 * _block_sums(x)[..., :w]
     return bound
+
+
+def _block_sums(x):
+    """``|H| |x|``: the sum of ``|x|`` over each whole block of 32 values of the last axis, in
+    every component of the block; 0 on a shorter last block (never turned)."""
+    x = np.abs(np.asarray(x, np.float64))
+    w = x.shape[-1] // 32 * 32
+    sums = np.zeros_like(x)
+    sums[..., :w] = np.repeat(x[..., :w].reshape(x.shape[:-1] + (-1, 32)).sum(axis=-1), 32, axis=-1)
+    return sums
 
 
 def quantized_shift_bound(isa: str, pair, out, new_scale, hadamard=False):
@@ -213,7 +221,7 @@ def attend_scale(q, k, v, **kw):
     return _weights_and_scale(q, k, v, kw)[2]
 
 
-def attend_bound(q, k, v, *, dtype=None, **kw):
+def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     """Per-element bound ``[H, D]`` (``[T, H, D]`` for q of T rows) on
     ``|attend(q, k, v, **kw) - reference.attend(...)|``
     (keywords as :func:`kvsimd.reference.attend`; ``dtype`` defaults to k's).
@@ -222,10 +230,25 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     bias (:func:`alibi_score_error`) and of the soft cap (:func:`softcap_score_error`), summed:
     perturbing the scores by e_j changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first
     order, so the output moves by at most
-    ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``."""
+    ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``.
+
+    ``hadamard=True``: the bound of ``ops.attend(q, ..., hadamard=True)`` over rows stored turned
+    by H, against ``reference.attend(q, hadamard_rows(k), hadamard_rows(v), **kw)``; ``k``, ``v``
+    are the values the rows stand for as stored (:func:`kvsimd.reference.dequantize_kv`), ``q``
+    the caller's.  The kernel reads the query turned, H q, and scores ``H q . k_j = q . H k_j``:
+    the bound above holds for its output over the stored rows with H q (the weights p are the
+    same), plus the float32 turn of q -- five roundings of partial sums, at most 5 * 2**-24 times
+    the block's sum |q| per component (:func:`hadamard_step_bound`), so each score moves by at
+    most ``e_j = 5 * 2**-24 * |scale| * sum_c B(q)_c |k_jc|`` (B: the block sums; with ``q_alt``
+    the larger of the two), through the softmax as above.  Turning the output back, H sums the
+    errors of its block in every component, and rounds five times more: 5 * 2**-24 times the
+    block's sum of ``attend_scale`` (each stated as 6 * 2**-24 for the higher-order terms).  A
+    shorter last block is not turned: the bound above."""
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
-        return np.stack([attend_bound(q[t], k, v, dtype=dtype, **rkw)
+        return np.stack([attend_bound(q[t], k, v, dtype=dtype, hadamard=hadamard, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
+    if hadamard:
+        return _turned_attend_bound(q, k, v, dtype, kw)
     dtype = dtype if dtype in ("int4", "int8/int4") else np.dtype(k.dtype if dtype is None else dtype).name
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = ATTEND_TOL[dtype] * scale
@@ -240,6 +263,27 @@ def attend_bound(q, k, v, *, dtype=None, **kw):
     if np.ndim(err):
         pe = p * err
         bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
+    return bound
+
+
+def _turned_attend_bound(q, k, v, dtype, kw):
+    """attend_bound(..., hadamard=True) of one query (its docstring states the terms)."""
+    turned = dict(kw)
+    bq = _block_sums(q)
+    if kw.get("q_alt") is not None:
+        turned["q_alt"] = reference.hadamard_rows(np.asarray(kw["q_alt"], np.float64))
+        bq = np.maximum(bq, _block_sums(kw["q_alt"]))
+    qt = reference.hadamard_rows(np.asarray(q, np.float64))
+    inner = attend_bound(qt, k, v, dtype=dtype, **turned)
+    p, va, scale = _weights_and_scale(qt, k, v, turned)
+    ka = np.repeat(np.abs(np.asarray(k, np.float64)), p.shape[0] // k.shape[0], axis=0)
+    sc = kw.get("scale")
+    sc = 1.0 / np.sqrt(np.shape(q)[-1]) if sc is None else abs(float(sc))
+    pe = p * (6 * U32 * sc * np.einsum("hd,hnd->hn", bq, ka))
+    inner = inner + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
+    w = np.shape(q)[-1] // 32 * 32
+    bound = inner.copy()
+    bound[..., :w] = (_block_sums(inner) + 6 * U32 * _block_sums(scale + inner))[..., :w]
     return bound
 
 

@@ -1,8 +1,9 @@
 """Kernels over NumPy arrays, on the active ISA path.
 
-All functions take C-contiguous, aligned arrays, never copy their inputs, release the GIL
-while the kernel runs, and raise :class:`kvsimd.KVSimdValueError` / :class:`kvsimd.KVSimdTypeError`
-naming the argument and the value for bad input.  An output (``out``, or the array rotated in
+All functions take C-contiguous, aligned arrays, never copy their inputs (but for the query
+that ``attend(..., hadamard=True)`` turns in a copy), release the GIL while the kernel runs,
+and raise :class:`kvsimd.KVSimdValueError` / :class:`kvsimd.KVSimdTypeError` naming the
+argument and the value for bad input.  An output (``out``, or the array rotated in
 place) must not share memory with any input of the same call; positions, deltas and ALiBi
 positions are integers within +-2**53; ``scale`` is finite and within float32's range;
 ``softcap`` is None or 0 (off) or a number in 2**-126..2**126.
@@ -13,7 +14,10 @@ Accuracy (tested on every path against :mod:`kvsimd.reference`, float64; the fun
 * ``attend``: ``|out - ref| <= 1e-5 * sum_j p_j |v_j|`` per element for float32 K/V, and 1e-4
   for float16 K/V (reference: float64 math on the fp16 values); int8 and int4 K/V with block scales
   as float32 (reference: float64 math on the values ``q * scale`` the rows stand for).  fp32 accumulation, online
-  softmax, one pass over K and V.  With ALiBi, plus the fp32 rounding of each bias
+  softmax, one pass over K and V.  With ``hadamard=True`` (rows stored turned by H), against float64
+  math on H of those values: that bound over the stored rows with the query H q, plus the float32
+  turns of q and of the output, summed over each block of 32
+  (:func:`kvsimd.bounds.attend_bound` with ``hadamard=True``).  With ALiBi, plus the fp32 rounding of each bias
   ``b_j = slope * (query_position - key_position)`` in its score, ``e_j = 2 * 2**-24 * |b_j|``,
   through the softmax: ``sum_j p_j e_j |v_j| + (sum_k p_k e_k) * sum_j p_j |v_j|``.  With
   ``softcap``, the same term with ``e_j = 16 * 2**-24 * |c_j|`` (``c_j = cap * tanh(s_j / cap)``,

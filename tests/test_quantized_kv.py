@@ -278,6 +278,64 @@ def test_attend_int8_bad_input(rng):
         ops.attend(q40, k4, k4[:, :5].view(np.int8), k_scale=s4, v_scale=s4)
 
 
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,N,D", [(None, 9, 3, 700, 64), (None, 4, 1, 1100, 80), (None, 2, 2, 1, 32),
+                                         (5, 8, 2, 40, 96), (7, 4, 4, 30, 64)])
+def test_attend_hadamard_over_the_unturned_values(isa, rng, T, H, Hkv, N, D, dtype):
+    """ops.attend(..., hadamard=True) over K/V quantized turned by the NumPy rule
+    (reference.quantize_kv(..., hadamard=True)) against float64 attention over the rows they stand
+    for, H of the stored values (the rows as they were, within a step), within
+    attend_bound(hadamard=True); bit for bit the kernel over the turned query with its output turned
+    back (reference.hadamard_rows in float32: the C butterflies' roundings); the caller's q and q_alt
+    unchanged.  The call without the turn is far outside the bound: the check can fail."""
+    q = rng.standard_normal((H, D) if T is None else (T, H, D)).astype(np.float32)
+    x = rng.standard_normal((2, Hkv, N, D)).astype(np.float32)
+    x[..., :3] *= 8                                   # outlier channels, as real keys have
+    (kq, ks), (vq, vs) = (reference.quantize_kv(x[i], dtype, hadamard=True) for i in range(2))
+    kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)   # as stored: turned
+    kh, vh = (reference.hadamard_rows(a.astype(np.float64)) for a in (kd, vd))       # the rows they stand for
+    if T is None:
+        slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
+        cases = [{}, dict(alibi_slopes=slopes, softcap=2.0)]
+        if N > 8:
+            q_alt = rng.standard_normal((H, D)).astype(np.float32)
+            cases.append(dict(ranges=[(N // 2, N), (0, 4, True, 3)], q_alt=q_alt))
+    else:
+        cases = [{}, dict(window=5), dict(causal=False)]
+    for kw in cases:
+        before = [a.copy() for a in (q, kw.get("q_alt")) if a is not None]
+        out = np.full(q.shape, np.nan, np.float32)
+        with use_isa(isa):
+            got = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=True, out=out, **kw)
+            alt = {} if "q_alt" not in kw else dict(q_alt=reference.hadamard_rows(kw["q_alt"]))
+            plain = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, **kw)
+            turned = reference.hadamard_rows(ops.attend(reference.hadamard_rows(q), kq, vq, k_scale=ks, v_scale=vs,
+                                                        **dict(kw, **alt)))
+        assert got is out and all(np.array_equal(a, b) for a, b in zip(before, [q, kw.get("q_alt")]))
+        assert np.array_equal(got, turned), (isa, kw)
+        ref = reference.attend(q, kh, vh, **kw)
+        bound = np.maximum(attend_bound(q, kd, vd, dtype=dtype, hadamard=True, **kw), 1e-300)
+        err = np.abs(got.astype(np.float64) - ref) / bound
+        assert err.max() <= 1, f"{isa} {kw}: error {err.max():.3g} x the bound"
+        assert (np.abs(plain.astype(np.float64) - ref) / bound).max() > 100, (isa, kw)
+
+
+def test_attend_hadamard_refuses_float_rows(rng):
+    """hadamard=True names the quantized rows it applies to; a float k/v is refused, as is a non-bool."""
+    q = rng.standard_normal((2, 64)).astype(np.float32)
+    k16 = rng.standard_normal((1, 10, 64)).astype(np.float16)
+    q0 = q.copy()
+    for k in (k16, k16.astype(np.float32)):
+        with pytest.raises(KVSimdValueError, match="hadamard=True applies to quantized K/V .* dtype %s" % k.dtype):
+            ops.attend(q, k, k, hadamard=True)
+    _, kq, ks = quantized(rng, (1, 10, 64), dtype="int4")
+    with pytest.raises(KVSimdTypeError, match="hadamard must be a bool, got 'yes'"):
+        ops.attend(q, kq, kq, k_scale=ks, v_scale=ks, hadamard="yes")
+    assert np.array_equal(q, q0)
+    assert np.array_equal(ops.attend(q, k16, k16, hadamard=False), ops.attend(q, k16, k16))
+
+
 # ---------------------------------------------------------------------------- shift of int8 keys
 
 @pytest.mark.parametrize("dtype,D,had", [("int8", 64, False), ("int4", 64, False), ("int4", 80, False),
@@ -378,6 +436,8 @@ def test_cache_quantized_write_views_and_attend(rng, dtype, D, had):
     want = turn(ops.attend(turn(q), cp(c.keys(1)), cp(c.values(1)), k_scale=cp(c.key_scales(1)),
                            v_scale=cp(c.value_scales(1))))
     assert np.array_equal(got, want)
+    assert np.array_equal(got, ops.attend(q, cp(c.keys(1)), cp(c.values(1)), k_scale=cp(c.key_scales(1)),
+                                          v_scale=cp(c.value_scales(1)), hadamard=had))
     # within the quantization's reach of the float32 cache: |dq| <= scale / 2 per component
     assert np.abs(got - f.attend(1, q)).max() < (0.05 if dtype == "int8" else 0.5)
     if "/" in dtype:    # each side read as its own width: the same as two one-dtype caches' views

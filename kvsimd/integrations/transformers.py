@@ -15,10 +15,12 @@ its caches, without leaving the model, the tokenizer or ``generate``::
   (zero copy: no torch tensor is built per step); over any other cache (e.g. transformers'
   ``DynamicCache``) it reads the key/value tensors it is given, also without copying when they are
   float32 or float16 and contiguous per sequence.
-- :class:`KVSimdCache`: transformers' Cache API over a :class:`kvsimd.KVCache` (float16, float32 or
-  int8 storage: int8 with a float32 scale per 32 values, half the bytes a float16 cache streams per
-  step), growing by doubling like ``DynamicCache``; ``crop`` (assisted / prompt-lookup decoding)
-  truncates.
+- :class:`KVSimdCache`: transformers' Cache API over a :class:`kvsimd.KVCache` (float16, float32,
+  int8 or int4 storage: int8 with a float32 scale per 32 values, about half the bytes a float16
+  cache streams per step; int4 two values per byte with the same scales, under a third of them,
+  each block of 32 values stored turned by the 32 x 32 Hadamard matrix unless ``hadamard=False``:
+  the backend turns the query and the output as kvsimd's own attention does), growing by
+  doubling like ``DynamicCache``; ``crop`` (assisted / prompt-lookup decoding) truncates.
 - :class:`KVSimdSinkCache`: StreamingLLM -- ``n_keep`` attention sinks and a window of recent
   tokens that never fills: the kvsimd cache's ``sink_query`` policy (no key is ever rewritten;
   the sinks are read with the query rotated to its position in the cache, the window at true
@@ -46,10 +48,14 @@ except ImportError as _missing:   # pragma: no cover - the optional extra
                       "from the checkout (%s)" % _missing) from _missing
 
 from kvsimd import ops
+from kvsimd._kvsimd import _need_flag
 from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
 NAME = "kvsimd"
+#: the storage dtypes of the kvsimd caches; the quantized ones keep a float32 scale per 32 values
+_DTYPES = ("float16", "float32", "int8", "int4")
+_QUANTIZED = ("int8", "int4")
 
 # kvsimd's import sets GOMP_SPINCOUNT=1000 (threads sleep soon after each OpenMP region) unless the
 # user chose a spin or wait policy or torch was already loaded.  torch and kvsimd share the
@@ -140,9 +146,10 @@ def _runs(mask, b, N):
     return [(int(a), int(c)) for a, c in zip(edges[::2], edges[1::2])]
 
 
-def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None, None)):
+def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None, None), hadamard=False):
     """One sequence: qb ``[H, T, D]`` (its last T tokens are keys N-T..N-1) over the keys of
-    ``runs`` in K/V ``[Hkv, >= N, D]`` (int8: with ``scales``, their block scales); outb
+    ``runs`` in K/V ``[Hkv, >= N, D]`` (int8 / int4 rows: with ``scales``, their block scales, and
+    ``hadamard`` when the rows are stored turned, see :func:`kvsimd.ops.attend`); outb
     ``[T, H, D]``.  Rows that see no key (padding before the first real token) get zeros, as no
     softmax is defined for them."""
     ks, vs = scales
@@ -153,7 +160,7 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None
             outb[0] = 0.0
             return
         ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=rr, scale=scale, softcap=softcap, out=outb[0],
-                   k_scale=ks, v_scale=vs)
+                   k_scale=ks, v_scale=vs, hadamard=hadamard)
         return
     if window and len(runs) > 1:
         raise KVSimdValueError("a sliding window over a mask with holes (padding between real tokens) is not "
@@ -164,7 +171,7 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None
     if t0 < T:
         qt = np.ascontiguousarray(qb[:, t0:, :].transpose(1, 0, 2))
         ops.attend(qt, K, V, ranges=runs, causal_offset=N - T + t0, window=window or None, scale=scale,
-                   softcap=softcap, out=outb[t0:], k_scale=ks, v_scale=vs)
+                   softcap=softcap, out=outb[t0:], k_scale=ks, v_scale=vs, hadamard=hadamard)
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -248,19 +255,27 @@ class _KVSimdCacheBase(Cache):
 
     _policy = "fixed"
 
-    def __init__(self, model, dtype="float16"):
+    def __init__(self, model, dtype="float16", hadamard=None):
         c = _config_of(model)
         self._config = c
         self.n_layers = int(c.num_hidden_layers)
         self.n_heads = int(c.num_attention_heads)
         self.n_kv_heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        try:
-            self.dtype = np.dtype(dtype).name
-        except (TypeError, ValueError):
-            self.dtype = None
-        if self.dtype not in ("float16", "float32", "int8"):
-            raise KVSimdTypeError("dtype must be float16, float32 or int8, got %r" % (dtype,))
+        if isinstance(dtype, str) and dtype == "int4":
+            self.dtype = dtype
+        else:
+            try:
+                self.dtype = np.dtype(dtype).name
+            except (TypeError, ValueError):
+                self.dtype = None
+        if self.dtype not in _DTYPES:
+            raise KVSimdTypeError("dtype must be float16, float32, int8 or int4, got %r" % (dtype,))
+        # as KVCache's: by default int4 rows are stored turned by H, int8 ones not
+        self.hadamard = self.dtype == "int4" if hadamard is None else _need_flag(hadamard, "hadamard")
+        if self.hadamard and self.dtype not in _QUANTIZED:
+            raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s"
+                                   % self.dtype)
         super().__init__(layers=[_Layer(self, i) for i in range(self.n_layers)])
         self.kv = None
         self._pending = None          # the forward pass in progress: dict, or None
@@ -347,7 +362,7 @@ class _KVSimdCacheBase(Cache):
     def _make(self, B, capacity, old=None):
         """A new KVCache (its contents those of ``old``, if given) and the torch views of it."""
         kv = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, batch=B, dtype=self.dtype,
-                     **self._streaming())
+                     hadamard=self.hadamard, **self._streaming())
         if old is not None:
             for b in range(B):
                 L = old.length(b)
@@ -362,8 +377,8 @@ class _KVSimdCacheBase(Cache):
                            for l in range(self.n_layers)]
         self._blocks = [[(kv.keys(l, b, length=capacity), kv.values(l, b, length=capacity)) for b in range(B)]
                         for l in range(self.n_layers)]
-        i8 = self.dtype == "int8"
-        self._scales = [[(kv.key_scales(l, b, length=capacity), kv.value_scales(l, b, length=capacity)) if i8
+        quantized = self.dtype in _QUANTIZED
+        self._scales = [[(kv.key_scales(l, b, length=capacity), kv.value_scales(l, b, length=capacity)) if quantized
                          else (None, None) for b in range(B)] for l in range(self.n_layers)]
         for layer in self.layers:
             layer.is_initialized = True
@@ -414,16 +429,22 @@ def _kv_f32(t):
 
 
 class KVSimdCache(_KVSimdCacheBase):
-    """transformers' Cache API over a :class:`kvsimd.KVCache`: ``dtype`` float16 (default) or
-    float32 storage, ``[layer][K|V][sequence][kv head][slot][head_dim]`` in one C block; it starts
-    at ``capacity`` tokens (default: the first pass, at least 256) and doubles when full, like
-    ``DynamicCache`` (the copy is amortized).  Needs ``attn_implementation="kvsimd"``.
+    """transformers' Cache API over a :class:`kvsimd.KVCache`: ``dtype`` float16 (default),
+    float32, int8 or int4 storage, ``[layer][K|V][sequence][kv head][slot][head_dim]`` in one C
+    block (int8 and int4: each row quantized once as it is written, with a float32 scale per 32
+    values; int4 two values per byte); it starts at ``capacity`` tokens (default: the first pass,
+    at least 256) and doubles when full, like ``DynamicCache`` (the copy is amortized).  Needs
+    ``attn_implementation="kvsimd"``.  ``hadamard`` as :class:`kvsimd.KVCache` (default: True for
+    int4, False otherwise; quantized caches only): every block of 32 values of K and V stored
+    turned by the 32 x 32 Hadamard matrix, which spreads an outlier channel over its block before
+    the block's scale is taken; attention turns the query and the output (scores and outputs
+    are those of the unturned rows).
 
     Greedy, sampling, batches with (left) padding, assisted / prompt-lookup decoding (``crop``);
     not beam search."""
 
-    def __init__(self, model, dtype="float16", capacity=None):
-        super().__init__(model, dtype)
+    def __init__(self, model, dtype="float16", capacity=None, hadamard=None):
+        super().__init__(model, dtype, hadamard)
         self.capacity = None if capacity is None else int(capacity)
         if self.capacity is not None and self.capacity < 1:
             raise KVSimdValueError("capacity must be >= 1, got %r" % (capacity,))
@@ -455,7 +476,8 @@ class KVSimdCache(_KVSimdCacheBase):
                                softcap=softcap, out=out[b, 0])
                 continue
             K, V = self._blocks[layer][b]
-            _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b], self._scales[layer][b])
+            _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b], self._scales[layer][b],
+                        self.kv.hadamard)
 
 
 class KVSimdSinkCache(_KVSimdCacheBase):
@@ -466,13 +488,15 @@ class KVSimdSinkCache(_KVSimdCacheBase):
     true distances and the sinks with the query rotated to its position in the cache
     (``n_keep + window - 1`` once full), as in kvsimd's own Decoder under that policy.
 
-    The prompt must fit (``n_keep + window`` tokens); after the ring wraps, one token per step.
-    RoPE families (:data:`SINK_FAMILIES`) without sliding-window layers; unpadded batches."""
+    ``dtype`` and ``hadamard`` as :class:`KVSimdCache` (float16, float32, int8 or int4; int4 turned
+    by the Hadamard matrix by default).  The prompt must fit (``n_keep + window`` tokens); after the
+    ring wraps, one token per step.  RoPE families (:data:`SINK_FAMILIES`) without sliding-window
+    layers; unpadded batches."""
 
     _policy = "sink_query"
 
-    def __init__(self, model, window, n_keep=4, dtype="float16"):
-        super().__init__(model, dtype)
+    def __init__(self, model, window, n_keep=4, dtype="float16", hadamard=None):
+        super().__init__(model, dtype, hadamard)
         c = self._config
         fam = getattr(c, "model_type", None)
         if fam not in SINK_FAMILIES:
@@ -543,7 +567,7 @@ class KVSimdSinkCache(_KVSimdCacheBase):
             ks, vs = self._scales[layer][b]
             if rows is None:
                 N = p["extent"]
-                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs))
+                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard)
                 continue
             _, slot, kpos, spos, ranges = rows[b]
             q2 = np.ascontiguousarray(q[b, :, 0, :])
@@ -554,7 +578,7 @@ class KVSimdSinkCache(_KVSimdCacheBase):
                                inv_freq=self.rope.inv_freq)
                 alt = alt[0]
             ops.attend(q2, K, V, ranges=[(t0, t1, bool(u)) for u, t0, t1, _ in ranges], q_alt=alt, scale=scale,
-                       softcap=softcap, out=out[b, 0], k_scale=ks, v_scale=vs)
+                       softcap=softcap, out=out[b, 0], k_scale=ks, v_scale=vs, hadamard=self.kv.hadamard)
 
 
 __all__ = ["attention", "attention_mask", "register", "enable", "KVSimdCache", "KVSimdSinkCache", "NAME",
