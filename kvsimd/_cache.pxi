@@ -31,6 +31,20 @@ def _cache_dtypes(dtype):
         raise KVSimdTypeError("dtype must be float16, float32, int8, int4 or \"int8/int4\" (int8 keys, int4 values), "
                               "got %r" % (dtype,))
     return key, key
+
+
+def _cache_kind(dtype, hadamard):
+    """(name, K's name, V's name, hadamard) of a cache's ``dtype`` and ``hadamard`` arguments (the
+    one rule: KVCache and the transformers caches): hadamard None means on when K or V is int4;
+    True needs quantized K/V."""
+    kn, vn = _cache_dtypes(dtype)
+    name = kn if kn == vn else kn + "/" + vn
+    if hadamard is None:
+        return name, kn, vn, "int4" in (kn, vn)
+    had = _need_flag(hadamard, "hadamard")
+    if had and kn not in _QUANTIZED:
+        raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s" % name)
+    return name, kn, vn, had
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
 cdef enum:
     _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
@@ -90,18 +104,10 @@ cdef class _KVStore:
         cdef int64_t nl = _need_int(n_layers, "n_layers", 1), hkv = _need_int(n_kv_heads, "n_kv_heads", 1)
         cdef int64_t hd = _need_int(head_dim, "head_dim", 1, KV_MAX_HEAD_DIM)
         cdef int64_t cap = _need_int(capacity, "capacity", 1, KV_MAX_TOKENS), bt = _need_int(batch, "batch", 1)
-        kn, vn = _cache_dtypes(dtype)
-        key = kn if kn == vn else kn + "/" + vn
+        key, kn, vn, self.hadamard = _cache_kind(dtype, hadamard)
         self._kv_dtype, self._np_dtype = _DTYPES[kn]
         self._v_dtype, self._v_np_dtype = _DTYPES[vn]
         self._dtype_name = key
-        if hadamard is None:
-            self.hadamard = "int4" in (kn, vn)
-        else:
-            self.hadamard = _need_flag(hadamard, "hadamard")
-            if self.hadamard and not kv_dtype_scaled(self._kv_dtype):
-                raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s"
-                                       % key)
         self._row_len = <int64_t>kv_row_bytes(self._kv_dtype, hd) // self._np_dtype.itemsize
         self._v_row_len = <int64_t>kv_row_bytes(self._v_dtype, hd) // self._v_np_dtype.itemsize
         # exact: Python ints

@@ -36,7 +36,7 @@ FAMILIES = {
 }
 STOCK = {"gemma2": "eager"}
 #: (dtype, hadamard) of the quantized caches: int4 turned by the Hadamard matrix by default, int8 not
-KINDS = [("int4", True), ("int4", False), ("int8", False), ("int8", True)]
+KINDS = [("int4", True), ("int4", False), ("int8", False), ("int8", True), ("int8/int4", True)]
 #: heads of 48 dims for the quantized caches: a block of 32 (turned by H) and a shorter one (never turned)
 WIDE = dict(head_dim=48)
 
@@ -70,11 +70,11 @@ def stored_eager(kind):
     kvsimd.reference's NumPy rule (turned by H first when ``hadamard``), the values it stands for
     (turned back), in float64 then float32.  DynamicCache keeps the float K/V: every call quantizes
     the rows again, the same rows the same way."""
-    name = "stored-%s-%s" % (kind[0], "turned" if kind[1] else "plain")
+    name = "stored-%s-%s" % (kind[0].replace("/", "-"), "turned" if kind[1] else "plain")
 
     def attn(module, query, key, value, attention_mask, **kw):
-        k, v = (torch.from_numpy(reference._as_cached(kind, t.detach().float().numpy(), t.shape[-1]).astype(np.float32))
-                for t in (key, value))
+        k, v = (torch.from_numpy(reference._as_cached(kind, t.detach().float().numpy(), t.shape[-1], which)
+                                 .astype(np.float32)) for which, t in enumerate((key, value)))
         return sys.modules[type(module).__module__].eager_attention_forward(module, query, k, v, attention_mask, **kw)
 
     T.AttentionInterface.register(name, attn)
@@ -116,7 +116,7 @@ def test_greedy_matches_dynamic_cache(family):
     assert torch.equal(tok, ref_tok) and rel(log, ref_log) <= REFERENCE_BOUNDS["float32"]
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=["int4", "int4-plain", "int8", "int8-turned"])
+@pytest.mark.parametrize("kind", KINDS, ids=["int4", "int4-plain", "int8", "int8-turned", "int8-int4"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_quantized_cache_matches_eager_attention_over_its_values(family, kind):
     """A quantized KVSimdCache gives the greedy tokens of the model under its family's eager
@@ -222,7 +222,7 @@ def test_sink_cache_equals_kvsimd_decoder_sink_query():
     ids = prompt(8, n=12)
     m.set_attn_implementation(kt.NAME)
     m.generation_config.eos_token_id = None     # the Decoder's generate does not stop at it either
-    for dtype in ("float32", "float16", "int8", "int4"):
+    for dtype in ("float32", "float16", "int8", "int4", "int8/int4"):
         cache = kt.KVSimdSinkCache(m, window=20, n_keep=4, dtype=dtype)
         got = m.generate(ids, max_new_tokens=90, do_sample=False, past_key_values=cache, pad_token_id=0)
         mine = list(dec.generate(ids[0].tolist(), max_new_tokens=90, capacity=24, n_keep=4, policy="sink_query",

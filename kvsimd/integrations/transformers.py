@@ -19,7 +19,8 @@ its caches, without leaving the model, the tokenizer or ``generate``::
   int8 or int4 storage: int8 with a float32 scale per 32 values, about half the bytes a float16
   cache streams per step; int4 two values per byte with the same scales, under a third of them,
   each block of 32 values stored turned by the 32 x 32 Hadamard matrix unless ``hadamard=False``:
-  the backend turns the query and the output as kvsimd's own attention does), growing by
+  the backend turns the query and the output as kvsimd's own attention does; "int8/int4": int8
+  keys with int4 values, 0.44x float16's bytes at close to int8's accuracy), growing by
   doubling like ``DynamicCache``; ``crop`` (assisted / prompt-lookup decoding) truncates.
 - :class:`KVSimdSinkCache`: StreamingLLM -- ``n_keep`` attention sinks and a window of recent
   tokens that never fills: the kvsimd cache's ``sink_query`` policy (no key is ever rewritten;
@@ -48,14 +49,11 @@ except ImportError as _missing:   # pragma: no cover - the optional extra
                       "from the checkout (%s)" % _missing) from _missing
 
 from kvsimd import ops
-from kvsimd._kvsimd import _need_flag
+from kvsimd._kvsimd import _cache_kind
 from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
 NAME = "kvsimd"
-#: the storage dtypes of the kvsimd caches; the quantized ones keep a float32 scale per 32 values
-_DTYPES = ("float16", "float32", "int8", "int4")
-_QUANTIZED = ("int8", "int4")
 
 # kvsimd's import sets GOMP_SPINCOUNT=1000 (threads sleep soon after each OpenMP region) unless the
 # user chose a spin or wait policy or torch was already loaded.  torch and kvsimd share the
@@ -262,20 +260,10 @@ class _KVSimdCacheBase(Cache):
         self.n_heads = int(c.num_attention_heads)
         self.n_kv_heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        if isinstance(dtype, str) and dtype == "int4":
-            self.dtype = dtype
-        else:
-            try:
-                self.dtype = np.dtype(dtype).name
-            except (TypeError, ValueError):
-                self.dtype = None
-        if self.dtype not in _DTYPES:
-            raise KVSimdTypeError("dtype must be float16, float32, int8 or int4, got %r" % (dtype,))
-        # as KVCache's: by default int4 rows are stored turned by H, int8 ones not
-        self.hadamard = self.dtype == "int4" if hadamard is None else _need_flag(hadamard, "hadamard")
-        if self.hadamard and self.dtype not in _QUANTIZED:
-            raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s"
-                                   % self.dtype)
+        # KVCache's rule, checked now (the KVCache is made at the first pass): by default rows are
+        # stored turned by H when K or V is int4
+        self.dtype, kd, _, self.hadamard = _cache_kind(dtype, hadamard)
+        self._quantized = kd in ("int8", "int4")
         super().__init__(layers=[_Layer(self, i) for i in range(self.n_layers)])
         self.kv = None
         self._pending = None          # the forward pass in progress: dict, or None
@@ -377,8 +365,8 @@ class _KVSimdCacheBase(Cache):
                            for l in range(self.n_layers)]
         self._blocks = [[(kv.keys(l, b, length=capacity), kv.values(l, b, length=capacity)) for b in range(B)]
                         for l in range(self.n_layers)]
-        quantized = self.dtype in _QUANTIZED
-        self._scales = [[(kv.key_scales(l, b, length=capacity), kv.value_scales(l, b, length=capacity)) if quantized
+        self._scales = [[(kv.key_scales(l, b, length=capacity), kv.value_scales(l, b, length=capacity))
+                         if self._quantized
                          else (None, None) for b in range(B)] for l in range(self.n_layers)]
         for layer in self.layers:
             layer.is_initialized = True
@@ -430,12 +418,13 @@ def _kv_f32(t):
 
 class KVSimdCache(_KVSimdCacheBase):
     """transformers' Cache API over a :class:`kvsimd.KVCache`: ``dtype`` float16 (default),
-    float32, int8 or int4 storage, ``[layer][K|V][sequence][kv head][slot][head_dim]`` in one C
-    block (int8 and int4: each row quantized once as it is written, with a float32 scale per 32
-    values; int4 two values per byte); it starts at ``capacity`` tokens (default: the first pass,
+    float32, int8, int4 or "int8/int4" (int8 keys, int4 values) storage,
+    ``[layer][K|V][sequence][kv head][slot][head_dim]`` in one C block (int8 and int4: each row
+    quantized once as it is written, with a float32 scale per 32 values; int4 two values per byte);
+    it starts at ``capacity`` tokens (default: the first pass,
     at least 256) and doubles when full, like ``DynamicCache`` (the copy is amortized).  Needs
-    ``attn_implementation="kvsimd"``.  ``hadamard`` as :class:`kvsimd.KVCache` (default: True for
-    int4, False otherwise; quantized caches only): every block of 32 values of K and V stored
+    ``attn_implementation="kvsimd"``.  ``hadamard`` as :class:`kvsimd.KVCache` (default: True when
+    K or V is int4, False otherwise; quantized caches only): every block of 32 values of K and V stored
     turned by the 32 x 32 Hadamard matrix, which spreads an outlier channel over its block before
     the block's scale is taken; attention turns the query and the output (scores and outputs
     are those of the unturned rows).
@@ -488,8 +477,8 @@ class KVSimdSinkCache(_KVSimdCacheBase):
     true distances and the sinks with the query rotated to its position in the cache
     (``n_keep + window - 1`` once full), as in kvsimd's own Decoder under that policy.
 
-    ``dtype`` and ``hadamard`` as :class:`KVSimdCache` (float16, float32, int8 or int4; int4 turned
-    by the Hadamard matrix by default).  The prompt must fit (``n_keep + window`` tokens); after the
+    ``dtype`` and ``hadamard`` as :class:`KVSimdCache` (float16, float32, int8, int4 or
+    "int8/int4"; turned by the Hadamard matrix by default when K or V is int4).  The prompt must fit (``n_keep + window`` tokens); after the
     ring wraps, one token per step.  RoPE families (:data:`SINK_FAMILIES`) without sliding-window
     layers; unpadded batches."""
 
