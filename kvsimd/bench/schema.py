@@ -45,22 +45,22 @@ Sections and the keys every row has (figures are positive and finite):
                 _ci95) or "hf-sink" (impl, generated, threads, tok_per_s, tok_per_s_ci95, rss_MiB, cache_bytes)
 """
 import math
+from typing import Dict, List, Optional
 
 SCHEMA_VERSION = 1
 
-# the quantized caches' attention rows beside float16 (kernels.bench_attention_quantized)
-QUANTIZED_OPS = ("attend-int8", "attend-int4", "attend-int8/int4")
 # section -> op (or None for every row) -> keys that must be present; values in POSITIVE must be > 0
 _QUANTIZED_KEYS = ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads", "median_s", "fp16_median_s",
                    "GBps", "fp16_GBps", "ratio", "ratio_ci95", "bytes_per_token", "fp16_bytes_per_token"]
-ROW_KEYS = {
+ROW_KEYS: Dict[str, Dict[Optional[str], List[str]]] = {
     "roofline": {None: ["kind", "threads"]},
     "attention": {None: ["op", "impl", "shape", "H", "Hkv", "D", "N", "dtype", "median_s", "GBps",
                          "pct_read_roofline"],
                   "attend-ceiling": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads",
                                      "median_s", "GBps", "read_GBps", "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
                                      "binds"],
-                  **{op: _QUANTIZED_KEYS for op in QUANTIZED_OPS}},
+                  "attend-int8": _QUANTIZED_KEYS, "attend-int4": _QUANTIZED_KEYS,
+                  "attend-int8/int4": _QUANTIZED_KEYS},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
     "decode": {None: ["model", "impl", "context", "threads", "tok_per_s"],
                "prefill": ["model", "impl", "tokens", "threads", "tok_per_s", "tok_per_s_ci95"],
@@ -81,6 +81,8 @@ ROW_KEYS = {
     "hf": {"hf-decode": ["model", "impl", "context", "threads", "tok_per_s", "tok_per_s_ci95", "steps", "rounds"],
            "hf-sink": ["impl", "generated", "threads", "tok_per_s", "tok_per_s_ci95", "rss_MiB", "cache_bytes"]},
 }
+# the quantized caches' attention rows beside float16 (kernels.bench_attention_quantized)
+QUANTIZED_OPS = tuple(op for op in ROW_KEYS["attention"] if op is not None and op.startswith("attend-int"))
 POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_read_roofline", "read_GBps",
             "fma_GFLOPs", "ceiling_GBps", "pct_ceiling", "fp16_median_s", "fp16_GBps", "ratio", "bytes_per_token",
             "fp16_bytes_per_token",
