@@ -59,8 +59,8 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--threads", type=_integer(1), default=None,
                    help="threads (at most the cores this process may use; more are capped with a warning)")
-    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4", "int8/int4"], default="float16",
-                   help="KV-cache storage (int8/int4: int8 keys, int4 values)")
+    g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4", "int8/int4", "int4/int8"],
+                   default="float16", help="KV-cache storage (int8/int4: int8 keys, int4 values)")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
                    help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")

@@ -63,7 +63,7 @@ cdef class _KVStore:
     per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
     those bytes, uint8 ``[..., 16 * ceil(head_dim / 32)]`` (:func:`kvsimd.reference.unpack_int4`
     reads them).  ``dtype="int8/int4"`` (any "K/V" pair of int8 and int4): keys of the first width and
-    values of the second; int8 keys with int4 values cost a third of float16's bytes and keep most of
+    values of the second; int8 keys with int4 values cost 0.44x float16's bytes and keep most of
     int8's accuracy (4-bit keys are what costs: README).  ``hadamard`` (default: True when K or V is
     int4, False otherwise; quantized caches only):
     every whole block of 32 values of K and V rows is stored turned by the 32 x 32 Hadamard matrix H

@@ -287,21 +287,26 @@ KV_I8_BLOCK = 32   # values per scale of an int8 or int4 KV row (kvsimd.h)
 KV_QMAX = {"int8": 127, "int4": 7}   # the largest integer of each quantized KV dtype
 
 
-def hadamard_rows(x):
+def hadamard_rows(x, _back=True):
     """Every whole block of 32 values of the last axis of ``x`` times the 32 x 32 Sylvester-Hadamard
-    matrix H of +-1 (H H = 32 I), a shorter last block unchanged: the butterflies (a, b) -> (a + b,
-    a - b) at distances 1, 2, 4, 8, 16 in x's own precision (float32: the C kernel's roundings,
-    kvsimd.h kv_hadamard_rows).  Returns a new array."""
+    matrix H of +-1 (H H = 32 I), a shorter last block unchanged: the block times 1/32, the
+    butterflies (a, b) -> (a + b, a - b) at distances 1, 2, 4, 8, 16, then times 32, in x's own
+    precision (float32: the C kernel's roundings, kvsimd.h kv_hadamard_rows; the powers of 2 keep
+    the sums in range wherever the result is, and change no bit elsewhere but for values below
+    2**-120).  Returns a new array."""
     x = np.array(x)
     D = x.shape[-1]
     w = D // KV_I8_BLOCK * KV_I8_BLOCK
     b = x[..., :w].reshape(x.shape[:-1] + (-1, KV_I8_BLOCK))
+    b *= x.dtype.type(1.0 / KV_I8_BLOCK)
     h = 1
     while h < KV_I8_BLOCK:
         v = b.reshape(b.shape[:-1] + (KV_I8_BLOCK // (2 * h), 2, h))
         lo, hi = v[..., 0, :].copy(), v[..., 1, :].copy()
         v[..., 0, :], v[..., 1, :] = lo + hi, lo - hi
         h *= 2
+    if _back:
+        b *= x.dtype.type(KV_I8_BLOCK)
     x[..., :w] = b.reshape(x.shape[:-1] + (w,))
     return x
 
@@ -310,13 +315,13 @@ def quantize_kv(x, dtype="int8", hadamard=False):
     """The quantized KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the
     last axis in blocks of 32 values (the last shorter), ``scale = max |block| / qmax`` (qmax 127
     for int8, 7 for int4) and ``q = rint(block / scale)`` (ties to even), clipped to +-qmax; a block
-    with NaN or infinity gets scale NaN and q 0.  ``hadamard``: each whole block turned first
-    (:func:`hadamard_rows`) and its scale divided by 32.  Returns (q, scale float32 x.shape[:-1] +
+    with NaN or infinity gets scale NaN and q 0.  ``hadamard``: each whole block turned first, H x /
+    32 (:func:`hadamard_rows` without its final times 32), so that q * scale stands for H x / 32.  Returns (q, scale float32 x.shape[:-1] +
     (blocks,)): int8 q of x.shape, or for int4 q packed as the cache stores it (:func:`pack_int4`)."""
     qmax = KV_QMAX[dtype]
     x = np.asarray(x, np.float32)
     if hadamard:
-        x = hadamard_rows(x)
+        x = hadamard_rows(x, _back=False)
     D = x.shape[-1]
     nb = -(-D // KV_I8_BLOCK)
     pad = np.zeros(x.shape[:-1] + (nb * KV_I8_BLOCK,), np.float32)
@@ -329,8 +334,6 @@ def quantize_kv(x, dtype="int8", hadamard=False):
         q = np.rint(np.where(scale[..., None] > 0, b / np.where(scale > 0, scale, 1)[..., None], 0))
     q = np.clip(np.where(bad[..., None], 0, q), -qmax, qmax).astype(np.int8)
     scale = np.where(bad, np.float32(np.nan), scale).astype(np.float32)
-    if hadamard:   # q * scale stands for H x / 32 (exact: a power of 2)
-        scale[..., :D // KV_I8_BLOCK] *= np.float32(1.0 / KV_I8_BLOCK)
     q = q.reshape(pad.shape)
     return (q[..., :D].copy() if dtype == "int8" else pack_int4(q)), scale
 

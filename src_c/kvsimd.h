@@ -360,9 +360,10 @@ kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, fl
 void kv_dequantize_rows(kv_dtype dtype, int hadamard, float *x, int64_t xs, const void *q, int64_t qs,
                         const float *scale, int64_t n, int64_t D);
 /* Every whole block of 32 values of rows x [n, D] (row stride xs floats) in place times H, the 32 x 32
- * Sylvester-Hadamard matrix of +-1 (H H = 32 I): five butterfly stages (a, b) -> (a + b, a - b) at
- * distances 1, 2, 4, 8, 16, in float32; a shorter last block is left as it is.  With hadamard,
- * kv_quantize_rows quantizes H x instead of x and stores scale / 32 for those blocks, so that the
+ * Sylvester-Hadamard matrix of +-1 (H H = 32 I): the block times 1/32, five butterfly stages (a, b) ->
+ * (a + b, a - b) at distances 1, 2, 4, 8, 16, then times 32, in float32 (the powers of 2 keep every
+ * partial sum in range where the result is); a shorter last block is left as it is.  With hadamard,
+ * kv_quantize_rows quantizes H x / 32 (the same steps without the last) instead of x, so that the
  * values q * scale a row stands for are H x / 32 and H of them is x again: attention over such rows
  * with the query H q gives the scores of q (q . x = Hq . Hx / 32), and H of its output is the output
  * over x.  The rotation spreads an outlier channel over its block (what keeps 4-bit keys usable). */

@@ -357,8 +357,13 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
     }
 }
 
-static void hadamard32(float *x)
+/* x <- H x * post / 32 for one block: the block times 1/32 first, so that no partial sum leaves
+   float32's range where the result does not (32 values of 2e37 summed to 6.4e38 and stored a NaN
+   scale); powers of 2, so the bits are those of H x * post / 32 but for values below 2^-120. */
+static void hadamard32(float *x, float post)
 {
+    for (int i = 0; i < KV_I8_BLOCK; i++)
+        x[i] *= 1.0f / KV_I8_BLOCK;
     for (int h = 1; h < KV_I8_BLOCK; h *= 2)
         for (int i = 0; i < KV_I8_BLOCK; i += 2 * h)
             for (int j = i; j < i + h; j++) {
@@ -366,13 +371,16 @@ static void hadamard32(float *x)
                 x[j] = a + b;
                 x[j + h] = a - b;
             }
+    if (post != 1.0f)
+        for (int i = 0; i < KV_I8_BLOCK; i++)
+            x[i] *= post;
 }
 
 void kv_hadamard_rows(float *x, int64_t xs, int64_t n, int64_t D)
 {
     for (int64_t r = 0; r < n; r++)
         for (int64_t d = 0; d + KV_I8_BLOCK <= D; d += KV_I8_BLOCK)
-            hadamard32(x + r * xs + d);
+            hadamard32(x + r * xs + d, (float)KV_I8_BLOCK);
 }
 
 kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
@@ -390,15 +398,13 @@ kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, fl
             const float *src = x + r * xs + d;
             if (rot) {
                 memcpy(hx, src, sizeof hx);
-                hadamard32(hx);
+                hadamard32(hx, 1.0f);     /* H x / 32: what q * scale stands for */
                 src = hx;
             }
             int8_t v[KV_I8_BLOCK] = {0};   /* int4: the padding of a short last block is value 0 */
             float *sc = scale + r * nb + b;
             *sc = quantize_run(dtype == KV_I8 ? (int8_t *)q + r * qs + d : v, src, len, dtype == KV_I8 ? 127.0f : 7.0f,
                                &sum);
-            if (rot)
-                *sc *= 1.0f / KV_I8_BLOCK;   /* q * scale stands for H x / 32 (exact: a power of 2) */
             if (dtype == KV_I4) {
                 uint8_t *o = (uint8_t *)q + r * qs + b * KV_I4_BLOCK_BYTES;
                 for (int e = 0; e < KV_I4_BLOCK_BYTES; e++)

@@ -302,6 +302,12 @@ def test_refusals():
                      torch.ones(1, 2, 1, 16), torch.ones(1, 1, 1, 1, dtype=torch.bool))
     with pytest.raises(KVSimdError):
         kt.KVSimdCache(m, dtype="int3")
+    with pytest.raises(KVSimdTypeError, match="capacity must be an integer, got 'abc'"):
+        kt.KVSimdCache(m, capacity="abc")
+    with pytest.raises(KVSimdTypeError, match="capacity must be an integer, got 1.7"):
+        kt.KVSimdCache(m, capacity=1.7)
+    with pytest.raises(KVSimdValueError, match="capacity must be >= 1"):
+        kt.KVSimdCache(m, capacity=0)
     with pytest.raises(KVSimdValueError, match="hadamard=True applies to quantized caches .* dtype=float16"):
         kt.KVSimdCache(m, hadamard=True)
     with pytest.raises(KVSimdTypeError, match="hadamard must be a bool, got 'yes'"):

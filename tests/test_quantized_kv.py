@@ -137,6 +137,32 @@ def test_quantize_kv_hadamard_is_the_numpy_rule_bit_for_bit(rng, D, dtype):
         assert np.array_equal(back, plain)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int8/int4"])
+def test_turned_rows_near_the_top_of_float32(rng, dtype):
+    """Finite K/V however large: a block of 32 values of 2e37 sums to 6.4e38 under H, past float32's
+    range (it stored a NaN scale, and attention over it was NaN); the turn takes the block times
+    1/32 first, so the rows read back and attention over them stay finite and right, as an
+    unturned int8 cache's are."""
+    kd, vd = sides(dtype)
+    x = np.full((1, 3, 64), 2e37, np.float32)
+    x[0, 1] = rng.standard_normal(64).astype(np.float32) * np.float32(1e37)
+    for side in (kd, vd):
+        q, s = ops.quantize_kv(x, side, hadamard=True)
+        rq, rs = reference.quantize_kv(x, side, hadamard=True)
+        assert np.isfinite(s).all() and np.array_equal(q, rq) and np.array_equal(s, rs)
+        back = reference.hadamard_rows(reference.dequantize_kv(q, s, 64).astype(np.float64))
+        assert (np.abs(back - x) <= hadamard_step_bound(s, x)).all()
+    c = KVCache(1, 1, 64, 8, dtype=dtype)
+    f = KVCache(1, 1, 64, 8, dtype="float32")
+    for cache in (c, f):
+        cache.write(0, x, x)
+        cache.commit(3)
+    qv = np.full((2, 64), 1e-38, np.float32)        # scores in range: the values set the output
+    got, want = c.attend(0, qv), f.attend(0, qv)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 0.2 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_kv_non_finite_rows(rng, dtype):
     x = rng.standard_normal((4, 16)).astype(np.float32)
@@ -548,3 +574,16 @@ def test_quantized_transaction_rollback_restores_bits(policy, dtype, had):
         for g, s in zip(got, snap[l]):
             assert np.array_equal(np.asarray(g).view(np.uint8), s.view(np.uint8))
     assert np.array_equal(c.lengths, state[0]) and np.array_equal(c.positions, state[1]) and c.tokens == state[2]
+
+
+def test_attend_bound_names_a_pair_of_dtypes(rng):
+    """attend_bound takes a cache's "K/V" dtype (either order) with the larger tolerance of the two,
+    and names a dtype it does not know."""
+    q = rng.standard_normal((4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 10, 32)).astype(np.float32) for _ in range(2))
+    one = attend_bound(q, k, v, dtype="int8")
+    assert np.array_equal(attend_bound(q, k, v, dtype="int8/int4"), one)
+    assert np.array_equal(attend_bound(q, k, v, dtype="int4/int8"), one)
+    assert np.array_equal(attend_bound(q, k, v, dtype="float16/int8"), attend_bound(q, k, v, dtype="float16"))
+    with pytest.raises(KVSimdValueError, match="got 'int3/int4'"):
+        attend_bound(q, k, v, dtype="int3/int4")

@@ -49,7 +49,7 @@ except ImportError as _missing:   # pragma: no cover - the optional extra
                       "from the checkout (%s)" % _missing) from _missing
 
 from kvsimd import ops
-from kvsimd._kvsimd import _cache_kind
+from kvsimd._kvsimd import _cache_kind, _need_int
 from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
@@ -434,9 +434,7 @@ class KVSimdCache(_KVSimdCacheBase):
 
     def __init__(self, model, dtype="float16", capacity=None, hadamard=None):
         super().__init__(model, dtype, hadamard)
-        self.capacity = None if capacity is None else int(capacity)
-        if self.capacity is not None and self.capacity < 1:
-            raise KVSimdValueError("capacity must be >= 1, got %r" % (capacity,))
+        self.capacity = None if capacity is None else _need_int(capacity, "capacity", 1)
 
     def _committed(self):
         return self.kv.length(0)
@@ -493,9 +491,8 @@ class KVSimdSinkCache(_KVSimdCacheBase):
         if getattr(c, "sliding_window", None) and (getattr(c, "use_sliding_window", True) is not False):
             raise KVSimdValueError("KVSimdSinkCache: this %s config has sliding-window layers (sliding_window=%r); the "
                                    "sink cache is for full-attention layers" % (fam, c.sliding_window))
-        self.window, self.n_keep = int(window), int(n_keep)
-        if self.window < 1 or self.n_keep < 0:
-            raise KVSimdValueError("window must be >= 1 and n_keep >= 0, got window=%r n_keep=%r" % (window, n_keep))
+        self.window = _need_int(window, "window", 1)
+        self.n_keep = _need_int(n_keep, "n_keep", 0)
         from kvsimd.loaders.hf import rope_spec
         self.rope = rope_spec(c, self.head_dim)
 
