@@ -167,8 +167,9 @@ cdef class _KVStore:
                               "prefill it, or copy its keys()/values() views" % type(self).__name__)
 
     def __repr__(self):
-        return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s, lengths=%s)"
-                % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch, self._dtype_name,
+        return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s%s, lengths=%s)"
+                % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch,
+                   self._dtype_name, ", hadamard=%s" % self.hadamard if kv_dtype_scaled(self._kv_dtype) else "",
                    self._lengths.tolist()))
 
     cdef int _acquire(self) except -1:

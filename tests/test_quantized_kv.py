@@ -433,7 +433,7 @@ def test_cache_quantized_write_views_and_attend(rng, dtype, D, had):
     kd, vd = sides(dtype)
     np_dt = {"int8": np.int8, "int4": np.uint8}
     assert c.dtype == np_dt[kd] and c.kv_dtype == dtype and f.kv_dtype == "float32"
-    assert "dtype=%s" % dtype in repr(c)
+    assert "dtype=%s, hadamard=%s" % (dtype, had) in repr(c) and "hadamard" not in repr(f)
     # values and scales: rows of D bytes (int4: 16 per block of 32) + 4 bytes per 32 values, a 64-byte
     # aligned gap at most between them
     need = L * Hkv * C * (row[kd] + row[vd] + 8 * nb)
