@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvsimd.bench import report, schema
@@ -70,7 +71,15 @@ def test_subcommand_quick_json(tmp_path, sub):
             G = r["H"] // r["Hkv"]
             assert r["ceiling_GBps"] == min(r["read_GBps"], r["fma_GFLOPs"] / G)
             assert r["binds"] == ("memory" if r["read_GBps"] <= r["fma_GFLOPs"] / G else "compute")
-            assert abs(r["pct_ceiling"] - 100 * r["GBps"] / r["ceiling_GBps"]) < 1e-9
+            # paired: each repeat's call against a read of the same K and V beside it, median of the shares
+            nb = 2 * r["Hkv"] * r["N"] * r["D"] * 2
+            ts, tr = np.array(r["times_s"]), np.array(r["read_times_s"])
+            assert len(ts) == len(tr) >= 3 and abs(r["median_s"] - np.median(ts)) <= 1e-12 * r["median_s"]
+            assert abs(r["read_GBps"] - nb / np.median(tr) / 1e9) < 1e-9 * r["read_GBps"]
+            share = (nb / ts / 1e9) / np.minimum(nb / tr / 1e9, r["fma_GFLOPs"] / G)
+            assert abs(r["pct_ceiling"] - 100 * np.median(share)) < 1e-9
+            lo, hi = r["pct_ceiling_ci95"]
+            assert 100 * share.min() <= lo <= r["pct_ceiling"] <= hi <= 100 * share.max()
         assert "Against its ceiling" in md
         i8 = [r for r in rows if r["op"] == "attend-int8"]
         assert {r["isa"] for r in i8} == set(doc["header"]["isa"]["supported"])

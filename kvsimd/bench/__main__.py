@@ -47,9 +47,9 @@ def _fmt_kernel(r):
 
 
 def _fmt_ceiling(r):
-    return ("attend     %-12s %-8s N=%-7d %-10s threads=%d %9.3f ms %7.2f GB/s  ceiling %.2f GB/s (%s) %5.1f%%"
-            % (r["shape"], r["dtype"], r["N"], r["isa"], r["threads"], r["median_s"] * 1e3, r["GBps"],
-               r["ceiling_GBps"], r["binds"], r["pct_ceiling"]))
+    return ("attend     %-12s %-8s N=%-7d %-10s threads=%d %9.3f ms %7.2f GB/s  ceiling %.2f GB/s (%s) %5.1f%% "
+            "[%.1f, %.1f]" % (r["shape"], r["dtype"], r["N"], r["isa"], r["threads"], r["median_s"] * 1e3, r["GBps"],
+                              r["ceiling_GBps"], r["binds"], r["pct_ceiling"], *r["pct_ceiling_ci95"]))
 
 
 def _fmt_quantized(r):
@@ -90,8 +90,7 @@ def _kernel_section(args, roof, isas, op):
         peers += kernels.bench_attention_ceiling(
             isas, cases.CEILING_SHAPES[-1:] if args.quick else cases.CEILING_SHAPES,
             sorted(set(args.threads or [1, cores])), 3 if args.quick else max(repeat, 7),
-            tokens=4096 if args.quick else None, progress=lambda r: print(_fmt_ceiling(r), flush=True),
-            size=(256 << 20) if args.quick else (1 << 30))
+            tokens=4096 if args.quick else None, progress=lambda r: print(_fmt_ceiling(r), flush=True))
         # the int8 and int4 caches beside float16, same keys, cold, alternated
         peers += kernels.bench_attention_quantized(
             isas, cases.ATTN_SHAPES[:1] if args.quick else cases.INT8_SHAPES,

@@ -7,7 +7,7 @@ import numpy as np
 from kvsimd import ops
 from kvsimd.testing import use_isa
 
-from kvsimd.bench.common import Evictor, fill, fma_peak, llc_bytes, median_ci, time_call
+from kvsimd.bench.common import Evictor, fill, fma_peak, llc_bytes, median_ci
 
 
 def paired_roofline(kind, nbytes):
@@ -82,28 +82,21 @@ def bench_attention(isas, shapes, contexts, dtypes, repeat, roof, progress=None)
     return _sweep("attend", isas, shapes, contexts, dtypes, repeat, roof, make, progress)
 
 
-def ceiling_figures(isas, threads, repeat=3, size=1 << 30):
-    """What bounds decode attention on this machine, per thread count: the streaming read
-    bandwidth beyond the LLC (GB/s) and each row's fp32 multiply-add peak x threads (GFLOP/s)."""
-    from kvsimd import _kvsimd
-    size = max(size, 4 * (llc_bytes() or (32 << 20)))
-    src = np.ones(size, np.uint8)
-    read = {}
-    for nt in threads:
-        _kvsimd._bench_mem("read", src, src, nt)
-        t, _ = time_call(lambda: _kvsimd._bench_mem("read", src, src, nt), repeat)
-        read[nt] = size / t / 1e9
-    return read, {(isa, nt): fma_peak(isa, nt, repeat) for isa in isas for nt in threads}
-
-
-def bench_attention_ceiling(isas, shapes, threads, repeat, tokens=None, progress=None, size=1 << 30):
+def bench_attention_ceiling(isas, shapes, threads, repeat, tokens=None, progress=None):
     """Decode attention against its own ceiling (rows op "attend-ceiling"): a group of G query
     heads over float16 K/V does 4 G D FLOP per 4 D bytes of K and V -- G FLOP per byte -- so a
     step cannot beat min(read bandwidth, FMA peak / G) GB/s of K+V.  Per shape, row and thread
-    count: the kernel's GB/s (median of cold calls), the two ceilings measured in this run, the %
-    of the lower one and which binds.  K+V is >= 2x the LLC unless ``tokens`` is given."""
+    count, repeat by repeat, each cold: one call, then a plain streaming read of the same K and V
+    arrays on as many threads (the same bytes and pages, in the same seconds of this shared
+    machine); pct_ceiling is the median over repeats of the call's GB/s over min(that repeat's
+    read, FMA peak / G), with a 95% bootstrap interval, so drift in the memory bandwidth between
+    repeats cancels.  The FMA peak is the row's best of three probes on as many threads, taken
+    before any call (an FMA probe paired with each call measured up to a third low: OpenMP's
+    threads still spin after a call).  read_GBps is the median paired read; times_s and
+    read_times_s keep every repeat.  K+V is >= 2x the LLC unless ``tokens`` is given."""
     import kvsimd
-    read, peak = ceiling_figures(isas, threads, size=size)
+    from kvsimd import _kvsimd
+    peak = {(isa, nt): fma_peak(isa, nt) for isa in isas for nt in threads}
     llc = llc_bytes() or (32 << 20)
     evict = Evictor()
     rows = []
@@ -114,26 +107,35 @@ def bench_attention_ceiling(isas, shapes, threads, repeat, tokens=None, progress
             N = tokens or -(-2 * llc // (4 * Hkv * D * 2048)) * 2048
             k, v = fill((Hkv, N, D), np.float16, 1), fill((Hkv, N, D), np.float16, 2)
             q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
+            kb, vb = k.reshape(-1).view(np.uint8), v.reshape(-1).view(np.uint8)
             nbytes = k.nbytes + v.nbytes
             for isa in isas:
                 for nt in threads:
                     kvsimd.set_num_threads(nt)
+
+                    def read(nt=nt):
+                        _kvsimd._bench_mem("read", kb, kb, nt)
+                        _kvsimd._bench_mem("read", vb, vb, nt)
                     with use_isa(isa):
                         ops.attend(q, k, v, out=out)
-                        ts = []
+                        ts, tr = [], []
                         for _ in range(repeat):
-                            evict()
-                            t0 = time.perf_counter()
-                            ops.attend(q, k, v, out=out)
-                            ts.append(time.perf_counter() - t0)
-                    med = statistics.median(ts)
-                    gbps = nbytes / med / 1e9
-                    mem, comp = read[nt], peak[isa, nt] / G
+                            for fn, acc in ((lambda: ops.attend(q, k, v, out=out), ts), (read, tr)):
+                                evict()
+                                t0 = time.perf_counter()
+                                fn()
+                                acc.append(time.perf_counter() - t0)
+                    # per repeat: (call GB/s) / min(paired read GB/s, FMA peak / G)
+                    comp = peak[isa, nt] / G
+                    pct, lo, hi = median_ci([(nbytes / t / 1e9) / min(nbytes / r / 1e9, comp) for t, r in zip(ts, tr)])
+                    med, mem = statistics.median(ts), nbytes / statistics.median(tr) / 1e9
                     rows.append({"op": "attend-ceiling", "impl": "kvsimd", "isa": isa, "shape": name, "H": H,
                                  "Hkv": Hkv, "D": D, "N": N, "dtype": "float16", "threads": nt, "median_s": med,
-                                 "GBps": gbps, "read_GBps": mem, "fma_GFLOPs": peak[isa, nt],
-                                 "ceiling_GBps": min(mem, comp), "pct_ceiling": 100.0 * gbps / min(mem, comp),
-                                 "binds": "memory" if mem <= comp else "compute", "beyond_llc": nbytes > llc})
+                                 "GBps": nbytes / med / 1e9, "read_GBps": mem, "fma_GFLOPs": peak[isa, nt],
+                                 "ceiling_GBps": min(mem, comp), "pct_ceiling": 100.0 * pct,
+                                 "pct_ceiling_ci95": [100.0 * lo, 100.0 * hi],
+                                 "binds": "memory" if mem <= comp else "compute", "beyond_llc": nbytes > llc,
+                                 "times_s": ts, "read_times_s": tr})
                     if progress:
                         progress(rows[-1])
             del k, v

@@ -97,10 +97,12 @@ def ceiling_md(rows):
     """Decode attention against min(read bandwidth, FMA peak / G), per row and thread count."""
     body = [["%s %d/%d/%d" % (r["shape"], r["H"], r["Hkv"], r["D"]), r["H"] // r["Hkv"], r["N"], r["isa"], r["threads"],
              _f(r["GBps"]), "%s / %s" % (_f(r["read_GBps"]), _f(r["fma_GFLOPs"] / (r["H"] // r["Hkv"]))),
-             "%s (%s)" % (_f(r["pct_ceiling"], 1), r["binds"])] for r in rows]
+             "%s [%s, %s] (%s)" % (_f(r["pct_ceiling"], 1), _f(r["pct_ceiling_ci95"][0], 1),
+                                   _f(r["pct_ceiling_ci95"][1], 1), r["binds"])] for r in rows]
     return ("Against its ceiling: a group of G query heads over float16 K/V does G FLOP per byte, so a decode step "
-            "cannot beat min(read bandwidth, FMA peak / G) GB/s of K+V (both measured in the same run; float16, "
-            "beyond the LLC, cold, median of repeats).  Targets on the best row: >= 85% for MHA, G = 8 and MQA, "
+            "cannot beat min(read bandwidth, FMA peak / G) GB/s of K+V (float16, beyond the LLC, cold; each call "
+            "paired with a plain read of the same K and V on as many threads: the median over repeats of the "
+            "call's share of that repeat's ceiling, with a 95% interval).  Targets on the best row: >= 85% for MHA, G = 8 and MQA, "
             ">= 75% for GQA 32/8/128 and SmolLM2, on 1 thread and on every core.\n\n"
             + _table(["shape H/Hkv/D", "G", "N", "row", "threads", "GB/s", "ceilings GB/s: read / FMA peak / G",
                       "% of the lower (binds)"], body))

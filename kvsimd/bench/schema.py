@@ -13,7 +13,9 @@ Sections and the keys every row has (figures are positive and finite):
                 "dram" | "llc") or GFLOPs (fma: isa)
 * attention  -- op "attend", impl ("kvsimd" | "numpy" | "torch-sdpa"), shape, H, Hkv, D, N, dtype,
                 median_s, GBps, pct_read_roofline (kvsimd rows: isa); op "attend-ceiling" (kvsimd, float16,
-                beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling, binds; op
+                beyond the LLC): isa, threads, read_GBps, fma_GFLOPs, ceiling_GBps, pct_ceiling,
+                pct_ceiling_ci95, binds, times_s and read_times_s (each repeat's call and the read of the
+                same K and V paired with it); op
                 "attend-int8" / "attend-int4" / "attend-int8/int4" (kvsimd, int8 / int4 / int8 keys with int4
                 values beside float16, cold): isa, threads, median_s,
                 fp16_median_s, GBps, fp16_GBps, ratio (quantized / float16 time), ratio_ci95, bytes_per_token,
@@ -58,7 +60,7 @@ ROW_KEYS: Dict[str, Dict[Optional[str], List[str]]] = {
                          "pct_read_roofline"],
                   "attend-ceiling": ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads",
                                      "median_s", "GBps", "read_GBps", "fma_GFLOPs", "ceiling_GBps", "pct_ceiling",
-                                     "binds"],
+                                     "pct_ceiling_ci95", "binds", "times_s", "read_times_s"],
                   "attend-int8": _QUANTIZED_KEYS, "attend-int4": _QUANTIZED_KEYS,
                   "attend-int8/int4": _QUANTIZED_KEYS},
     "rope": {None: ["op", "impl", "shape", "Hkv", "D", "N", "dtype", "median_s", "GBps", "pct_copy_roofline"]},
