@@ -1,0 +1,94 @@
+"""What rounding the query to int8 costs in perplexity: the accuracy side of integer dot products
+over an int8 K cache (bench/int8_dot_speed.py measures their speed).
+
+    python bench/int8_query_ppl.py [--tokens 2304] [--text PATH] [--json PATH]
+
+VPDPBUSD multiplies bytes by bytes, so scores over int8 keys computed with it need the query in
+int8 too: one scale per query head and 32-value block (max |q| / 127, as the cache scales its
+keys), each value rounded to the nearest step.  This runs SmolLM2 (the GGUF kvsimd's tests use)
+through kvsimd.reference in float64 over the first --tokens tokens of a text (dense causal: every
+token reads every earlier one), four ways: float K/V, K/V as KVCache(dtype="int8") stores them
+(kvsimd.reference.quantize_kv), each of the two with the query rounded so, and prints each
+perplexity and its change against float.  No kvsimd kernel runs: the model's weights are read by
+kvsimd's GGUF loader, everything after that is NumPy.  The reference's per-query attention loop
+is replaced here by a causal one over blocks of 256 queries (the same float64 math, about 50 s per
+configuration for 2,304 tokens on one core)."""
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+
+def round_query(q, bits=8, block=32):
+    """q [H, T, D] with each (head, token, ``block``-value block) rounded to ``bits``-bit integers
+    times max |block| / (2^(bits-1) - 1)."""
+    H, T, D = q.shape
+    nb = -(-D // block)
+    qp = np.zeros((H, T, nb * block))
+    qp[..., :D] = q
+    b = qp.reshape(H, T, nb, block)
+    lim = 2 ** (bits - 1) - 1
+    s = np.abs(b).max(-1, keepdims=True) / lim
+    s[s == 0] = 1.0
+    return (np.rint(b / s) * s).reshape(H, T, nb * block)[..., :D]
+
+
+def causal_attention(q_bits):
+    """A stand-in for kvsimd.reference._attention (dense causal rows, no ALiBi, window or soft cap),
+    the query rounded to ``q_bits`` bits first when given."""
+    def attention(q, k, v, positions=None, slopes=None, window=0, scale=None, softcap=None):
+        if positions is None or slopes is not None or window or softcap:
+            raise NotImplementedError("dense causal attention only (SmolLM2)")
+        H, T, D = q.shape
+        if q_bits:
+            q = round_query(q, q_bits)
+        G = H // k.shape[0]
+        kr, vr = np.repeat(k, G, 0), np.repeat(v, G, 0)
+        sc = 1.0 / math.sqrt(D) if scale is None else scale
+        out = np.empty((T, H * D))
+        for t0 in range(0, T, 256):
+            t1 = min(T, t0 + 256)
+            s = np.einsum("htd,hsd->hts", q[:, t0:t1], kr[:, :t1]) * sc
+            s[:, np.arange(t0, t1)[:, None] < np.arange(t1)[None, :]] = -np.inf
+            s -= s.max(-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(-1, keepdims=True)
+            out[t0:t1] = np.einsum("hts,hsd->thd", p, vr[:, :t1]).reshape(t1 - t0, H * D)
+        return out
+    return attention
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2304, help="tokens scored (default 2304)")
+    ap.add_argument("--text", help="text file (default: kvsimd.bench's, $KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
+    ap.add_argument("--json", help="write the perplexities here")
+    args = ap.parse_args()
+    from kvsimd import Decoder, reference
+    from kvsimd.bench.common import text_path
+    from kvsimd.bench.quality import _nll, load_tokens
+    from kvsimd.loaders import registry
+    text = text_path(args.text)   # KVSimdValueError naming --text and the variables when there is none
+    model = Decoder.from_gguf(registry.smollm2_path(), activations="float32")
+    tokens = load_tokens(model, text, args.tokens)
+    ppl = {}
+    for name, kv, bits in [("float K/V", "float", None), ("float K/V, int8 query", "float", 8),
+                           ("int8 K/V", "int8", None), ("int8 K/V, int8 query", "int8", 8)]:
+        reference._attention = causal_attention(bits)
+        t0 = time.time()
+        logits = reference.forward(model, tokens[:-1], kv=kv)
+        ppl[name] = math.exp(np.mean([_nll(logits[i], tokens[i + 1]) for i in range(len(tokens) - 1)]))
+        print("%-24s perplexity %.4f  %+.3f%% against float K/V  (%.0f s)"
+              % (name, ppl[name], 100 * (ppl[name] / ppl["float K/V"] - 1), time.time() - t0), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"what": "bench/int8_query_ppl.py: SmolLM2 Q4_1 through kvsimd.reference (float64), dense "
+                               "causal, the query rounded to int8 per head and 32-value block or not",
+                       "tokens": len(tokens) - 1, "text": os.path.basename(text), "perplexity": ppl}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
