@@ -313,9 +313,70 @@ KV_AINLINE void kv_scores(const float *q, const void *kb, int mode, int64_t ks, 
         }
 }
 
+/* Columns c.. of CG vectors of kv_accumulate (CG a compile-time constant at every call): the NH x CG
+ * accumulators loaded (times corr_i unless corr is NULL), then per row of the block CG V loads and
+ * NH broadcast loads feed CG * NH FMAs; prefetch slots slot.. of the block ahead, one per row. */
+KV_AINLINE void kv_accumulate_cols(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
+                                   int64_t vs, const float *vsc, int64_t Dp, const int NH, int64_t c, const int CG,
+                                   const char *pl, int64_t nl, int64_t slot)
+{
+    vf x[KV_ACC];
+#pragma GCC unroll 8
+    for (int i = 0; i < NH; i++) {
+        if (corr) {
+            const vf cr = vf_set1(corr[i]);
+#pragma GCC unroll 16
+            for (int u = 0; u < CG; u++)
+                x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
+        } else {
+#pragma GCC unroll 16
+            for (int u = 0; u < CG; u++)
+                x[i * CG + u] = vf_load(acc + i * Dp + c + u * KV_W);
+        }
+    }
+    for (int j = 0; j < KV_B; j++) {
+        if (slot + j < nl)
+            __builtin_prefetch(pl + (slot + j) * 64, 0, 3);
+        vf w[KV_GS];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            w[i] = vf_set1(pw[i * ws + j]);
+        if (mode == KV_ROWS_I4 && CG * KV_W >= KV_I8_BLOCK) {   /* whole blocks (c is a multiple of CG vectors): */
+            enum { HALF = KV_I4_BLOCK_BYTES / KV_W };          /* pairs from one load, vectors c and c + 16 */
+            vf vc[32];
+#pragma GCC unroll 16
+            for (int u = 0; u < CG; u++)
+                if (u % (2 * HALF) < HALF)
+                    kv_load_row_i4_pair(vb, j * vs + c + u * KV_W, vsc, j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK,
+                                        &vc[u], &vc[u + HALF]);
+#pragma GCC unroll 16
+            for (int u = 0; u < CG; u++)
+#pragma GCC unroll 8
+                for (int i = 0; i < NH; i++)
+                    x[i * CG + u] = vf_fmadd(w[i], vc[u], x[i * CG + u]);
+            continue;
+        }
+#pragma GCC unroll 16
+        for (int u = 0; u < CG; u++) {
+            const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W, vsc,
+                                      j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK);
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                x[i * CG + u] = vf_fmadd(w[i], vc, x[i * CG + u]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NH; i++)
+#pragma GCC unroll 16
+        for (int u = 0; u < CG; u++)
+            vf_store(acc + i * Dp + c + u * KV_W, x[i * CG + u]);
+}
+
 /* acc_i = acc_i * corr_i (corr NULL: acc_i) + sum_j p_ij v_j for NH heads (acc rows of stride Dp); p_ij is
- * w[i * ws + j], broadcast straight from memory.  CG column chunks at a time: per row, CG V
- * loads and NH broadcast loads feed CG * NH FMAs. */
+ * w[i * ws + j], broadcast straight from memory.  Column groups of CG vectors (about KV_ACC
+ * accumulators), then the columns left in groups of CG / 2, CG / 4, .. 1 (a power-of-two split:
+ * each group size at most once), so that even a head dim below CG vectors keeps independent FMA
+ * chains (MHA on avx512, CG = 16 > D / 16: one chain per column was 4x slower in the L2). */
 KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
                               int64_t vs, const float *vsc, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
@@ -323,78 +384,21 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
     /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
     const char *pl = pf ? kv_line_floor(pf) : NULL;
     const int64_t nl = pf ? kv_lines(pl, pf + (size_t)KV_B * pf_row) : 0;
-    int64_t c = 0;
-    for (; c + CG * KV_W <= Dp; c += CG * KV_W) {
-        vf x[KV_ACC];
-#pragma GCC unroll 8
-        for (int i = 0; i < NH; i++) {
-            if (corr) {
-                const vf cr = vf_set1(corr[i]);
-#pragma GCC unroll 16
-                for (int u = 0; u < CG; u++)
-                    x[i * CG + u] = vf_mul(vf_load(acc + i * Dp + c + u * KV_W), cr);
-            } else {
-#pragma GCC unroll 16
-                for (int u = 0; u < CG; u++)
-                    x[i * CG + u] = vf_load(acc + i * Dp + c + u * KV_W);
-            }
-        }
-        const int64_t slot0 = (c / (CG * KV_W)) * KV_B;   /* one prefetch slot per row step */
-        for (int j = 0; j < KV_B; j++) {
-            if (slot0 + j < nl)
-                __builtin_prefetch(pl + (slot0 + j) * 64, 0, 3);
-            vf w[KV_GS];
-#pragma GCC unroll 8
-            for (int i = 0; i < NH; i++)
-                w[i] = vf_set1(pw[i * ws + j]);
-            if (mode == KV_ROWS_I4 && CG * KV_W >= KV_I8_BLOCK) {   /* whole blocks: pairs from one load */
-                enum { HALF = KV_I4_BLOCK_BYTES / KV_W };          /* vectors from c to c + 16 */
-                vf vc[32];
-#pragma GCC unroll 16
-                for (int u = 0; u < CG; u++)
-                    if (u % (2 * HALF) < HALF)
-                        kv_load_row_i4_pair(vb, j * vs + c + u * KV_W, vsc, j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK,
-                                            &vc[u], &vc[u + HALF]);
-#pragma GCC unroll 16
-                for (int u = 0; u < CG; u++)
-#pragma GCC unroll 8
-                    for (int i = 0; i < NH; i++)
-                        x[i * CG + u] = vf_fmadd(w[i], vc[u], x[i * CG + u]);
-                continue;
-            }
-#pragma GCC unroll 16
-            for (int u = 0; u < CG; u++) {
-                const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W, vsc,
-                                          j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK);
-#pragma GCC unroll 8
-                for (int i = 0; i < NH; i++)
-                    x[i * CG + u] = vf_fmadd(w[i], vc, x[i * CG + u]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < NH; i++)
-#pragma GCC unroll 16
-            for (int u = 0; u < CG; u++)
-                vf_store(acc + i * Dp + c + u * KV_W, x[i * CG + u]);
+    int64_t c = 0, slot = 0;
+    for (; c + CG * KV_W <= Dp; c += CG * KV_W, slot += KV_B)
+        kv_accumulate_cols(acc, corr, pw, ws, vb, mode, vs, vsc, Dp, NH, c, CG, pl, nl, slot);
+#define KV_AC_REST(n) if (n < CG && c + n * KV_W <= Dp) {                                                   \
+        kv_accumulate_cols(acc, corr, pw, ws, vb, mode, vs, vsc, Dp, NH, c, n < CG ? n : 1, pl, nl, slot); \
+        c += n * KV_W;                                                                                       \
+        slot += KV_B;                                                                                        \
     }
-    for (; c < Dp; c += KV_W) {
-        vf x0[KV_GS];
-#pragma GCC unroll 8
-        for (int i = 0; i < NH; i++)
-            x0[i] = corr ? vf_mul(vf_load(acc + i * Dp + c), vf_set1(corr[i])) : vf_load(acc + i * Dp + c);
-        for (int j = 0; j < KV_B; j++) {
-            const vf v0 = kv_load_row(vb, mode, j * vs + c, vsc, j * kv_i8_blocks(vs) + c / KV_I8_BLOCK);
-#pragma GCC unroll 8
-            for (int i = 0; i < NH; i++)
-                x0[i] = vf_fmadd(vf_set1(pw[i * ws + j]), v0, x0[i]);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < NH; i++)
-            vf_store(acc + i * Dp + c, x0[i]);
-    }
-    for (int64_t m = (Dp / (CG * KV_W)) * KV_B; m < nl; m++)   /* lines beyond one per row step */
+    KV_AC_REST(8) KV_AC_REST(4) KV_AC_REST(2) KV_AC_REST(1)
+#undef KV_AC_REST
+    for (int64_t m = slot; m < nl; m++)   /* lines beyond one per row step */
         __builtin_prefetch(pl + m * 64, 0, 3);
 }
+
+_Static_assert(KV_POW2_FLOOR(KV_ACC) <= 16, "kv_accumulate splits what is left of a head dim in groups of 8, 4, 2, 1");
 
 /* Instantiate the two helpers for a compile-time head count and row mode (int8 rows: ks / vs is
    D, the row length, int4 rows kv_row_values; ksc / vsc the block scales of the block's first row). */
