@@ -4,8 +4,8 @@ over an int8 K cache (bench/int8_dot_speed.py measures their speed).
     python bench/int8_query_ppl.py [--tokens 2304] [--text PATH] [--json PATH]
 
 VPDPBUSD multiplies bytes by bytes, so scores over int8 keys computed with it need the query in
-int8 too: one scale per query head and 32-value block (max |q| / 127, as the cache scales its
-keys), each value rounded to the nearest step.  This runs SmolLM2 (the GGUF kvsimd's tests use)
+int8 too: one scale per query head and 32-value block, rounded by the rule the cache applies to
+its keys (kvsimd.reference.quantize_kv: max |block| / 127, ties to even, in float32).  This runs SmolLM2 (the GGUF kvsimd's tests use)
 through kvsimd.reference in float64 over the first --tokens tokens of a text (dense causal: every
 token reads every earlier one), four ways: float K/V, K/V as KVCache(dtype="int8") stores them
 (kvsimd.reference.quantize_kv), each of the two with the query rounded so, and prints each
@@ -22,29 +22,18 @@ import time
 import numpy as np
 
 
-def round_query(q, bits=8, block=32):
-    """q [H, T, D] with each (head, token, ``block``-value block) rounded to ``bits``-bit integers
-    times max |block| / (2^(bits-1) - 1)."""
-    H, T, D = q.shape
-    nb = -(-D // block)
-    qp = np.zeros((H, T, nb * block))
-    qp[..., :D] = q
-    b = qp.reshape(H, T, nb, block)
-    lim = 2 ** (bits - 1) - 1
-    s = np.abs(b).max(-1, keepdims=True) / lim
-    s[s == 0] = 1.0
-    return (np.rint(b / s) * s).reshape(H, T, nb * block)[..., :D]
-
-
 def causal_attention(q_bits):
     """A stand-in for kvsimd.reference._attention (dense causal rows, no ALiBi, window or soft cap),
-    the query rounded to ``q_bits`` bits first when given."""
+    the query rounded to int8 first when ``q_bits`` is 8, by kvsimd.reference.quantize_kv: the rule
+    the int8 cache applies to its keys."""
+    from kvsimd import reference
+
     def attention(q, k, v, positions=None, slopes=None, window=0, scale=None, softcap=None):
         if positions is None or slopes is not None or window or softcap:
             raise NotImplementedError("dense causal attention only (SmolLM2)")
         H, T, D = q.shape
-        if q_bits:
-            q = round_query(q, q_bits)
+        if q_bits:   # the int8 cache's own rule (scale max |block| / 127, ties to even), in float32
+            q = reference.dequantize_kv(*reference.quantize_kv(q, "int8"), D).astype(np.float64)
         G = H // k.shape[0]
         kr, vr = np.repeat(k, G, 0), np.repeat(v, G, 0)
         sc = 1.0 / math.sqrt(D) if scale is None else scale
