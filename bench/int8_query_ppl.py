@@ -52,10 +52,20 @@ def causal_attention(q_bits):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2304, help="tokens scored (default 2304)")
+    ap.add_argument("--tokens", type=int, default=2304, help="tokens scored (default 2304, at least 1)")
     ap.add_argument("--text", help="text file (default: kvsimd.bench's, $KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     ap.add_argument("--json", help="write the perplexities here")
     args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error("--tokens must be >= 1, got %d" % args.tokens)
+    import kvsimd
+    try:
+        run(args)
+    except kvsimd.KVSimdError as e:   # no text, no model: one line naming what is missing
+        ap.exit(2, "%s: %s\n" % (ap.prog, e))
+
+
+def run(args):
     from kvsimd import Decoder, reference
     from kvsimd.bench.common import text_path
     from kvsimd.bench.quality import _nll, load_tokens
