@@ -18,7 +18,7 @@ import numpy as np
 
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 
-__all__ = ["attend", "query_rows", "attention_weights", "attention_scores", "alibi_distances", "rope_angles", "apply_rope",
+__all__ = ["attend", "query_as_read", "query_rows", "attention_weights", "attention_scores", "alibi_distances", "rope_angles", "apply_rope",
            "shift_keys", "rotate_pairs", "alibi_slopes", "sinusoidal_table", "activation", "norm", "ffn", "layer",
            "encode", "forward"]
 
@@ -377,6 +377,18 @@ def _as_cached(kv, x, D, which=0):
     return hadamard_rows(y) if had else y
 
 
+def query_as_read(q, kv):
+    """The query rows ``q [..., D]`` as attention over K of kind ``kv`` (:func:`_as_cached`'s
+    kinds) reads them, float64: over int8 keys each query vector is rounded by the keys' own rule
+    (:func:`quantize_kv`, in float32; turned with them when they are turned), so that the kernel
+    scores full blocks of keys with exact integer dot products (attn.inc.h round_query); else ``q``
+    as it is.  The softmax scale applies after the rounding."""
+    name = kv if isinstance(kv, str) else kv[0]
+    if name.split("/")[0] != "int8":
+        return q
+    return _as_cached(kv, np.asarray(q, np.float32), np.shape(q)[-1], 0)
+
+
 def _linear(x, w, b=None):
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     if any(getattr(p, "activations", None) == "int8" for p in parts):   # each part sees x its own way
@@ -445,7 +457,7 @@ def _self_attention(cfg, a, h, positions, window=0, qk=None, kv="float"):
         q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     elif positions is not None and cfg.position == "alibi":
         slopes = alibi_slopes(H)
-    k, v = _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
+    q, k, v = query_as_read(q, kv), _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
     scale, cap = getattr(cfg, "attn_scale", None), getattr(cfg, "attn_softcap", 0.0) or None
     return _linear(_attention(q, k, v, positions, slopes, window, scale=scale, softcap=cap), a.wo, a.bo)
 
@@ -454,7 +466,7 @@ def _cross_attention(cfg, a, h, enc_out, kv="float"):
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = _heads(_linear(h, a.wq, a.bq), H, D)
     k, v = (_heads(_linear(enc_out, w, b), Hkv, D) for w, b in ((a.wk, a.bk), (a.wv, a.bv)))
-    k, v = _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
+    q, k, v = query_as_read(q, kv), _as_cached(kv, k, D, 0), _as_cached(kv, v, D, 1)
     return _linear(_attention(q, k, v), a.wo, a.bo)
 
 

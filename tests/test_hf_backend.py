@@ -68,13 +68,15 @@ def stored_eager(kind):
     eager attention (its family's ``eager_attention_forward``: scaling, soft cap, masks) over K/V
     read as a kvsimd cache of ``kind`` = (dtype, hadamard) stores them -- each row quantized by
     kvsimd.reference's NumPy rule (turned by H first when ``hadamard``), the values it stands for
-    (turned back), in float64 then float32.  DynamicCache keeps the float K/V: every call quantizes
-    the rows again, the same rows the same way."""
+    (turned back), in float64 then float32, and over int8 keys the query rounded by the same rule
+    (reference.query_as_read, as kvsimd's attention reads it).  DynamicCache keeps the float K/V:
+    every call quantizes the rows again, the same rows the same way."""
     name = "stored-%s-%s" % (kind[0].replace("/", "-"), "turned" if kind[1] else "plain")
 
     def attn(module, query, key, value, attention_mask, **kw):
         k, v = (torch.from_numpy(reference._as_cached(kind, t.detach().float().numpy(), t.shape[-1], which)
                                  .astype(np.float32)) for which, t in enumerate((key, value)))
+        query = torch.from_numpy(np.asarray(reference.query_as_read(query.detach().float().numpy(), kind), np.float32))
         return sys.modules[type(module).__module__].eager_attention_forward(module, query, k, v, attention_mask, **kw)
 
     T.AttentionInterface.register(name, attn)

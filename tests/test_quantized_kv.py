@@ -41,15 +41,25 @@ def values(q, D):
     return reference.unpack_int4(q, D) if q.dtype == np.uint8 else q
 
 
+def read_query(kind, q, kw):
+    """q and the keywords (q_alt) as attention over K of this kind reads them
+    (reference.query_as_read: rounded over int8 keys)."""
+    if kw.get("q_alt") is not None:
+        kw = dict(kw, q_alt=reference.query_as_read(kw["q_alt"], kind))
+    return reference.query_as_read(q, kind), kw
+
+
 def check(row, q, kq, ks, vq, vs, what="", **kw):
     out = row.attend(q, kq, vq, k_scale=ks, v_scale=vs, **kw)
     assert out.shape == q.shape and out.dtype == np.float32
     D = q.shape[-1]
     kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)
-    ref = reference.attend(q, kd, vd, **kw)
     name = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "int4"}
     dt = name[kq.dtype] if kq.dtype == vq.dtype else "int8/int4"   # the float32 tolerance either way
-    err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(q, kd, vd, dtype=dt, **kw), 1e-300)
+    # over int8 keys the query is read rounded by their rule (and so is q_alt)
+    qr, kw = read_query(name[kq.dtype], q, kw)
+    ref = reference.attend(qr, kd, vd, **kw)
+    err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(qr, kd, vd, dtype=dt, **kw), 1e-300)
     worst = np.unravel_index(np.argmax(err), err.shape)
     assert err.max() <= 1, f"{row.isa} {what}: error {err.max():.3g} x the bound at {worst}"
     return out
@@ -191,12 +201,13 @@ def test_quantize_kv_bad_input():
 # ---------------------------------------------------------------------------- attention on every row
 
 @pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 700, 64), (4, 1, 1100, 80), (8, 8, 40, 7), (32, 1, 300, 128),
-                                       (64, 8, 90, 128), (2, 2, 1, 16)])
+                                       (64, 8, 90, 128), (2, 2, 1, 16), (6, 2, 50, 96), (8, 4, 40, 256)])
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attend_quantized_single_query(row, rng, H, Hkv, N, D, dtype):
     """One query over int8 / int4 K/V (or int8 K with int4 V, and the other way round): MHA, GQA,
     MQA on the query-on-lanes path (G = 32), head dims with a vector tail (int4: a padded last
-    block), a partial last block of keys, one key."""
+    block), a partial last block of keys, one key; over int8 keys the integer dot products' block
+    scales taken 2, 3, 4 and 8 blocks per row (D = 64, 96, 128, 256)."""
     q = rng.standard_normal((H, D)).astype(np.float32)
     _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
     _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
@@ -219,6 +230,19 @@ def test_attend_quantized_rows(row, rng, T, H, Hkv, N, D, dtype):
     _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
     check(row, q, kq, ks, vq, vs, "causal")
     check(row, q, kq, ks, vq, vs, "window", window=5)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,N,D", [(20, 4, 2, 37, 64), (40, 1, 1, 45, 96)])
+def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
+    """Tiles of 40 query vectors on the query-on-lanes path (over int8 keys: 8-lane vectors of
+    queries in tiles of 4 and a tail of 2) and a last block of an odd number of keys (tiles of 2
+    keys and a tail of 1)."""
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
+    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
+    check(row, q, kq, ks, vq, vs, "causal")
+    check(row, q, kq, ks, vq, vs, "not causal", causal=False)
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
@@ -340,8 +364,9 @@ def test_attend_hadamard_over_the_unturned_values(isa, rng, T, H, Hkv, N, D, dty
                                                         **dict(kw, **alt)))
         assert got is out and all(np.array_equal(a, b) for a, b in zip(before, [q, kw.get("q_alt")]))
         assert np.array_equal(got, turned), (isa, kw)
-        ref = reference.attend(q, kh, vh, **kw)
-        bound = np.maximum(attend_bound(q, kd, vd, dtype=dtype, hadamard=True, **kw), 1e-300)
+        qr, rkw = read_query((dtype, True), q, kw)   # over int8 keys: rounded, turned as they are
+        ref = reference.attend(qr, kh, vh, **rkw)
+        bound = np.maximum(attend_bound(qr, kd, vd, dtype=dtype, hadamard=True, **rkw), 1e-300)
         err = np.abs(got.astype(np.float64) - ref) / bound
         assert err.max() <= 1, f"{isa} {kw}: error {err.max():.3g} x the bound"
         assert (np.abs(plain.astype(np.float64) - ref) / bound).max() > 100, (isa, kw)

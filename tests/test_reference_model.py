@@ -116,16 +116,21 @@ def test_real_model_matches_reference(smollm2, dtype):
     assert_matches_reference(smollm2, ids, cached_logits(smollm2, ids, dtype, 4), cache_dtype=dtype)
 
 
-# The real model on an int8 cache against the reference that quantizes K/V by the same rule: 30
-# layers deep, a K or V value that lies near the middle of two steps is rounded one way from
-# kvsimd's float32 value and the other from the reference's float64 one (one step of one value),
-# and every later row reads it.  Measured: 1.1e-4 on a Xeon (avx512fp16); 3.1e-3 on a Zen 4, on
-# avx2 and avx512 alike (a step flipped in the 4-token prefill, carried by every step after it),
-# 5.7e-4 on its scalar row -- while the float reference is 1.2e-3 .. 1.1e-2 away, row by row.  So
-# the check is a stated bound, 2.5x the tiny models' REFERENCE_BOUNDS["int8"], and that the logits
-# are at most half as far from the int8 reference as from the float one (a cache that did not
-# quantize, or quantized by another rule, fails the second).
-REAL_MODEL_INT8_BOUND = 2.5 * REFERENCE_BOUNDS["int8"]
+# The real model on an int8 cache against the reference that quantizes K/V by the same rule and
+# rounds each query by it too (reference.query_as_read: what the kernel's integer dot products read):
+# 30 layers deep, a value that lies near the middle of two steps is rounded one way from kvsimd's
+# float32 value and the other from the reference's float64 one (one step of one value).  A K or V
+# value is stored once and read by every later row; a query is rounded in every layer at every
+# step, so there are far more such flips (9 query heads against 3 KV heads).  Measured on a Zen 4:
+# 5.0e-3 (scalar), 8.6e-3 (avx2), 5.1e-3 (avx512), while the float reference is 1.3e-2 .. 1.5e-2
+# away and the reference without the query's rounding 9.5e-3 .. 1.1e-2 (K flips alone: 3.1e-3 on
+# a Zen 4, 1.1e-4 on a Xeon); with int8 keys and int4 values 1.1e-2 (scalar, avx2) and 2.5e-4
+# (avx512).  So the check here is a stated bound, 10x the tiny models' REFERENCE_BOUNDS["int8"],
+# and that the int8 reference is nearer than the float one (a cache that did not quantize is ~1e-5
+# from the float one).  The rule itself, the query's rounding included, is
+# checked where a flip is rare: tiny models (test_decoder_matches_reference_* with int8 caches fail
+# against a reference that does not round the query) and ops.attend (tests/test_quantized_kv.py).
+REAL_MODEL_INT8_BOUND = 10 * REFERENCE_BOUNDS["int8"]
 
 
 def test_real_model_int8_cache_matches_reference(smollm2):
@@ -133,7 +138,7 @@ def test_real_model_int8_cache_matches_reference(smollm2):
     logits = cached_logits(smollm2, ids, "int8", 4)
     err8 = assert_matches_reference(smollm2, ids, logits, cache_dtype="int8", bound=REAL_MODEL_INT8_BOUND)
     errf = reference_error(smollm2, ids, logits, kv="float")
-    assert err8 <= 0.5 * errf, (err8, errf)
+    assert err8 < errf, (err8, errf)
 
 
 def test_real_model_int4_cache_matches_reference(smollm2):
@@ -150,16 +155,16 @@ def test_real_model_int4_cache_matches_reference(smollm2):
 
 def test_real_model_int8_keys_int4_values_cache_matches_reference(smollm2):
     """int8 keys with int4 values (KVCache(dtype="int8/int4"), both turned by the Hadamard matrix)
-    against the reference that stores them the same way, within the int8 cache's real-model bound
-    (an int8 key step may flip, as there): measured 3.1e-6 (scalar), 2.9e-6 (avx2), 5.4e-7 (avx512)
-    on a Zen 4, where the float, int4 (4-bit keys) and turned int8 (8-bit values) references are
-    4.5e-2, 6.7e-2 and 4.5e-2 away: at most a tenth of those (a cache that stored either side at the
-    other width fails)."""
+    against the reference that stores them the same way (and rounds the query as int8 keys have it
+    read), within the int8 cache's real-model bound (a step of a key or of a query may flip, as
+    there): measured 1.1e-2 (scalar, avx2) and 2.5e-4 (avx512) on a Zen 4, where the float, int4
+    (4-bit keys) and turned int8 (8-bit values) references are 5.1e-2, 6.3e-2 .. 6.6e-2 and 5.0e-2
+    away: at most half of those (a cache that stored either side at the other width fails)."""
     ids = smollm2.tokenizer.encode("The old king said to his daughters:")
     logits = cached_logits(smollm2, ids, "int8/int4", 4)
     err = assert_matches_reference(smollm2, ids, logits, cache_dtype="int8/int4", bound=REAL_MODEL_INT8_BOUND)
     for other in ("float", "int4", ("int8", True)):
-        assert err <= 0.1 * reference_error(smollm2, ids, logits, kv=other), other
+        assert err <= 0.5 * reference_error(smollm2, ids, logits, kv=other), other
 
 
 def test_real_model_with_int8_activations_matches_reference(smollm2):

@@ -18,7 +18,11 @@
  * loops have no tails.  fp16 rows are widened to fp32 as they are loaded, int8 rows (KV_I8)
  * widened and multiplied by the scale of their 32-value block (in registers for a full block,
  * into the workspace block otherwise and on the lanes path); all arithmetic and accumulation
- * is fp32.
+ * is fp32 -- but for int8 keys: each query vector is rounded to int8 by the keys' own rule
+ * (round_query) and, on the KV_INT_DOT rows, full blocks of keys (head dims a multiple of 32) are
+ * scored with exact integer dot products per 32-value block, then scaled in fp32 (kv_scores_i8:
+ * keys on the lanes; kv_lane_scores_i8: query vectors on the lanes).  Other blocks read the same
+ * rounded query in fp32.
  */
 #include "kvsimd.h"
 
@@ -423,6 +427,81 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
     }
 }
 
+#ifndef KV_INT_DOT
+#define KV_INT_DOT 0   /* the rows that score full blocks of int8 keys with integer dot products */
+#endif
+#define KV_KDOT_OFF 128   /* kv_scores_i8 reads key k as the unsigned byte k + 128 (VPDPBUSD's operand) */
+#ifndef KV_INT_MIN_NH
+#define KV_INT_MIN_NH 2
+#endif
+#if KV_INT_DOT
+_Static_assert(KV_B % 8 == 0, "kv_scores_i8 takes a block's keys 8 at a time");
+
+/* The KV_B scores of NH query vectors rounded to int8 (round_query: vector i's at qi + i * QF) with
+ * the full block of int8 keys at kb (rows of D values, D a multiple of 32; ksc: the block scales
+ * of its first row, D / 32 per row), into s + i * ss.  Per 8 keys and 32-value block: the keys'
+ * bytes transposed so that lane l holds 4 values of key l, each made unsigned (k + 128); per query
+ * vector 8 integer dot products of 4 values per lane from its offset -128 sum(q), exact in int32
+ * (|sum| <= 32 x 127 x 127 < 2^24, so the conversion is exact too), then times the vector's step
+ * (times the softmax scale) and the keys' block scales, added to the score.  No horizontal sums:
+ * the scores land on the lanes.  Prefetches the block at pf (rows pf_row bytes) spread over the
+ * work. */
+KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, const float *ksc, int64_t D, const int NH,
+                             const char *pf, size_t pf_row, float *s, int64_t ss)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    const int64_t qoff = 2 * nb;   /* the int8 values of a rounded query, in floats from its start */
+    for (int j0 = 0; j0 < KV_B; j0 += 8) {
+        const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
+        const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + 8) * pf_row) : 0, per = (nl + nb - 1) / nb;
+        v8f tot[KV_GS], ks[KV_MAX_HEAD_DIM / KV_I8_BLOCK];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            tot[i] = v8f_zero();
+        v8f_cols(ks, ksc + j0 * nb, nb);   /* ks[b]: the 8 keys' scales of block b */
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t m = b * per; m < nl && m < (b + 1) * per; m++)
+                __builtin_prefetch(pl + m * 64, 0, 3);
+            v8b r[8];
+#pragma GCC unroll 8
+            for (int l = 0; l < 8; l++)
+                r[l] = v8b_load((const uint8_t *)kb + (j0 + l) * D + b * KV_I8_BLOCK);
+            v8b_transpose8(r);
+#pragma GCC unroll 8
+            for (int d = 0; d < 8; d++)
+                r[d] = v8b_flip(r[d]);
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++) {
+                const float *q = qi + i * QF;
+                const int8_t *q8 = (const int8_t *)(q + qoff) + b * KV_I8_BLOCK;
+                v8i acc = v8i_set1(((const int32_t *)(q + nb))[b]);
+#pragma GCC unroll 8
+                for (int d = 0; d < 8; d++)
+                    acc = v8i_dot(acc, r[d], v8b_bcast4(q8 + 4 * d));
+                tot[i] = v8f_fmadd(v8f_mul(v8f_from(acc), v8f_set1(q[b])), ks[b], tot[i]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            v8f_store(s + i * ss + j0, tot[i]);
+    }
+}
+
+#define KV_CASE_SI(n) case n: kv_scores_i8(qi, QF, kb, ksc, D, n, pf, pf_row, s, ss); break;
+static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, const float *ksc, int64_t D, int nh,
+                               const char *pf, size_t pf_row, float *s, int64_t ss)
+{
+    switch (nh) {
+    KV_CASE_SI(1) KV_CASE_SI(2) KV_CASE_SI(3) KV_CASE_SI(4)
+#if KV_GS > 4
+    KV_CASE_SI(5) KV_CASE_SI(6) KV_CASE_SI(7) KV_CASE_SI(8)
+#endif
+    default: break;
+    }
+}
+#undef KV_CASE_SI
+#endif
+
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
                                 int64_t vs, const float *vsc, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
@@ -530,6 +609,11 @@ typedef struct KV_FN(attn_state) {
     float *m, *l;           /* [MQp] running max and sum of exp of the softmax */
     float *lo, *hi;         /* lanes path [MP]: each vector's first and end key (floats) */
     float *rowv, *slope;    /* lanes path [MP]: each vector's row (r0 + i / G) and ALiBi slope */
+    float *qi, *qia;        /* [MQp, QF] the queries of qbuf / qalt rounded for int8 keys (round_query) */
+    int64_t QF;             /* kv_qint_floats(Dp) */
+    int qround;             /* int8 keys: queries are rounded (round_query) */
+    int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
+    int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
@@ -572,6 +656,12 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->hi = st->lo + MQp;
     st->rowv = st->hi + MQp;
     st->slope = st->rowv + MQp;
+    st->QF = kv_qint_floats(Dp);
+    st->qi = st->slope + MQp;
+    st->qia = st->qi + MQp * st->QF;
+    st->qround = p->dtype == KV_I8;
+    st->qint = KV_INT_DOT && st->qround && st->aligned && st->D % KV_I8_BLOCK == 0;
+    st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
 }
 
 /* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
@@ -595,18 +685,61 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
     *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end + r - p->window : INT64_MIN;
 }
 
+/* The query over int8 keys is rounded as the cache rounds a key row (kv_quantize_rows: per block
+ * of 32 values, step = max |x| / 127, q = x / step to nearest, ties to even; step NaN and q 0 when
+ * a value is NaN or infinite), so that full blocks of keys are scored with exact integer dot
+ * products (kv_scores_i8); every path then reads that same query.  x: Dp floats (0 past D), in
+ * place: x <- q * (step * scale); qi (kv_qint_floats(Dp) floats): per block step * scale and
+ * -KV_KDOT_OFF * sum(q) (what the unsigned keys of kv_scores_i8 add), then the Dp int8 q. */
+KV_AINLINE void KV_FN(round_query)(float *x, int64_t D, int64_t Dp, float scale, float *qi)
+{
+    const int64_t nb = kv_i8_blocks(Dp);
+    float *stp = qi;
+    int32_t *off = (int32_t *)(qi + nb);
+    int8_t *q8 = (int8_t *)(qi + 2 * nb);
+    for (int64_t d0 = 0, b = 0; d0 < Dp; d0 += KV_I8_BLOCK, b++) {
+        const int64_t d1 = d0 + KV_I8_BLOCK < Dp ? d0 + KV_I8_BLOCK : Dp;
+        vf mx = vf_zero(), z = vf_zero();
+        for (int64_t c = d0; c < d1; c += KV_W) {
+            const vf v = vf_load(x + c);
+            mx = vf_max(mx, vf_max(v, vf_sub(vf_zero(), v)));
+            z = vf_add(z, vf_mul(v, vf_zero()));   /* NaN when a value is NaN or infinite */
+        }
+        const float zs = vf_hsum(z);
+        const float step = zs == zs ? vf_hmax(mx) / 127.0f : __builtin_nanf("");
+        const float ss = step * scale;
+        int32_t sum = 0;
+        for (int64_t c = d0; c < d1; c += KV_W) {
+            vf r = step > 0.0f ? vf_round(vf_div(vf_load(x + c), vf_set1(step))) : vf_zero();
+            r = vf_min(vf_set1(127.0f), vf_max(vf_set1(-127.0f), r));
+            vf_store(x + c, r);
+            for (int64_t e = c; e < c + KV_W; e++) {
+                q8[e] = (int8_t)x[e];
+                sum += q8[e];
+            }
+            vf_store(x + c, vf_mul(r, vf_set1(ss)));
+        }
+        stp[b] = ss;
+        off[b] = -KV_KDOT_OFF * sum;
+    }
+    (void)D;
+}
+
 /* The query x (D floats) times scale, into the workspace row dst as the scores loop reads it:
    KV_KW elements at a time, each step's once for every key of a vector (KV_KP copies side by
-   side), zero past D.  tmp: Dp floats of scratch. */
-KV_AINLINE void KV_FN(store_query)(float *dst, const float *x, float scale, int64_t D, int64_t Dp, float *tmp)
+   side), zero past D; rounded first when qi is not NULL (round_query).  tmp: Dp floats of
+   scratch. */
+KV_AINLINE void KV_FN(store_query)(float *dst, const float *x, float scale, int64_t D, int64_t Dp, float *tmp, float *qi)
 {
-    const vf scv = vf_set1(scale);
+    const vf scv = vf_set1(qi ? 1.0f : scale);
     float *row = KV_KP == 1 ? dst : tmp;
     int64_t c = 0;
     for (; c + KV_W <= D; c += KV_W)
         vf_store(row + c, vf_mul(vf_load(x + c), scv));
     if (c < D)
         vf_store(row + c, vf_mul(vf_load_part(x + c, D - c), scv));
+    if (qi)
+        KV_FN(round_query)(row, D, Dp, scale, qi);
 #if KV_KP > 1
     for (c = 0; c < Dp; c += KV_KW)
         vf_store(dst + KV_KP * c, vf_load_dup(tmp + c));
@@ -625,9 +758,11 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     for (int64_t i = 0; i < st->M; i++) {
         const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
         float *acc = st->acc + i * Dp;   /* also the scratch of store_query, zeroed after */
-        KV_FN(store_query)(st->qbuf + i * KV_KP * Dp, p->q + at, p->scale, D, Dp, acc);
+        KV_FN(store_query)(st->qbuf + i * KV_KP * Dp, p->q + at, p->scale, D, Dp, acc,
+                           st->qround ? st->qi + i * st->QF : NULL);
         if (p->q_alt)
-            KV_FN(store_query)(st->qalt + i * KV_KP * Dp, p->q_alt + at, p->scale, D, Dp, acc);
+            KV_FN(store_query)(st->qalt + i * KV_KP * Dp, p->q_alt + at, p->scale, D, Dp, acc,
+                               st->qround ? st->qia + i * st->QF : NULL);
         for (int64_t c = 0; c < Dp; c += KV_W)
             vf_store(acc + c, vf_zero());
         st->m[i] = KV_NEG_INF;
@@ -638,14 +773,15 @@ KV_AINLINE void KV_FN(attn_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
 /* Pass 1 over the chunk c0..c1-1: the scores of every query vector (reading only K), soft cap
    and ALiBi included, into sc[i][t - c0]; padded rows of a short block score -inf.  The chunk's last
    block prefetches the start of V for pass 2.  query_pos: the range's ALiBi position of row 0. */
-KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, int64_t c0, int64_t c1,
-                                        int64_t query_pos)
+KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, const float *qi, int64_t c0,
+                                        int64_t c1, int64_t query_pos)
 {
     const kv_attn_params *p = st->p;
     const int64_t D = st->D, Dp = st->Dp, G = st->G, M = st->M;
     const char *kpf_next = st->vbase + (size_t)c0 * st->vrb;
     const int capped = p->softcap > 0.0f;
     const vf cap = vf_set1(p->softcap), inv_cap = vf_set1(capped ? 1.0f / p->softcap : 0.0f);
+    (void)qi;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
@@ -657,6 +793,12 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
                                            &ksc);
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
+#if KV_INT_DOT
+            if (rmode == KV_ROWS_I8 && st->qint && nh >= KV_INT_MIN_NH)
+                KV_FN(scores_i8_n)(qi + i0 * st->QF, st->QF, (const int8_t *)kb, ksc, D, nh, i0 ? NULL : kpf, st->krb,
+                                   st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK);
+            else
+#endif
             KV_FN(scores_n)(qs + i0 * KV_KP * Dp, kb, rmode, ks, ksc, Dp, st->red, nh, i0 ? NULL : kpf, st->krb,
                             st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK);
             for (int i = 0; i < nh; i++) {
@@ -976,6 +1118,106 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 #undef KV_LA_Q
 #undef KV_LA_D
 
+/* The lanes path over int8 keys (lqint): the rounded queries with the query vectors on the lanes,
+ * in the int8 query region of the workspace (qi or qia): steps (times the softmax scale) [nb, MP],
+ * offsets -128 sum(q) [nb, MP], then the int8 values in groups of 4 [D / 4, MP] (lane i of group
+ * g: values 4g..4g+3 of vector i), so that one key's 4 values, broadcast, meet every vector's
+ * (VPDPBUSD) with no transpose of K.  lane_int_query stores vector i (qr: round_query's output). */
+KV_AINLINE void KV_FN(lane_int_query)(float *reg, int64_t MP, int64_t D, int64_t i, const float *qr)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    int32_t *off = (int32_t *)(reg + nb * MP);
+    uint8_t *q8 = (uint8_t *)(reg + 2 * nb * MP);
+    const int8_t *src = (const int8_t *)(qr + 2 * nb);
+    for (int64_t b = 0; b < nb; b++) {
+        reg[b * MP + i] = qr[b];
+        off[b * MP + i] = ((const int32_t *)(qr + nb))[b];
+    }
+    for (int64_t d = 0; d < D; d++)
+        q8[((d / 4) * MP + i) * 4 + d % 4] = (uint8_t)src[d];
+}
+
+#if KV_INT_DOT
+#define KV_LIQ 4   /* 8-lane vectors of query lanes per register tile (int8 keys) */
+#define KV_LIJ 2   /* keys per register tile */
+/* sT[j][u] = the scores of keys j < NJ (int8 rows of D values at kb, block scales ksc, D / 32 per
+   row) for NQ 8-lane vectors of query lanes (reg: lane_int_query's region, all from the first):
+   per 32-value block, 8 integer dot products of 4 values per lane from the offsets (exact), one
+   conversion, times the lanes' steps and the key's block scale, added in block order. */
+KV_AINLINE void kv_lane_scores_i8(const float *reg, int64_t MP, int64_t u0, const int8_t *kb, const float *ksc,
+                                  int64_t D, float *sT, const int NQ, const int NJ)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    const int32_t *off = (const int32_t *)(reg + nb * MP);
+    const uint8_t *q8 = (const uint8_t *)(reg + 2 * nb * MP);
+    v8f s[KV_LIJ][KV_LIQ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            s[j][u] = v8f_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        v8i a[KV_LIJ][KV_LIQ];
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                a[j][u] = v8i_load(off + b * MP + u0 + 8 * u);
+#pragma GCC unroll 8
+        for (int d = 0; d < 8; d++) {
+            v8b qv[KV_LIQ];
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                qv[u] = v8b_load(q8 + ((b * 8 + d) * MP + u0 + 8 * u) * 4);
+#pragma GCC unroll 4
+            for (int j = 0; j < NJ; j++) {
+                const v8b kq = v8b_flip(v8b_bcast4(kb + j * D + b * KV_I8_BLOCK + 4 * d));
+#pragma GCC unroll 4
+                for (int u = 0; u < NQ; u++)
+                    a[j][u] = v8i_dot(a[j][u], kq, qv[u]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++) {
+            const v8f kscv = v8f_set1(ksc[j * nb + b]);
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                s[j][u] = v8f_fmadd(v8f_mul(v8f_from(a[j][u]), v8f_load(reg + b * MP + u0 + 8 * u)), kscv, s[j][u]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            v8f_store(sT + j * MP + u0 + 8 * u, s[j][u]);
+}
+
+/* One block: the scores of its nk int8 keys (kb, ksc) for nq8 8-lane vectors of query lanes. */
+#define KV_LSI(nq, nj) kv_lane_scores_i8(reg, MP, u0 * 8, kb + j0 * D, ksc + j0 * nb, D, sT + j0 * MP, nq, nj)
+#define KV_LSI_Q(nq) { int64_t j0 = 0;                        \
+        for (; j0 + KV_LIJ <= nk; j0 += KV_LIJ)               \
+            KV_LSI(nq, KV_LIJ);                               \
+        if (j0 < nk)                                          \
+            KV_LSI(nq, 1); }
+_Static_assert(KV_LIJ == 2, "lane_scores_i8_block's key tail is one key");
+static void KV_FN(lane_scores_i8_block)(const float *reg, int64_t MP, const int8_t *kb, const float *ksc, int64_t D,
+                                        float *sT, int64_t nq8, int64_t nk)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    int64_t u0 = 0;
+    for (; u0 + KV_LIQ <= nq8; u0 += KV_LIQ)
+        KV_LSI_Q(KV_LIQ)
+    switch (nq8 - u0) {
+    case 1: KV_LSI_Q(1) break;
+    case 2: KV_LSI_Q(2) break;
+    case 3: KV_LSI_Q(3) break;
+    default: break;
+    }
+}
+#undef KV_LSI_Q
+#undef KV_LSI
+#endif
+
 /* Start KV head g for rows r0..r1-1 on the lanes path: transposed scaled queries (zero lanes
    past M), the lane tables, a fresh softmax state. */
 KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
@@ -991,14 +1233,28 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
         if (p->q_alt)
             vf_store(qaT + c, vf_zero());
     }
+    if (st->lqint)   /* padded lanes: q 0, step 0 */
+        for (int64_t c = 0; c < st->MQp * st->QF; c++)
+            st->qi[c] = st->qia[c] = 0.0f;
     for (int64_t i = 0; i < M; i++) {
         const int64_t at = (r0 + i / G) * p->q_stride + (h0 + i % G) * D;
-        const float *qi = p->q + at;
-        for (int64_t d = 0; d < D; d++)
-            qT[d * MP + i] = scale * qi[d];
-        if (p->q_alt)
-            for (int64_t d = 0; d < D; d++)
-                qaT[d * MP + i] = scale * p->q_alt[at + d];
+        for (int a = 0; a < (p->q_alt ? 2 : 1); a++) {
+            const float *x = (a ? p->q_alt : p->q) + at;
+            float *dT = a ? qaT : qT;
+            if (st->qround) {   /* rounded in the (free) K block buffer first */
+                float *row = st->kblk, *qr = row + st->Dp;
+                for (int64_t d = 0; d < st->Dp; d++)
+                    row[d] = d < D ? x[d] : 0.0f;
+                KV_FN(round_query)(row, D, st->Dp, scale, qr);
+                for (int64_t d = 0; d < D; d++)
+                    dT[d * MP + i] = row[d];
+                if (st->lqint)
+                    KV_FN(lane_int_query)(a ? st->qia : st->qi, MP, D, i, qr);
+            } else {
+                for (int64_t d = 0; d < D; d++)
+                    dT[d * MP + i] = scale * x[d];
+            }
+        }
     }
     st->lo_max = INT64_MIN;
     st->hi_min = INT64_MAX;
@@ -1043,6 +1299,14 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         kv_lane_prefetch(st->kbase, t, c1, st->krb);
+#if KV_INT_DOT
+        if (st->lqint) {   /* int8 keys read in place, every lane the softmax reads scored */
+            KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, (const int8_t *)st->kbase + t * D,
+                                        st->kscale + t * (D / KV_I8_BLOCK), D, st->sc + (t - c0) * MP,
+                                        nqv * KV_W / 8, tn - t);
+            continue;
+        }
+#endif
         KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
         KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv);
     }
@@ -1172,7 +1436,7 @@ static void KV_FN(attn)(const kv_attn_params *p, int64_t g0, int64_t g1, int64_t
                     }
                     const int64_t last = (c1 - 1) / KV_B * KV_B > c0 ? (c1 - 1) / KV_B * KV_B : c0;
                     const int64_t cend = last - c0 + KV_B;
-                    KV_FN(attn_score_chunk)(&st, qs, c0, c1, r->query_pos);
+                    KV_FN(attn_score_chunk)(&st, qs, qs == st.qalt ? st.qia : st.qi, c0, c1, r->query_pos);
                     KV_FN(attn_softmax_update)(&st, c0, c1 - c0, (cend + KV_B - 1) / KV_B * KV_B);
                     KV_FN(attn_accumulate_chunk)(&st, c0, c1, KV_FN(attn_next_k)(&st, ri, c1, e1, g1));
                 }

@@ -31,9 +31,32 @@ static inline v8b v8b_bcast4(const int8_t *p)
     return _mm256_set1_epi32(v);
 }
 static inline v8i v8i_zero(void) { return _mm256_setzero_si256(); }
+static inline v8i v8i_set1(int32_t a) { return _mm256_set1_epi32(a); }
+static inline v8i v8i_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+/* r[d] <- dword d (bytes 4d..4d+3) of each of r[0..7], lane l from r[l]: an 8x8 transpose of 4-byte
+   groups (int8 attention keys onto the lanes) */
+static inline void v8b_transpose8(v8b r[8])
+{
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {   /* u[m]: dwords m (low half) and m + 4 (high half) of rows 0-3; u[4 + m] rows 4-7 */
+        r[m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);
+        r[m + 4] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);
+    }
+}
 static inline v8i v8i_add(v8i a, v8i b) { return _mm256_add_epi32(a, b); }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KV_HAVE_DPBUSD 1
+#define KV_INT_DOT 1   /* attention scores over int8 keys as integer dot products (attn.inc.h) */
 /* acc + the sums of 4 products u * s per lane (u unsigned bytes, s signed) */
 static inline v8i v8i_dot(v8i acc, v8b u, v8b s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
@@ -57,6 +80,38 @@ static inline v8f v8f_half8(const uint8_t *p)
 static inline v8f v8f_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline v8f v8f_bcast(const float *p) { return _mm256_broadcast_ss(p); }
 static inline v8f v8f_set1(float a) { return _mm256_set1_ps(a); }
+static inline v8f v8f_load(const float *p) { return _mm256_loadu_ps(p); }
+/* out[c] <- p[c], p[n + c], .. p[7 n + c] for c < n: 8 rows of n floats, transposed (n = 2: one
+   shuffle per vector after 128-bit loads; n a multiple of 4: in-lane 4x4 transposes; else gathers,
+   slower on Zen 4) */
+static inline void v8f_cols(v8f *out, const float *p, int64_t n)
+{
+    if (n == 2) {   /* rows 0-1 | 4-5 and 2-3 | 6-7, then the even and the odd floats */
+        const __m256 a = _mm256_loadu2_m128(p + 8, p), b = _mm256_loadu2_m128(p + 12, p + 4);
+        out[0] = _mm256_shuffle_ps(a, b, 0x88);
+        out[1] = _mm256_shuffle_ps(a, b, 0xDD);
+        return;
+    }
+    if (n % 4 == 0) {
+        for (int64_t c = 0; c < n; c += 4) {
+            __m256 a[4], t[4];
+            for (int l = 0; l < 4; l++)   /* row l | row l + 4 */
+                a[l] = _mm256_loadu2_m128(p + (l + 4) * n + c, p + l * n + c);
+            t[0] = _mm256_unpacklo_ps(a[0], a[1]);
+            t[1] = _mm256_unpackhi_ps(a[0], a[1]);
+            t[2] = _mm256_unpacklo_ps(a[2], a[3]);
+            t[3] = _mm256_unpackhi_ps(a[2], a[3]);
+            out[c] = _mm256_shuffle_ps(t[0], t[2], 0x44);
+            out[c + 1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+            out[c + 2] = _mm256_shuffle_ps(t[1], t[3], 0x44);
+            out[c + 3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+        }
+        return;
+    }
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)n));
+    for (int64_t c = 0; c < n; c++)
+        out[c] = _mm256_i32gather_ps(p + c, idx, 4);
+}
 static inline v8f v8f_zero(void) { return _mm256_setzero_ps(); }
 static inline v8f v8f_mul(v8f a, v8f b) { return _mm256_mul_ps(a, b); }
 #ifdef __FMA__

@@ -102,6 +102,7 @@ static inline vf vf_half(const uint8_t *p) { return kv_half(p); }
 
 /* The 8-lane forms of the int8-activation product (gemv_x8.inc.h; v8_x86.h has the SIMD ones):
    lane c = weight column c, plain loops. */
+#define KV_INT_DOT 1   /* attention scores over int8 keys as integer dot products (attn.inc.h) */
 typedef struct { float v[8]; } v8f;
 typedef struct { int32_t v[8]; } v8i;
 typedef struct { uint8_t v[32]; } v8b;
@@ -143,6 +144,33 @@ static inline v8b v8b_bcast4(const int8_t *p)
     return r;
 }
 static inline v8i v8i_zero(void) { v8i r = {{0}}; return r; }
+static inline v8i v8i_load(const int32_t *p)
+{
+    v8i r;
+    for (int c = 0; c < 8; c++) r.v[c] = p[c];
+    return r;
+}
+static inline v8f v8f_load(const float *p)
+{
+    v8f r;
+    for (int c = 0; c < 8; c++) r.v[c] = p[c];
+    return r;
+}
+static inline v8i v8i_set1(int32_t a)
+{
+    v8i r;
+    for (int c = 0; c < 8; c++) r.v[c] = a;
+    return r;
+}
+/* r[d] <- bytes 4d..4d+3 of each of r[0..7], lane l from r[l] */
+static inline void v8b_transpose8(v8b r[8])
+{
+    v8b t[8];
+    for (int d = 0; d < 8; d++)
+        for (int l = 0; l < 8; l++)
+            for (int j = 0; j < 4; j++) t[d].v[4 * l + j] = r[l].v[4 * d + j];
+    for (int d = 0; d < 8; d++) r[d] = t[d];
+}
 static inline v8i v8i_add(v8i a, v8i b)
 {
     for (int c = 0; c < 8; c++) a.v[c] += b.v[c];
@@ -181,6 +209,12 @@ static inline v8f v8f_set1(float a)
     return r;
 }
 static inline v8f v8f_bcast(const float *p) { return v8f_set1(*p); }
+/* out[c] <- p[c], p[n + c], .. p[7 n + c] for c < n */
+static inline void v8f_cols(v8f *out, const float *p, int64_t n)
+{
+    for (int64_t c = 0; c < n; c++)
+        for (int l = 0; l < 8; l++) out[c].v[l] = p[l * n + c];
+}
 static inline v8f v8f_u8(const uint8_t *p)
 {
     v8f r;
