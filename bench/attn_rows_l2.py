@@ -1,13 +1,16 @@
 """Decode attention in the cache, row beside row: the compute side of the kernel without DRAM.
 
     python bench/attn_rows_l2.py [--isa NAME ...] [--shape H/Hkv/D/N ...] [--rounds 5] [--threads 1]
+                                 [--dtype float16|int8]
 
 ``python -m kvsimd.bench attention`` measures decode attention beyond the LLC, where the memory and
 the kernel's arithmetic are hard to tell apart.  This times one ``ops.attend`` call (one query row,
 float16 K/V) over K/V small enough to stay in the caches (warm: the same arrays call after call), for
 every compiled row this CPU runs (or --isa), the rows alternated round by round: per shape and row
 the median over rounds of each round's median of 15 calls, as GFLOP/s (4 H D N per call) and as %
-of the row's fp32 multiply-add peak on as many threads (kvsimd.bench.common.fma_peak).  Default
+of the row's fp32 multiply-add peak on as many threads (kvsimd.bench.common.fma_peak).  ``--dtype
+int8``: K/V as an int8 cache stores them (ops.quantize_kv, the same values), its scales counted in
+the MiB shown.  Default
 shapes: MHA 32/32/128 and 16/16/64, G = 3 9/3/128 and SmolLM2 9/3/64, GQA 32/8/128, G = 8 64/8/128,
 MQA 32/1/128, each at a context whose K+V is 2-4 MiB."""
 import argparse
@@ -52,6 +55,7 @@ def main():
     ap.add_argument("--shape", action="append", type=shape, help="H/Hkv/D/N (default: %s)" % ", ".join(SHAPES))
     ap.add_argument("--rounds", type=positive, default=5)
     ap.add_argument("--threads", type=positive, default=1)
+    ap.add_argument("--dtype", choices=("float16", "int8"), default="float16", help="K/V as stored (default float16)")
     args = ap.parse_args()
     try:
         run(args)
@@ -67,25 +71,29 @@ def run(args):
     isas = args.isa or [i for i in kvsimd.isa_info()["supported"] if i != "scalar"]
     kvsimd.set_num_threads(args.threads)
     peak = {isa: fma_peak(isa, args.threads) for isa in isas}
-    print("# %s, %d thread(s); fp32 FMA peak %s" % (kvsimd.__version__, args.threads,
-                                                  ", ".join("%s %.1f GFLOP/s" % (i, peak[i]) for i in isas)))
+    print("# %s, %d thread(s), %s K/V; fp32 FMA peak %s" % (kvsimd.__version__, args.threads, args.dtype,
+                                                          ", ".join("%s %.1f GFLOP/s" % (i, peak[i]) for i in isas)))
     for H, Hkv, D, N in args.shape or [shape(x) for x in SHAPES]:
         spec = "%d/%d/%d/%d" % (H, Hkv, D, N)
         k, v = fill((Hkv, N, D), np.float16, 1), fill((Hkv, N, D), np.float16, 2)
+        kw, nbytes = {}, k.nbytes + v.nbytes
+        if args.dtype == "int8":
+            (k, ks), (v, vs) = ops.quantize_kv(k.astype(np.float32)), ops.quantize_kv(v.astype(np.float32))
+            kw, nbytes = dict(k_scale=ks, v_scale=vs), k.nbytes + v.nbytes + ks.nbytes + vs.nbytes
         q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
         med = {isa: [] for isa in isas}
         for r in range(args.rounds):
             for isa in (isas if r % 2 == 0 else isas[::-1]):
                 with use_isa(isa):
-                    ops.attend(q, k, v, out=out)
+                    ops.attend(q, k, v, out=out, **kw)
                     ts = []
                     for _ in range(15):
                         t0 = time.perf_counter()
-                        ops.attend(q, k, v, out=out)
+                        ops.attend(q, k, v, out=out, **kw)
                         ts.append(time.perf_counter() - t0)
                 med[isa].append(statistics.median(ts))
         flop = 4.0 * H * D * N
-        print("%-16s K+V %5.2f MiB  " % (spec, (k.nbytes + v.nbytes) / 2 ** 20) + "  ".join(
+        print("%-16s K+V %5.2f MiB  " % (spec, nbytes / 2 ** 20) + "  ".join(
             "%s %6.1f GFLOP/s (%4.1f%%)" % (isa, flop / statistics.median(med[isa]) / 1e9,
                                             100 * flop / statistics.median(med[isa]) / 1e9 / peak[isa])
             for isa in isas), flush=True)

@@ -2,14 +2,17 @@
  * KVCache(dtype="int8") stores them), D = 128, for a group of G query heads, three ways, on the
  * avx512 row (AVX-512 F/BW/VL/DQ/VNNI):
  *
- *   A  what the kernel does (attn.inc.h, KV_ROWS_I8): each key row widened to fp32 in registers and
- *      times its block scale, two keys per vector, fp32 FMAs with the float32 query, one add tree;
+ *   A  the kernel's fp32 widening (attn.inc.h kv_scores, KV_ROWS_I8: what the avx2 row and MHA run
+ *      over int8 keys): each key row widened to fp32 in registers and times its block scale, two
+ *      keys per vector, fp32 FMAs with the float32 query, one add tree;
  *   B  integer dot products, keys on the lanes: the block widened to int16 and transposed (16x16
  *      dwords: 2 values of d per lane), the query rounded to int16 with one scale per head,
  *      VPDPWSSD (32 products per instruction), then per 32-value block one conversion and one FMA
  *      by the 16 keys' scales;
  *   C  the same with int8 queries (one scale per head and 32-value block, +128 to make them
- *      unsigned) and VPDPBUSD (64 products per instruction), less 128 x the keys' sums.
+ *      unsigned) and VPDPBUSD (64 products per instruction), less 128 x the keys' sums.  (The
+ *      kernel's own integer form, kv_scores_i8, makes the keys unsigned instead, 8 keys per 256-bit
+ *      vector: python bench/attn_rows_l2.py --dtype int8 times it in the whole call.)
  *
  * Nanoseconds per block (best of 5 rounds, the variants alternated; 32 blocks in L1/L2), the speed-up
  * over A, and each variant's largest score error against float64 math on the values the int8 rows

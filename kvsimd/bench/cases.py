@@ -20,6 +20,7 @@ INT8_SHAPES = [
     ("llama-gqa", 32, 8, 128),
     ("mha-128", 32, 32, 128),
     ("g8-128", 64, 8, 128),
+    ("mqa-128", 32, 1, 128),        # the query-on-lanes path
 ]
 INT8_CONTEXTS = [8192, 32768]
 CONTEXTS = [512, 2048, 8192, 32768]
