@@ -415,16 +415,18 @@ _Static_assert(KV_POW2_FLOOR(KV_ACC) <= 16, "kv_accumulate splits what is left o
                               else if (mode == KV_ROWS_I4) { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_I4, vs, vsc, Dp, n, pf, pf_row); } \
                               else { kv_accumulate(acc, corr, pw, ws, vb, KV_ROWS_F32, vs, vsc, Dp, n, pf, pf_row); } break;
 
+/* switch (nh) over CASE(1) .. CASE(KV_GS): each head count a function of its own */
+#if KV_GS > 4
+#define KV_NH_SWITCH(nh, CASE) switch (nh) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) default: break; }
+#else
+#define KV_NH_SWITCH(nh, CASE) switch (nh) { CASE(1) CASE(2) CASE(3) CASE(4) default: break; }
+#endif
+_Static_assert(KV_GS == 4 || KV_GS == 8, "KV_NH_SWITCH instantiates 4 or 8 head counts");
+
 static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks, const float *ksc, int64_t Dp, vf *red,
                             int nh, const char *pf, size_t pf_row, float *s, int64_t ss)
 {
-    switch (nh) {
-    KV_CASE_SC(1) KV_CASE_SC(2) KV_CASE_SC(3) KV_CASE_SC(4)
-#if KV_GS > 4
-    KV_CASE_SC(5) KV_CASE_SC(6) KV_CASE_SC(7) KV_CASE_SC(8)
-#endif
-    default: break;
-    }
+    KV_NH_SWITCH(nh, KV_CASE_SC)
 }
 
 #ifndef KV_INT_DOT
@@ -491,13 +493,7 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
 static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, const float *ksc, int64_t D, int nh,
                                const char *pf, size_t pf_row, float *s, int64_t ss)
 {
-    switch (nh) {
-    KV_CASE_SI(1) KV_CASE_SI(2) KV_CASE_SI(3) KV_CASE_SI(4)
-#if KV_GS > 4
-    KV_CASE_SI(5) KV_CASE_SI(6) KV_CASE_SI(7) KV_CASE_SI(8)
-#endif
-    default: break;
-    }
+    KV_NH_SWITCH(nh, KV_CASE_SI)
 }
 #undef KV_CASE_SI
 #endif
@@ -505,13 +501,7 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
                                 int64_t vs, const float *vsc, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
-    switch (nh) {
-    KV_CASE_AC(1) KV_CASE_AC(2) KV_CASE_AC(3) KV_CASE_AC(4)
-#if KV_GS > 4
-    KV_CASE_AC(5) KV_CASE_AC(6) KV_CASE_AC(7) KV_CASE_AC(8)
-#endif
-    default: break;
-    }
+    KV_NH_SWITCH(nh, KV_CASE_AC)
 }
 
 _Static_assert(KV_I8_BLOCK % KV_W == 0, "an int8 block must hold whole vectors");
