@@ -650,7 +650,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->qi = st->slope + MQp;
     st->qia = st->qi + MQp * st->QF;
     st->qround = p->dtype == KV_I8;
-    st->qint = KV_INT_DOT && st->qround && st->aligned && st->D % KV_I8_BLOCK == 0;
+    st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;   /* so rows are read in place */
     st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
 }
 
@@ -681,7 +681,7 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
  * products (kv_scores_i8); every path then reads that same query.  x: Dp floats (0 past D), in
  * place: x <- q * (step * scale); qi (kv_qint_floats(Dp) floats): per block step * scale and
  * -KV_KDOT_OFF * sum(q) (what the unsigned keys of kv_scores_i8 add), then the Dp int8 q. */
-KV_AINLINE void KV_FN(round_query)(float *x, int64_t D, int64_t Dp, float scale, float *qi)
+KV_AINLINE void KV_FN(round_query)(float *x, int64_t Dp, float scale, float *qi)
 {
     const int64_t nb = kv_i8_blocks(Dp);
     float *stp = qi;
@@ -712,7 +712,6 @@ KV_AINLINE void KV_FN(round_query)(float *x, int64_t D, int64_t Dp, float scale,
         stp[b] = ss;
         off[b] = -KV_KDOT_OFF * sum;
     }
-    (void)D;
 }
 
 /* The query x (D floats) times scale, into the workspace row dst as the scores loop reads it:
@@ -729,7 +728,7 @@ KV_AINLINE void KV_FN(store_query)(float *dst, const float *x, float scale, int6
     if (c < D)
         vf_store(row + c, vf_mul(vf_load_part(x + c, D - c), scv));
     if (qi)
-        KV_FN(round_query)(row, D, Dp, scale, qi);
+        KV_FN(round_query)(row, Dp, scale, qi);
 #if KV_KP > 1
     for (c = 0; c < Dp; c += KV_KW)
         vf_store(dst + KV_KP * c, vf_load_dup(tmp + c));
@@ -1235,7 +1234,7 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
                 float *row = st->kblk, *qr = row + st->Dp;
                 for (int64_t d = 0; d < st->Dp; d++)
                     row[d] = d < D ? x[d] : 0.0f;
-                KV_FN(round_query)(row, D, st->Dp, scale, qr);
+                KV_FN(round_query)(row, st->Dp, scale, qr);
                 for (int64_t d = 0; d < D; d++)
                     dT[d * MP + i] = row[d];
                 if (st->lqint)
