@@ -145,6 +145,64 @@ def test_quality_curves_plot_from_the_json_document(tmp_path):
     assert all(os.path.getsize(x) > 1000 for x in paths)
 
 
+def test_quality_paired_ratio_against_statistics():
+    """quality.paired_ratio: PPL over PPL on the same positions, with a block-bootstrap interval.
+    Checked against what the construction implies, not against a copy of the code: a constant
+    shift c of the NLL is a ratio of exactly e^c with a zero-width interval whatever the text's
+    own difficulty; an offset shared by each block of 64 positions (losses of neighbouring tokens
+    move together) gives a half-width of 1.96 sd / sqrt(blocks) and holds the true shift about 95%
+    of the time; NaN positions are skipped."""
+    from kvsimd.bench import quality
+    rng = np.random.default_rng(3)
+    base = rng.gamma(2.0, 1.5, 8192)                  # the text's difficulty: large, shared by both
+    r, lo, hi = quality.paired_ratio(base + 0.01, base)
+    assert r == pytest.approx(np.exp(0.01), rel=1e-12) and lo == pytest.approx(r) and hi == pytest.approx(r)
+    sd, nb = 0.02, 8192 // quality.PAIRED_BLOCK
+    offsets = np.repeat(rng.normal(0.0, sd, nb), quality.PAIRED_BLOCK)
+    r, lo, hi = quality.paired_ratio(base + 0.005 + offsets, base)
+    assert r == pytest.approx(np.exp(0.005 + offsets.mean()), rel=1e-12)
+    half = (np.log(hi) - np.log(lo)) / 2
+    assert half == pytest.approx(1.96 * sd / np.sqrt(nb), rel=0.25)
+    assert lo < r < hi
+    # coverage: over 200 texts the interval holds the true shift, 0.5%, about 95% of the time
+    hits = 0
+    for seed in range(200):
+        off = np.repeat(np.random.default_rng(100 + seed).normal(0.0, sd, nb), quality.PAIRED_BLOCK)
+        _, lo_s, hi_s = quality.paired_ratio(base + 0.005 + off, base, n_boot=500, seed=seed)
+        hits += lo_s < np.exp(0.005) < hi_s
+    assert 0.88 * 200 <= hits <= 0.99 * 200
+    # the same per-position noise without the blocks' common part: a far narrower interval
+    r2, lo2, hi2 = quality.paired_ratio(base + 0.005 + rng.permutation(offsets), base)
+    assert np.log(hi2) - np.log(lo2) < 0.5 * (np.log(hi) - np.log(lo))
+    gappy = base + 0.01
+    gappy[::3] = np.nan                               # an oracle's unscored positions
+    assert quality.paired_ratio(gappy, base)[0] == pytest.approx(np.exp(0.01), rel=1e-12)
+    with pytest.raises(ValueError, match="8192 and 10"):
+        quality.paired_ratio(base, base[:10])
+
+
+def test_quality_summary_pairs_each_dtype_with_float16():
+    """summarize: "<config> <dtype>" rows carry their PPL over float16's of the same configuration
+    (int8/int4 is not mistaken for int4); float16 and oracle rows carry none; the report shows it."""
+    from kvsimd.bench import quality
+    rng = np.random.default_rng(4)
+    base = rng.gamma(2.0, 1.5, 512)
+    curves = {"dense": base, "dense int8": base + 0.003, "dense int8/int4": base + 0.02,
+              "W=64 4 sinks + shift": base + 0.1, "W=64 4 sinks + shift int4": base + 0.15,
+              "W=64 oracle (re-prefill)": np.where(np.arange(512) % 8 == 0, base, np.nan)}
+    rows = {r["config"]: r for r in quality.summarize(curves, 8)}
+    assert rows["dense int8"]["vs_float16"] == pytest.approx(np.exp(0.003), rel=1e-12)
+    assert rows["dense int8/int4"]["vs_float16"] == pytest.approx(np.exp(0.02), rel=1e-12)
+    assert rows["W=64 4 sinks + shift int4"]["vs_float16"] == pytest.approx(np.exp(0.05), rel=1e-12)
+    assert [c for c, r in rows.items() if "vs_float16" not in r] == ["dense", "W=64 4 sinks + shift",
+                                                                     "W=64 oracle (re-prefill)"]
+    doc = _doc()
+    doc["results"] = {"quality": list(rows.values())}
+    schema.validate(doc)
+    md = report.quality_md(doc)
+    assert "| dense int8/int4 |" in md and "+2.02% [+2.02, +2.02]" in md
+
+
 def test_decode_contention_quick_json(tmp_path):
     """decode --contention: 1 thread, 2 threads and the default, with and without a busy
     neighbour, each as a paired ratio to 1 thread; the neighbour process is gone afterwards."""

@@ -123,14 +123,45 @@ def greedy_divergence(model, dtypes=("int8",), n=64, prompts=GREEDY_PROMPTS):
     return rows
 
 
+# positions per resampled block of paired_ratio's bootstrap: the losses of neighbouring tokens are
+# correlated (a hard passage is hard for every cache), so single positions would understate the spread
+PAIRED_BLOCK = 64
+
+
+def paired_ratio(nll, base, block=PAIRED_BLOCK, n_boot=2000, seed=0):
+    """PPL of the NLL curve ``nll`` over PPL of ``base`` on the positions both scored (the same
+    tokens, so the text's own difficulty cancels), with a 95% interval from a bootstrap over
+    blocks of ``block`` consecutive positions: (ratio, low, high)."""
+    nll, base = np.asarray(nll, dtype=float), np.asarray(base, dtype=float)
+    if nll.shape != base.shape:
+        raise ValueError("curves of %d and %d positions" % (nll.size, base.size))
+    d = (nll - base)[np.isfinite(nll) & np.isfinite(base)]
+    if d.size == 0:
+        raise ValueError("no position scored by both curves")
+    edges = np.arange(0, d.size, block)
+    sums, counts = np.add.reduceat(d, edges), np.diff(np.append(edges, d.size))
+    pick = np.random.default_rng(seed).integers(0, edges.size, (n_boot, edges.size))
+    boot = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
+    return (float(np.exp(d.mean())), float(np.exp(np.percentile(boot, 2.5))),
+            float(np.exp(np.percentile(boot, 97.5))))
+
+
 def summarize(curves, oracle_every):
-    """PPL per configuration, on all positions and on the oracle's positions."""
+    """PPL per configuration, on all positions and on the oracle's positions; a configuration run
+    with another cache dtype ("<config> <dtype>", see :func:`run`) also gets its PPL over float16's
+    of the same configuration, paired position by position: vs_float16 and vs_float16_ci95."""
     rows = []
     for name, c in curves.items():
         sub = c[::oracle_every]
-        rows.append({"config": name, "scored": int(np.isfinite(c).sum()),
-                     "ppl_all": float(np.exp(np.nanmean(c))) if np.isfinite(c).all() else float("nan"),
-                     "ppl_oracle_positions": float(np.exp(np.nanmean(sub)))})
+        row = {"config": name, "scored": int(np.isfinite(c).sum()),
+               "ppl_all": float(np.exp(np.nanmean(c))) if np.isfinite(c).all() else float("nan"),
+               "ppl_oracle_positions": float(np.exp(np.nanmean(sub)))}
+        base = next((curves[name[:-len(" " + k)]] for k in CACHE_KINDS
+                     if k != "float16" and name.endswith(" " + k) and name[:-len(" " + k)] in curves), None)
+        if base is not None:
+            r, lo, hi = paired_ratio(c, base)
+            row.update(vs_float16=r, vs_float16_ci95=[lo, hi])
+        rows.append(row)
     return rows
 
 
@@ -247,7 +278,10 @@ def _cli(argv=None):
         curves["W=%d oracle (re-prefill)" % w] = c
     rows = summarize(curves, 1)
     for r in rows:
-        print("quality  %-32s PPL %.3f (%d scored)" % (r["config"], r["ppl_oracle_positions"], r["scored"]))
+        print("quality  %-32s PPL %.3f (%d scored)%s" % (
+            r["config"], r["ppl_oracle_positions"], r["scored"],
+            "  vs float16 %+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [r["vs_float16"]] + r["vs_float16_ci95"])
+            if "vs_float16" in r else ""))
     if a.json:
         from kvsimd.bench import common
         from kvsimd.bench.schema import SCHEMA_VERSION

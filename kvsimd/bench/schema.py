@@ -41,7 +41,9 @@ Sections and the keys every row has (figures are positive and finite):
 * streaming  -- op "streaming-memory" (policy, tokens, growth_pct), "streaming-drift" (policy,
                 tokens, rel_err) or "streaming-overhead" (policy, capacity, tok_per_s, overhead_pct,
                 overhead_ci95_pct [low, high], rounds)
-* quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results")
+* quality    -- config, scored, ppl_all, ppl_oracle_positions (and "curves" beside "results"); a
+                configuration of another cache dtype also vs_float16 (its PPL over float16's, paired
+                position by position) and vs_float16_ci95 [low, high]
 * hf         -- op "hf-decode" (model, impl ("eager" | "sdpa" | "kvsimd" | "kvsimd-int8"), context, threads, tok_per_s,
                 tok_per_s_ci95, steps, rounds; kvsimd rows speedup_vs_sdpa, speedup_vs_eager and their
                 _ci95) or "hf-sink" (impl, generated, threads, tok_per_s, tok_per_s_ci95, rss_MiB, cache_bytes)
@@ -90,7 +92,7 @@ POSITIVE = {"threads", "H", "Hkv", "D", "N", "median_s", "GBps", "GFLOPs", "pct_
             "fp16_bytes_per_token",
             "pct_copy_roofline", "tok_per_s", "load_s", "rss_after_MiB", "file_MiB", "rss_MiB", "M", "seconds",
             "token_positions", "tokens", "capacity", "time_exponent", "expected", "ppl_oracle_positions", "scored",
-            "vs_1_thread", "rounds", "generated", "cache_bytes", "steps"}
+            "vs_1_thread", "rounds", "generated", "cache_bytes", "steps", "vs_float16"}
 NONNEGATIVE = {"context", "start"}
 FINITE = POSITIVE | NONNEGATIVE | {"growth_pct", "overhead_pct", "rel_err", "positions_exponent"}
 
