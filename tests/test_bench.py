@@ -203,6 +203,27 @@ def test_quality_summary_pairs_each_dtype_with_float16():
     assert "| dense int8/int4 |" in md and "+2.02% [+2.02, +2.02]" in md
 
 
+def test_quality_merge_pairs_runs_and_refuses_different_lengths(tmp_path):
+    """python -m kvsimd.bench.quality merge: runs of one dtype each (as the README's 8,192-token
+    measurement makes them) are paired with float16's; runs over different --tokens are one line
+    on stderr and exit 2, not a traceback."""
+    base = np.random.default_rng(5).gamma(2.0, 1.5, 256)
+    np.savez(tmp_path / "f16.npz", **{"dense": base})
+    np.savez(tmp_path / "i8.npz", **{"dense int8": base + 0.004})
+    np.savez(tmp_path / "short.npz", **{"dense int8/int4": base[:100] + 0.01})
+    cmd = [sys.executable, "-m", "kvsimd.bench.quality", "merge"]
+    p = subprocess.run(cmd + [str(tmp_path / "f16.npz"), str(tmp_path / "i8.npz")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "dense int8" in p.stdout and "vs float16 +0.40% [+0.40, +0.40]" in p.stdout
+    p = subprocess.run(cmd + [str(tmp_path / "f16.npz"), str(tmp_path / "short.npz")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "python -m kvsimd.bench.quality: error: 'dense int8/int4' has 100 positions and 'dense' 256: "
+        "runs over different --tokens cannot be paired"]
+
+
 def test_decode_contention_quick_json(tmp_path):
     """decode --contention: 1 thread, 2 threads and the default, with and without a busy
     neighbour, each as a paired ratio to 1 thread; the neighbour process is gone afterwards."""

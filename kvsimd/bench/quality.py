@@ -156,10 +156,13 @@ def summarize(curves, oracle_every):
         row = {"config": name, "scored": int(np.isfinite(c).sum()),
                "ppl_all": float(np.exp(np.nanmean(c))) if np.isfinite(c).all() else float("nan"),
                "ppl_oracle_positions": float(np.exp(np.nanmean(sub)))}
-        base = next((curves[name[:-len(" " + k)]] for k in CACHE_KINDS
+        base = next((name[:-len(" " + k)] for k in CACHE_KINDS
                      if k != "float16" and name.endswith(" " + k) and name[:-len(" " + k)] in curves), None)
         if base is not None:
-            r, lo, hi = paired_ratio(c, base)
+            if len(c) != len(curves[base]):
+                raise ValueError("%r has %d positions and %r %d: runs over different --tokens cannot be paired"
+                                 % (name, len(c), base, len(curves[base])))
+            r, lo, hi = paired_ratio(c, curves[base])
             row.update(vs_float16=r, vs_float16_ci95=[lo, hi])
         rows.append(row)
     return rows
@@ -276,7 +279,11 @@ def _cli(argv=None):
                 oracles[w] = part if cur is None else np.where(np.isnan(cur), part, cur)
     for w, c in sorted(oracles.items()):
         curves["W=%d oracle (re-prefill)" % w] = c
-    rows = summarize(curves, 1)
+    try:
+        rows = summarize(curves, 1)
+    except ValueError as e:
+        print("python -m kvsimd.bench.quality: error: %s" % e, file=sys.stderr)
+        return 2
     for r in rows:
         print("quality  %-32s PPL %.3f (%d scored)%s" % (
             r["config"], r["ppl_oracle_positions"], r["scored"],
