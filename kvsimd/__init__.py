@@ -19,7 +19,7 @@ if _SPIN_SET:   # (the bench gives its peers' processes libgomp's own default ba
     _os.environ["GOMP_SPINCOUNT"] = "1000"
 
 try:
-    from kvsimd._kvsimd import __version__, active_isa, cpu_features, isa_info, show_runtime
+    from kvsimd._kvsimd import __version__, active_isa, attend_isa, cpu_features, isa_info, show_runtime
     from kvsimd._kvsimd import QMatrix, weight_types
 except ImportError as _e:   # a bad KVSIMD_FORCE_ISA: under `python -m kvsimd`, one line and exit 2
     from kvsimd.__main__ import exit_if_cli
@@ -35,7 +35,7 @@ from kvsimd.errors import (KVSimdBusyError, KVSimdCapacityError, KVSimdError, KV
                            KVSimdPositionError, KVSimdTypeError, KVSimdValueError)
 
 __all__ = [
-    "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "set_num_threads", "get_num_threads", "active_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
+    "__version__", "KVCache", "CrossAttentionCache", "Decoder", "EncoderDecoder", "ModelConfig", "set_num_threads", "get_num_threads", "active_isa", "attend_isa", "cpu_features", "isa_info", "show_runtime", "ops", "errors",
     "QMatrix", "weight_types",
     "KVSimdError", "KVSimdValueError", "KVSimdTypeError", "KVSimdISAError", "KVSimdCapacityError",
     "KVSimdPositionError", "KVSimdBusyError", "KVSimdMemoryError",

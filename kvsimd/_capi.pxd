@@ -28,7 +28,7 @@ cdef extern from "kvsimd.h" nogil:
     uint32_t KV_FEAT_AVX2, KV_FEAT_AVX512, KV_FEAT_AVX512FP16, KV_FEAT_OSXSAVE, KV_FEAT_OS_YMM, KV_FEAT_OS_ZMM
     uint32_t KV_FEAT_AVX, KV_FEAT_AVX2_ONLY, KV_FEAT_FMA, KV_FEAT_F16C, KV_FEAT_AVX512F
     uint32_t KV_FEAT_AVX512BW, KV_FEAT_AVX512VL, KV_FEAT_AVX512_FP16_ONLY, KV_FEAT_AVX512VNNI
-    uint32_t KV_FEAT_AVX512DQ
+    uint32_t KV_FEAT_AVX512DQ, KV_FEAT_SPLIT512
 
     ctypedef struct kv_attn_range:
         int64_t query
@@ -147,6 +147,7 @@ cdef extern from "kvsimd.h" nogil:
     void kv_set_num_threads(int n) noexcept
     int kv_get_num_threads() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
+    int kv_attend_isa(const kv_attn_params *p) noexcept
     int64_t kv_attend_pieces(const kv_attn_params *p, int threads) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,
                             const int64_t *positions, const double *inv, double scale, kv_rope_style style,

@@ -9,6 +9,8 @@ _FEATURE_BITS = (
     ("avx", KV_FEAT_AVX), ("avx2", KV_FEAT_AVX2_ONLY), ("fma", KV_FEAT_FMA), ("f16c", KV_FEAT_F16C),
     ("avx512f", KV_FEAT_AVX512F), ("avx512bw", KV_FEAT_AVX512BW), ("avx512vl", KV_FEAT_AVX512VL),
     ("avx512dq", KV_FEAT_AVX512DQ), ("avx512vnni", KV_FEAT_AVX512VNNI), ("avx512fp16", KV_FEAT_AVX512_FP16_ONLY),
+    # not an instruction set: 512-bit operations run as two 256-bit halves (Zen 4; see attend_isa)
+    ("split512", KV_FEAT_SPLIT512),
 )
 
 
@@ -63,8 +65,10 @@ def isa_info():
 
     Returns a dict with keys ``compiled``, ``supported`` (lists, best last), ``active`` (str),
     ``forced`` (the name forced through ``KVSIMD_FORCE_ISA`` or ``testing.use_isa``, else None),
-    ``features`` (detected CPU features) and ``flags`` (each compiled row's compiler flags, as
-    the build passed them)."""
+    ``features`` (detected CPU features), ``flags`` (each compiled row's compiler flags, as
+    the build passed them) and ``small_group_attention``: the row that runs a decode step over a
+    float cache with 2 or 3 query heads per KV head (:func:`attend_isa`), the active one but on
+    cores that split 512-bit operations in two."""
     active = active_isa()
     return {
         "compiled": _isa_names("compiled"),
@@ -73,7 +77,31 @@ def isa_info():
         "forced": active if kv_forced() else None,
         "features": cpu_features(),
         "flags": _row_flags(),
+        "small_group_attention": attend_isa(3, 1),
     }
+
+
+def attend_isa(n_heads, n_kv_heads, k_dtype="float16", v_dtype=None, n_queries=1):
+    """The row that attention over a cache of ``k_dtype`` keys and ``v_dtype`` values (default:
+    the keys') runs on, for ``n_queries`` query rows of ``n_heads`` heads over ``n_kv_heads``.
+    The active row, except one case: on cores that split 512-bit operations in two (the
+    "split512" feature: AMD Zen 4), the automatic avx512 choice hands a decode step (one query
+    row) over float16 / float32 K and V with 2 or 3 query heads per KV head to the avx2 row, which
+    runs it faster there.  A forced row (``KVSIMD_FORCE_ISA``, ``testing.use_isa``) always
+    runs its own kernels."""
+    cdef kv_attn_params p
+    memset(&p, 0, sizeof(kv_attn_params))
+    n_heads, n_kv_heads = _need_int(n_heads, "n_heads", 1), _need_int(n_kv_heads, "n_kv_heads", 1)
+    n_queries = _need_int(n_queries, "n_queries", 1)
+    if n_heads % n_kv_heads:
+        raise KVSimdValueError("n_heads must be a multiple of n_kv_heads, got %d and %d" % (n_heads, n_kv_heads))
+    for name, dt in (("k_dtype", k_dtype), ("v_dtype", k_dtype if v_dtype is None else v_dtype)):
+        if dt not in _DTYPES:
+            raise KVSimdValueError("%s=%r: need one of %s" % (name, dt, ", ".join(sorted(_DTYPES))))
+    p.H, p.Hkv, p.T = n_heads, n_kv_heads, n_queries
+    p.dtype = _DTYPES[k_dtype][0]
+    p.v_dtype = _DTYPES[k_dtype if v_dtype is None else v_dtype][0]
+    return kv_isa_name(kv_attend_isa(&p)).decode()
 
 
 def show_runtime(file=None):
@@ -97,6 +125,9 @@ def show_runtime(file=None):
         mark = "*" if name == info["active"] else " "
         lines.append("  %s %-11s %-13s %s" % (mark, name, state, flags))
     lines.append("active: %s%s" % (info["active"], " (forced)" if info["forced"] else ""))
+    if info["small_group_attention"] != info["active"]:
+        lines.append("attention, decode over float caches with 2-3 query heads per KV head: %s (this CPU "
+                     "runs 512-bit operations as two 256-bit halves)" % info["small_group_attention"])
     print("\n".join(lines), file=out)
 
 

@@ -30,10 +30,13 @@ uint32_t kv_cpu_features(void)
     uint32_t r[4], f = 0;
     cpuid(0, 0, r);
     const uint32_t max_leaf = r[0];
+    /* "AuthenticAMD" in EBX, EDX, ECX */
+    const int amd = r[1] == 0x68747541u && r[3] == 0x69746e65u && r[2] == 0x444d4163u;
     if (max_leaf < 1)
         return 0;
     cpuid(1, 0, r);
-    const uint32_t ecx1 = r[2];
+    const uint32_t ecx1 = r[2], base_family = (r[0] >> 8) & 0xF;
+    const uint32_t family = base_family == 0xF ? base_family + ((r[0] >> 20) & 0xFF) : base_family;
     if (BIT(ecx1, 12)) f |= KV_FEAT_FMA;
     if (BIT(ecx1, 28)) f |= KV_FEAT_AVX;
     if (BIT(ecx1, 29)) f |= KV_FEAT_F16C;
@@ -61,6 +64,8 @@ uint32_t kv_cpu_features(void)
     if ((f & avx2) == avx2) f |= KV_FEAT_AVX2;
     if ((f & avx512) == avx512) f |= KV_FEAT_AVX512;
     if ((f & avx512fp16) == avx512fp16) f |= KV_FEAT_AVX512FP16;
+    if (amd && family == 0x19 && (f & KV_FEAT_AVX512F))   /* Zen 4 (Zen 3, also 19h, has no AVX-512) */
+        f |= KV_FEAT_SPLIT512;
     return f;
 }
 #endif

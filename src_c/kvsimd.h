@@ -91,6 +91,10 @@ typedef enum kv_wtype {
 #define KV_FEAT_AVX512_FP16_ONLY (1u << 18)
 #define KV_FEAT_AVX512VNNI (1u << 19)
 #define KV_FEAT_AVX512DQ (1u << 20)
+/* not an instruction set: the cores execute 512-bit operations as two 256-bit halves (AMD Zen 4,
+   family 19h with AVX-512), where 512-bit VCVTPH2PS and cross-lane shuffles convert and reduce no
+   faster per element than 256-bit ones (kv_attend_isa) */
+#define KV_FEAT_SPLIT512 (1u << 21)
 
 #define KV_MAX_HEAD_DIM 512
 #define KV_MAX_TOKENS (1LL << 24)
@@ -306,6 +310,12 @@ void kv_set_num_threads(int n);
 int kv_get_num_threads(void);
 size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads); /* what kv_attend needs */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads);
+/* The row kv_attend runs p on (a kv_isa): the active one, except that on KV_FEAT_SPLIT512 cores the
+   automatic avx512 choice hands a decode step (T == 1) over float K and V with 2 or 3 query heads
+   per KV head to the avx2 row, whose 256-bit add trees and conversions are faster there (SmolLM2
+   decode at 8,192 tokens on Zen 4: step time 0.93x).  A forced row (KVSIMD_FORCE_ISA, set_isa)
+   always runs its own kernels. */
+int kv_attend_isa(const kv_attn_params *p);
 int64_t kv_attend_pieces(const kv_attn_params *p, int threads); /* split-K pieces per KV head (ops.c) */
 /* RoPE of x [H, N, D] at positions[t]: pair r turns by positions[t] * inv[r] (inv: rotary_dim / 2
    inverse frequencies, from kv_rope_inv_freq or a scaled spec), and is multiplied by `scale`

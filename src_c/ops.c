@@ -155,9 +155,19 @@ static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *w
    count, and a row's keys are never split, so results are bit-identical for any count -- except
    a single query row under split-K (above), identical for a given count.
    `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
+int kv_attend_isa(const kv_attn_params *p)
+{
+    const int64_t G = p->H / p->Hkv;
+    const int floats = (p->dtype == KV_F16 || p->dtype == KV_F32) && (p->v_dtype == KV_F16 || p->v_dtype == KV_F32);
+    if (kv_active_isa() == KV_ISA_AVX512 && !kv_forced() && (kv_features() & KV_FEAT_SPLIT512) &&
+        kv_isa_supported(KV_ISA_AVX2) && p->T == 1 && (G == 2 || G == 3) && floats)
+        return KV_ISA_AVX2;
+    return kv_active_isa();
+}
+
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
-    const kv_kernels *row = kv_active();
+    const kv_kernels *row = kv_isa_row(kv_attend_isa(p));
     const int64_t heads = p->Hkv, T = p->T, tile = kv_attn_row_tile(p->H / p->Hkv);
     const int64_t tiles = (T + tile - 1) / tile, items = heads * tiles;
     threads = clamp_threads(threads);

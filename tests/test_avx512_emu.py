@@ -177,6 +177,7 @@ def test_tigerlake_selects_avx512(tigerlake):
     feats = int(out["features"])
     assert {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "os_zmm_state"} <= _names(feats)
     assert "avx512fp16" not in _names(feats)
+    assert "split512" not in _names(feats)      # an Intel core: 512-bit operations at full width
     assert feats & info["feature_bits"]["avx512"] and not feats & info["feature_bits"]["avx512fp16"]
     assert int(out["select"]) == info["isa_index"]["avx512"]
 

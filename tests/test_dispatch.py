@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import kvsimd
@@ -66,6 +67,83 @@ def test_detection_agrees_with_the_kernel():
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
     assert ("avx512" in supported) == (avx512 <= flags)
     assert ("avx512fp16" in supported) == (avx512 | {"avx512_fp16"} <= flags)
+
+
+def cpu_vendor_family():
+    """(vendor_id, cpu family) as Linux reports them, or (None, None)."""
+    vendor = family = None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("vendor_id") and vendor is None:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("cpu family") and family is None:
+                    family = int(line.split(":", 1)[1])
+    except OSError:
+        pass
+    return vendor, family
+
+
+def test_split512_is_zen4():
+    """"split512" (512-bit operations run as two 256-bit halves) is set exactly on AMD family 25
+    (19h) with AVX-512, i.e. Zen 4, by /proc/cpuinfo's own account; the emulated Tiger Lake, an
+    Intel core, never has it (test_avx512_emu.py)."""
+    vendor, family = cpu_vendor_family()
+    if vendor is None or family is None:
+        pytest.skip("no /proc/cpuinfo on this system")
+    expected = vendor == "AuthenticAMD" and family == 25 and "avx512f" in cpu_flags()
+    assert ("split512" in kvsimd.cpu_features()) == expected
+
+
+def _small_group_case(G, dtype, rng):
+    H, D, N = 3 * G, 64, 1000
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    k = rng.standard_normal((3, N, D)).astype(dtype)
+    v = rng.standard_normal((3, N, D)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_small_group_attention_runs_the_row_attend_isa_names(G, dtype):
+    """kvsimd.attend_isa says which row the automatic choice runs attention on, and that row's
+    own kernel gives the automatic result bit for bit: on Zen 4 ("split512") a decode step over
+    float K/V with 2 or 3 query heads per KV head runs the avx2 row (0.93x SmolLM2's step time at
+    8,192 tokens there), everything else the active row; a forced row always runs its own."""
+    from kvsimd import ops
+    info = kvsimd.isa_info()
+    dt = "float16" if dtype == np.float16 else "float32"
+    routed = (info["active"] == "avx512" and "split512" in info["features"] and "avx2" in info["supported"]
+              and G in (2, 3))
+    want = "avx2" if routed else info["active"]
+    assert kvsimd.attend_isa(3 * G, 3, dt) == want
+    assert kvsimd.attend_isa(3 * G, 3, dt, n_queries=2) == info["active"]       # prefill rows: never
+    assert kvsimd.attend_isa(3 * G, 3, "int8") == info["active"]                # int8 keys: VNNI stays
+    assert info["small_group_attention"] == ("avx2" if info["active"] == "avx512" and "split512"
+                                             in info["features"] and "avx2" in info["supported"] else info["active"])
+    q, k, v = _small_group_case(G, dtype, np.random.default_rng(G))
+    auto = ops.attend(q, k, v)
+    with use_isa(want):
+        assert kvsimd.attend_isa(3 * G, 3, dt) == want                          # forced: its own
+        same = ops.attend(q, k, v)
+    assert np.array_equal(auto, same)
+    if want != info["active"]:                                                  # the other row differs
+        with use_isa(info["active"]):
+            assert kvsimd.attend_isa(3 * G, 3, dt) == info["active"]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((3, 2), "n_heads must be a multiple of n_kv_heads, got 3 and 2"),
+    ((0, 1), "n_heads must be >= 1"),
+    ((3, 1, "bf16"), "k_dtype='bf16'"),
+    ((3, 1, "float16", "int2"), "v_dtype='int2'"),
+    ((3, 1, "float16", None, 0), "n_queries must be >= 1"),
+    ((2 ** 70, 1), "n_heads must be >= 1 \\(and < 2\\*\\*63\\), got 1180591620717411303424"),
+])
+def test_attend_isa_rejects_bad_arguments(args, match):
+    from kvsimd.errors import KVSimdError
+    with pytest.raises(KVSimdError, match=match):
+        kvsimd.attend_isa(*args)
 
 
 def test_select_isa_with_synthetic_feature_masks():
