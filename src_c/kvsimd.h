@@ -313,8 +313,8 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads);
 /* The row kv_attend runs p on (a kv_isa): the active one, except that on KV_FEAT_SPLIT512 cores the
    automatic avx512 choice hands a decode step (T == 1) over float K and V with 2 or 3 query heads
    per KV head to the avx2 row, whose 256-bit add trees and conversions are faster there (SmolLM2
-   decode at 8,192 tokens on Zen 4: step time 0.93x).  A forced row (KVSIMD_FORCE_ISA, set_isa)
-   always runs its own kernels. */
+   decode at 8,192 tokens on Zen 4, 1 thread: step time 0.94x).  A forced row (KVSIMD_FORCE_ISA,
+   testing.use_isa) always runs its own kernels. */
 int kv_attend_isa(const kv_attn_params *p);
 int64_t kv_attend_pieces(const kv_attn_params *p, int threads); /* split-K pieces per KV head (ops.c) */
 /* RoPE of x [H, N, D] at positions[t]: pair r turns by positions[t] * inv[r] (inv: rotary_dim / 2

@@ -150,11 +150,6 @@ static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *w
     }
 }
 
-/* Work is split across threads by KV head and, with several query rows, by tiles of
-   kv_attn_row_tile rows: a (head, tile) item is computed by the same code whatever the thread
-   count, and a row's keys are never split, so results are bit-identical for any count -- except
-   a single query row under split-K (above), identical for a given count.
-   `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 int kv_attend_isa(const kv_attn_params *p)
 {
     const int64_t G = p->H / p->Hkv;
@@ -165,6 +160,11 @@ int kv_attend_isa(const kv_attn_params *p)
     return kv_active_isa();
 }
 
+/* Work is split across threads by KV head and, with several query rows, by tiles of
+   kv_attn_row_tile rows: a (head, tile) item is computed by the same code whatever the thread
+   count, and a row's keys are never split, so results are bit-identical for any count -- except
+   a single query row under split-K (above), identical for a given count.
+   `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
     const kv_kernels *row = kv_isa_row(kv_attend_isa(p));
