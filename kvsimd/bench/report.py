@@ -416,13 +416,6 @@ def complexity_md(rows):
     return text
 
 
-def vs_float16_text(row):
-    """A summary row's vs_float16 as text, "+0.40% [+0.15, +0.64]" ("-" without one)."""
-    if "vs_float16" not in row:
-        return "-"
-    return "%+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [row["vs_float16"]] + list(row["vs_float16_ci95"]))
-
-
 def quality_md(doc):
     rows = doc["results"]["quality"]
     oracle = {r["config"].split(" ")[0]: r["ppl_oracle_positions"] for r in rows if "oracle" in r["config"]}
@@ -431,8 +424,10 @@ def quality_md(doc):
         w = r["config"].split(" ")[0]
         ref = oracle.get(w)
         rel = "%+.1f%%" % (100 * (r["ppl_oracle_positions"] / ref - 1)) if ref and "oracle" not in r["config"] else "-"
+        vs = ("%+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [r["vs_float16"]] + list(r["vs_float16_ci95"]))
+              if "vs_float16" in r else "-")
         body.append([r["config"], _f(r["ppl_all"], 2) if math.isfinite(r["ppl_all"]) else "-",
-                     _f(r["ppl_oracle_positions"], 2), rel, vs_float16_text(r)])
+                     _f(r["ppl_oracle_positions"], 2), rel, vs])
     return _table(["configuration", "PPL, all positions", "PPL, oracle's positions",
                    "vs the oracle of its window (same positions)",
                    "vs float16, same configuration (paired, 95% interval)"], body)
