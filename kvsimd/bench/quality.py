@@ -14,6 +14,7 @@ import numpy as np
 
 import kvsimd
 from kvsimd.bench.common import text_path as find_text
+from kvsimd.bench.schema import vs_float16_text
 
 
 def _nll(logits, target):
@@ -287,8 +288,7 @@ def _cli(argv=None):
     for r in rows:
         print("quality  %-32s PPL %.3f (%d scored)%s" % (
             r["config"], r["ppl_oracle_positions"], r["scored"],
-            "  vs float16 %+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [r["vs_float16"]] + r["vs_float16_ci95"])
-            if "vs_float16" in r else ""))
+            "  vs float16 " + vs_float16_text(r) if "vs_float16" in r else ""))
     if a.json:
         from kvsimd.bench import common
         from kvsimd.bench.schema import SCHEMA_VERSION

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 
-from kvsimd.bench.schema import QUANTIZED_OPS, validate
+from kvsimd.bench.schema import QUANTIZED_OPS, validate, vs_float16_text
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -424,10 +424,8 @@ def quality_md(doc):
         w = r["config"].split(" ")[0]
         ref = oracle.get(w)
         rel = "%+.1f%%" % (100 * (r["ppl_oracle_positions"] / ref - 1)) if ref and "oracle" not in r["config"] else "-"
-        vs = ("%+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [r["vs_float16"]] + list(r["vs_float16_ci95"]))
-              if "vs_float16" in r else "-")
         body.append([r["config"], _f(r["ppl_all"], 2) if math.isfinite(r["ppl_all"]) else "-",
-                     _f(r["ppl_oracle_positions"], 2), rel, vs])
+                     _f(r["ppl_oracle_positions"], 2), rel, vs_float16_text(r)])
     return _table(["configuration", "PPL, all positions", "PPL, oracle's positions",
                    "vs the oracle of its window (same positions)",
                    "vs float16, same configuration (paired, 95% interval)"], body)

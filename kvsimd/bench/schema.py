@@ -53,6 +53,13 @@ from typing import Dict, List, Optional
 
 SCHEMA_VERSION = 1
 
+
+def vs_float16_text(row):
+    """A quality row's vs_float16 as text, "+0.40% [+0.15, +0.64]"; "-" for a row without one."""
+    if "vs_float16" not in row:
+        return "-"
+    return "%+.2f%% [%+.2f, %+.2f]" % tuple(100 * (x - 1) for x in [row["vs_float16"]] + list(row["vs_float16_ci95"]))
+
 # section -> op (or None for every row) -> keys that must be present; values in POSITIVE must be > 0
 _QUANTIZED_KEYS = ["op", "impl", "isa", "shape", "H", "Hkv", "D", "N", "dtype", "threads", "median_s", "fp16_median_s",
                    "GBps", "fp16_GBps", "ratio", "ratio_ci95", "bytes_per_token", "fp16_bytes_per_token"]
