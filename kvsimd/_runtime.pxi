@@ -81,26 +81,23 @@ def isa_info():
     }
 
 
-def attend_isa(n_heads, n_kv_heads, k_dtype="float16", v_dtype=None, n_queries=1):
-    """The row that attention over a cache of ``k_dtype`` keys and ``v_dtype`` values (default:
-    the keys') runs on, for ``n_queries`` query rows of ``n_heads`` heads over ``n_kv_heads``.
-    The active row, except one case: on cores that split 512-bit operations in two (the
-    "split512" feature: AMD Zen 4), the automatic avx512 choice hands a decode step (one query
-    row) over float16 / float32 K and V with 2 or 3 query heads per KV head to the avx2 row, which
-    runs it faster there.  A forced row (``KVSIMD_FORCE_ISA``, ``testing.use_isa``) always
-    runs its own kernels."""
+def attend_isa(n_heads, n_kv_heads, dtype="float16", n_queries=1):
+    """The row that attention over a cache of ``dtype`` (as ``KVCache`` takes it: float16,
+    float32, int8, int4, "int8/int4", or a NumPy dtype) runs on, for ``n_queries`` query rows of
+    ``n_heads`` heads over ``n_kv_heads``.  The active row, except one case: on cores that split
+    512-bit operations in two (the "split512" feature: AMD Zen 4), the automatic avx512 choice
+    hands a decode step (one query row) over a float16 / float32 cache with 2 or 3 query heads
+    per KV head to the avx2 row, which runs it faster there.  A forced row (``KVSIMD_FORCE_ISA``,
+    ``testing.use_isa``) always runs its own kernels."""
     cdef kv_attn_params p
     memset(&p, 0, sizeof(kv_attn_params))
     n_heads, n_kv_heads = _need_int(n_heads, "n_heads", 1), _need_int(n_kv_heads, "n_kv_heads", 1)
     n_queries = _need_int(n_queries, "n_queries", 1)
     if n_heads % n_kv_heads:
         raise KVSimdValueError("n_heads must be a multiple of n_kv_heads, got %d and %d" % (n_heads, n_kv_heads))
-    for name, dt in (("k_dtype", k_dtype), ("v_dtype", k_dtype if v_dtype is None else v_dtype)):
-        if dt not in _DTYPES:
-            raise KVSimdValueError("%s=%r: need one of %s" % (name, dt, ", ".join(sorted(_DTYPES))))
+    kn, vn = _cache_dtypes(dtype)
     p.H, p.Hkv, p.T = n_heads, n_kv_heads, n_queries
-    p.dtype = _DTYPES[k_dtype][0]
-    p.v_dtype = _DTYPES[k_dtype if v_dtype is None else v_dtype][0]
+    p.dtype, p.v_dtype = _DTYPES[kn][0], _DTYPES[vn][0]
     return kv_isa_name(kv_attend_isa(&p)).decode()
 
 

@@ -119,6 +119,8 @@ def test_small_group_attention_runs_the_row_attend_isa_names(G, dtype):
     assert kvsimd.attend_isa(3 * G, 3, dt) == want
     assert kvsimd.attend_isa(3 * G, 3, dt, n_queries=2) == info["active"]       # prefill rows: never
     assert kvsimd.attend_isa(3 * G, 3, "int8") == info["active"]                # int8 keys: VNNI stays
+    assert kvsimd.attend_isa(3 * G, 3, "int8/int4") == info["active"]
+    assert kvsimd.attend_isa(3 * G, 3, dtype) == want                           # a NumPy dtype, as KVCache takes
     assert info["small_group_attention"] == ("avx2" if info["active"] == "avx512" and "split512"
                                              in info["features"] and "avx2" in info["supported"] else info["active"])
     q, k, v = _small_group_case(G, dtype, np.random.default_rng(G))
@@ -135,9 +137,9 @@ def test_small_group_attention_runs_the_row_attend_isa_names(G, dtype):
 @pytest.mark.parametrize("args, match", [
     ((3, 2), "n_heads must be a multiple of n_kv_heads, got 3 and 2"),
     ((0, 1), "n_heads must be >= 1"),
-    ((3, 1, "bf16"), "k_dtype='bf16'"),
-    ((3, 1, "float16", "int2"), "v_dtype='int2'"),
-    ((3, 1, "float16", None, 0), "n_queries must be >= 1"),
+    ((3, 1, "bf16"), "dtype must be float16, float32, int8, int4 .*got 'bf16'"),
+    ((3, 1, "int8/int2"), "int8 or int4 on each side"),
+    ((3, 1, "float16", 0), "n_queries must be >= 1"),
     ((2 ** 70, 1), "n_heads must be >= 1 \\(and < 2\\*\\*63\\), got 1180591620717411303424"),
 ])
 def test_attend_isa_rejects_bad_arguments(args, match):
