@@ -346,15 +346,32 @@ def smollm2():
     return m, tok
 
 
+def agree_until_a_near_tie(got, got_log, ref, ref_log, n0, most=0.1):
+    """Greedy tokens of two runs over 4-bit K/V equal, or equal up to a step where they part at a
+    near tie: the reference's logit of the other run's token within the two runs' logit
+    disagreement at that step of its best, and that disagreement at most ``most`` of the logits.
+    Over the same stored values the runs' K/V still differ by float32 rounding (kvsimd's attention
+    against eager's, layer after layer), and a 4-bit value that lies that close to a rounding
+    boundary rounds the other way in one of them: which prompt meets one, and at which step, is
+    luck (measured with four prompts: none, or at the prefill or the 15th or 20th token)."""
+    g, r = got[0, n0:].tolist(), ref[0, n0:].tolist()
+    i = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), None)
+    if i is None:
+        return len(g) == len(r)
+    want, gl = ref_log[i, 0].astype(np.float64), got_log[i, 0].astype(np.float64)
+    apart = np.abs(want - gl).max()
+    return apart <= most * np.abs(want).max() and want[r[i]] - want[g[i]] <= apart
+
+
 def test_smollm2_through_transformers_gguf(smollm2):
     """The real model as transformers loads it: greedy tokens of kvsimd's backend and caches equal
     transformers' own (SDPA, DynamicCache), logits within the bounds.  The int4 cache (heads of 64:
     two blocks turned by H) gives the greedy tokens of transformers' eager attention over the values
-    it stores, which differ from the float model's from the second new token on (and from those of
-    int8 or unturned int4 K/V).  Its logits, not checked here: measured 1e-6 of that reference's
-    until a 4-bit value rounds the other way from float32 K/V that differ by rounding (kvsimd's
-    attention against eager's, 30 layers deep: at the 16th new token here, then 1.1e-2), while the
-    float model's are 9.4e-2 away (the reference model's int4 test: tests/test_reference_model.py)."""
+    it stores (:func:`agree_until_a_near_tie`), which differ from the float model's.  Its logits:
+    measured 1e-6 of that reference's until a 4-bit value rounds the other way from float32 K/V
+    that differ by rounding (kvsimd's attention against eager's, 30 layers deep: here in the
+    prefill's 13th layer, then 3e-2 and a near tie at the 20th new token), while the float model's
+    are 9.4e-2 away (the reference model's int4 test: tests/test_reference_model.py)."""
     m, tok = smollm2
     ids = tok("The old king said to his daughters:", return_tensors="pt").input_ids
     ref_tok, ref_log = run(m, ids, "sdpa", n=32)
@@ -362,8 +379,9 @@ def test_smollm2_through_transformers_gguf(smollm2):
         got_tok, got_log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype), n=32)
         assert torch.equal(got_tok, ref_tok), dtype
         assert rel(got_log, ref_log) <= REFERENCE_BOUNDS[dtype], (dtype, rel(got_log, ref_log))
-    ref_tok4, _ = run(m, ids, stored_eager(("int4", True)), n=32)
-    got_tok, _ = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="int4"), n=32)
-    assert torch.equal(got_tok, ref_tok4) and not torch.equal(ref_tok4, ref_tok)
+    ref_tok4, ref_log4 = run(m, ids, stored_eager(("int4", True)), n=32)
+    got_tok, got_log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="int4"), n=32)
+    assert agree_until_a_near_tie(got_tok, got_log, ref_tok4, ref_log4, ids.shape[1])
+    assert not torch.equal(ref_tok4, ref_tok)
     sink_tok, _ = run(m, ids, kt.NAME, kt.KVSimdSinkCache(m, window=256, n_keep=4), n=32)
     assert torch.equal(sink_tok, ref_tok)          # inside the window the sink cache is the plain one
