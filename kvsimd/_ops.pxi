@@ -256,7 +256,9 @@ def quantize_kv(x, dtype="int8", *, hadamard=False):
     one float32 scale per block.  Returns ``(q, scale)``, scale float32 ``x.shape[:-1] +
     (ceil(D / 32),)``.  ``dtype="int8"``: q int8 ``x.shape``, ``scale = max |block| / 127`` and
     ``q = block / scale`` rounded to nearest (ties to even): ``|x - q * scale| <= scale / 2``.
-    ``dtype="int4"``: the same with 7 for 127 (q in -7..7), stored two per byte as uint8
+    ``dtype="int4"``: q in -8..7 and the smallest ``|scale|`` that keeps ``|x - q * scale| <= |scale| / 2``
+    (:func:`kvsimd.reference.int4_scale`: ``max(neg / 8.5, pos / 7.5)``, negative where the
+    positive side is the larger, so that it gets the 8.5 steps of room), stored two per byte as uint8
     ``x.shape[:-1] + (16 * ceil(D / 32),)``: byte i of block b holds value 32 b + i in its low nibble
     and 32 b + 16 + i in its high one, each as q + 8 (the padding of a short last block reads 0);
     :func:`kvsimd.reference.unpack_int4` unpacks.  A block holding NaN or infinity gets scale NaN

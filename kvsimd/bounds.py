@@ -108,10 +108,11 @@ ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
 
 
 def quantized_step_bound(scale, D: int):
-    """``|x - q * scale| <= scale / 2`` per component ``[..., D]`` for rows quantized by
+    """``|x - q * scale| <= |scale| / 2`` per component ``[..., D]`` for rows quantized by
     :func:`kvsimd.ops.quantize_kv` to int8 or int4 (``scale`` its ``[..., blocks]`` scales: the
-    step, max |block| / 127 or / 7), plus the float32 rounding of the product (2**-24 relative)."""
-    per = np.repeat(np.asarray(scale, np.float64), 32, axis=-1)[..., :D]
+    step, max |block| / 127 for int8, signed for int4: :func:`kvsimd.reference.int4_scale`), plus
+    the float32 rounding of the product (2**-24 relative)."""
+    per = np.repeat(np.abs(np.asarray(scale, np.float64)), 32, axis=-1)[..., :D]
     return per * (0.5 + 2.0 ** -23)
 
 
@@ -125,7 +126,7 @@ def hadamard_step_bound(scale, x):
     D = np.shape(x)[-1]
     w = D // 32 * 32
     bound = quantized_step_bound(scale, D)
-    per = np.repeat(np.asarray(scale, np.float64), 32, axis=-1)[..., :w]
+    per = np.repeat(np.abs(np.asarray(scale, np.float64)), 32, axis=-1)[..., :w]
     bound[..., :w] = per * 32 * (0.5 + 2.0 ** -23) + 12 * 2.0 ** -24 * _block_sums(x)[..., :w]
     return bound
 

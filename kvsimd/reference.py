@@ -284,7 +284,7 @@ def int8_rows(x):
 
 
 KV_I8_BLOCK = 32   # values per scale of an int8 or int4 KV row (kvsimd.h)
-KV_QMAX = {"int8": 127, "int4": 7}   # the largest integer of each quantized KV dtype
+KV_QRANGE = {"int8": (-127, 127), "int4": (-8, 7)}   # the integers of each quantized KV dtype
 
 
 def hadamard_rows(x, _back=True):
@@ -313,12 +313,13 @@ def hadamard_rows(x, _back=True):
 
 def quantize_kv(x, dtype="int8", hadamard=False):
     """The quantized KV cache's rule (kvsimd.ops.quantize_kv), in NumPy float32: each row of the
-    last axis in blocks of 32 values (the last shorter), ``scale = max |block| / qmax`` (qmax 127
-    for int8, 7 for int4) and ``q = rint(block / scale)`` (ties to even), clipped to +-qmax; a block
-    with NaN or infinity gets scale NaN and q 0.  ``hadamard``: each whole block turned first, H x /
+    last axis in blocks of 32 values (the last shorter) and ``q = rint(block / scale)`` (ties to
+    even), within half a step of the block: int8 ``scale = max |block| / 127``; int4 (q in -8..7)
+    the smallest ``|scale|`` that keeps that, :func:`int4_scale`.  A block with NaN or infinity
+    gets scale NaN and q 0.  ``hadamard``: each whole block turned first, H x /
     32 (:func:`hadamard_rows` without its final times 32), so that q * scale stands for H x / 32.  Returns (q, scale float32 x.shape[:-1] +
     (blocks,)): int8 q of x.shape, or for int4 q packed as the cache stores it (:func:`pack_int4`)."""
-    qmax = KV_QMAX[dtype]
+    qmin, qmax = KV_QRANGE[dtype]
     x = np.asarray(x, np.float32)
     if hadamard:
         x = hadamard_rows(x, _back=False)
@@ -329,13 +330,38 @@ def quantize_kv(x, dtype="int8", hadamard=False):
     b = pad.reshape(x.shape[:-1] + (nb, KV_I8_BLOCK))
     amax = np.abs(b).max(axis=-1)
     bad = ~np.isfinite(b).all(axis=-1)
-    scale = (amax / np.float32(qmax)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scale = (amax / np.float32(qmax)).astype(np.float32) if dtype == "int8" else \
+            int4_scale(np.where(bad[..., None], np.float32(0), b))
     with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.rint(np.where(scale[..., None] > 0, b / np.where(scale > 0, scale, 1)[..., None], 0))
-    q = np.clip(np.where(bad[..., None], 0, q), -qmax, qmax).astype(np.int8)
+        q = np.rint(np.where(scale[..., None] != 0, b / np.where(scale != 0, scale, 1)[..., None], 0))
+    q = np.clip(np.where(bad[..., None], 0, q), qmin, qmax).astype(np.int8)
     scale = np.where(bad, np.float32(np.nan), scale).astype(np.float32)
     q = q.reshape(pad.shape)
     return (q[..., :D].copy() if dtype == "int8" else pack_int4(q)), scale
+
+
+def int4_scale(blocks):
+    """The int4 step of each block (``blocks [..., 32]`` float32, finite): levels -8..7 times
+    s > 0 reach from -8.5 s to 7.5 s, so ``|s| = max(neg / 8.5, pos / 7.5)`` (neg, pos: the largest
+    magnitudes of the block's negative and positive values), taken up an ulp at a time until both
+    float32 quotients are below 8.5 and 7.5, so that no value is clamped; s < 0 mirrors the levels
+    and is taken where it gives the smaller step (s > 0 on a tie).  float32 ``blocks.shape[:-1]``."""
+    b = np.asarray(blocks, np.float32)
+    pos = np.maximum(b, 0).max(axis=-1).astype(np.float32)
+    neg = np.maximum(-b, 0).max(axis=-1).astype(np.float32)
+
+    def step(top, other):   # |s| with `top` on the side of -8
+        s = np.maximum(top / np.float32(8.5), other / np.float32(7.5)).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            while True:
+                up = ((top > 0) | (other > 0)) & ~((top / s < np.float32(8.5)) & (other / s < np.float32(7.5)))
+                if not up.any():
+                    return s
+                s = np.where(up, np.nextafter(s, np.float32(np.inf)), s).astype(np.float32)
+
+    sp, sn = step(neg, pos), step(pos, neg)
+    return np.where(sp <= sn, sp, -sn).astype(np.float32)
 
 
 def pack_int4(q):

@@ -44,7 +44,7 @@ typedef enum kv_isa {
 /* Element types of a K/V cache.  KV_I8: int8 values q, each row (a token of a KV head, D values)
    in blocks of KV_I8_BLOCK values (the last one shorter when D is not a multiple), one float32
    scale per block: value d of the row stands for q[d] * scale[d / KV_I8_BLOCK] (kv_quantize_rows).
-   KV_I4: 4-bit values q in -7..7 with the same blocks and scales, stored as q + 8; a row is
+   KV_I4: 4-bit values q in -8..7 with the same blocks and (signed) scales, stored as q + 8; a row is
    kv_i8_blocks(D) blocks of KV_I4_BLOCK_BYTES bytes (the last block padded with zeros to 32
    values), value e of a block in byte e % 16, the low nibble for e < 16 and the high one for
    e >= 16 (so that a vector of up to 16 consecutive values is one run of bytes and one shift). */
@@ -364,9 +364,13 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs);
 /* rows x [n, D] (row stride xs floats) into q (dtype KV_I8 or KV_I4, rows qs bytes apart, each
  * kv_row_bytes(dtype, D)) and scale [n, kv_i8_blocks(D)] (contiguous), each block of KV_I8_BLOCK
  * values of a row on its own: KV_I8 by the rule of kv_quantize_x -- scale = max |x| / 127, q = x /
- * scale rounded to nearest (ties to even), |x - scale q| <= scale / 2; KV_I4 the same with 7 for
- * 127 (q in -7..7).  A block holding NaN or infinity gets scale NaN and q = 0 (it reads as NaN, as
- * a float row would).  Returns KV_ERR_ARG for another dtype. */
+ * scale rounded to nearest (ties to even), |x - scale q| <= scale / 2; KV_I4 q in -8..7 with the
+ * smallest |scale| for which |x - scale q| <= |scale| / 2 still holds: levels -8..7 reach from -8.5
+ * to 7.5 steps, so |scale| = max(neg / 8.5, pos / 7.5) (neg, pos: the largest magnitudes of the
+ * block's negative and positive values; up an ulp or two until the rounding's quotients are below
+ * 8.5 and 7.5), and scale < 0 (the levels mirrored) where that side gives the smaller step.  A
+ * block holding NaN or infinity gets scale NaN and q = 0 (it reads as NaN, as a float row would).
+ * Returns KV_ERR_ARG for another dtype. */
 kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, float *scale, const float *x, int64_t xs,
                            int64_t n, int64_t D);
 /* The float32 values rows q (as kv_quantize_rows stores them) stand for, q[d] * scale[d / 32], into

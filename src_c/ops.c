@@ -327,10 +327,37 @@ kv_status kv_repack_x8(kv_wtype t, void *dst, const void *src, int64_t rows, int
     return KV_OK;
 }
 
+/* The step of an int4 block (kv_quantize_rows): the smallest |step| that keeps every value within
+   half a step of one of the 16 levels -8..7.  Levels -8..7 times s > 0 reach from -8.5 s to 7.5 s,
+   so s = max(neg / 8.5, pos / 7.5) (neg, pos: the block's largest magnitudes below and above 0),
+   taken up by an ulp or two until both quotients, as the rounding computes them, are below 8.5 and
+   7.5: no value is ever clamped.  s < 0 mirrors the levels (+8.5 |s| .. -7.5 |s|): whichever sign
+   needs the smaller step is taken, s > 0 on a tie. */
+static float i4_step_for(float top, float other)   /* |step| with `top` on the side of -8 */
+{
+    float s = top / 8.5f, t = other / 7.5f;
+    s = t > s ? t : s;
+    while ((top > 0.0f || other > 0.0f) && !(top / s < 8.5f && other / s < 7.5f))
+        s = nextafterf(s, INFINITY);
+    return s;
+}
+
+static float i4_step(const float *v, int64_t n)
+{
+    float pos = 0.0f, neg = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        pos = v[i] > pos ? v[i] : pos;
+        neg = -v[i] > neg ? -v[i] : neg;
+    }
+    const float sp = i4_step_for(neg, pos), sn = i4_step_for(pos, neg);
+    return sp <= sn ? sp : -sn;
+}
+
 /* The one rounding rule of int8 activations and of the int8 and int4 KV caches: n values into q
-   with one step, max |x| / qmax, q = x / step to nearest (ties to even), clamped to +-qmax; returns
-   the step, NaN (q all 0) when a value is NaN or infinite.  Returns sum(q) in *sum. */
-static float quantize_run(int8_t *q, const float *v, int64_t n, float qmax, int32_t *sum)
+   with one step -- int8 max |x| / 127, int4 i4_step --, q = x / step to nearest (ties to even),
+   which is within half a step of x (the clamps to -127..127 and -8..7 never move a value further);
+   returns the step, NaN (q all 0) when a value is NaN or infinite.  Returns sum(q) in *sum. */
+static float quantize_run(int8_t *q, const float *v, int64_t n, int int4, int32_t *sum)
 {
     float amax = 0.0f;
     int finite = 1;
@@ -344,10 +371,10 @@ static float quantize_run(int8_t *q, const float *v, int64_t n, float qmax, int3
         memset(q, 0, (size_t)n);
         return NAN;
     }
-    const float step = amax / qmax;
+    const float step = int4 ? i4_step(v, n) : amax / 127.0f, qmax = int4 ? 7.0f : 127.0f, qmin = int4 ? -8.0f : -127.0f;
     for (int64_t i = 0; i < n; i++) {
-        float r = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
-        r = r > qmax ? qmax : r < -qmax ? -qmax : r;
+        float r = step != 0.0f ? nearbyintf(v[i] / step) : 0.0f;
+        r = r > qmax ? qmax : r < qmin ? qmin : r;
         q[i] = (int8_t)r;
         *sum += (int32_t)r;
     }
@@ -362,7 +389,7 @@ void kv_quantize_x(void *xq, const float *x, int64_t B, int64_t k, int64_t xs)
         float *d = (float *)(q + k), *s = d + nb;
         for (int64_t ib = 0; ib < nb; ib++) {
             int32_t sum;
-            d[ib] = quantize_run(q + 32 * ib, x + b * xs + 32 * ib, 32, 127.0f, &sum);
+            d[ib] = quantize_run(q + 32 * ib, x + b * xs + 32 * ib, 32, 0, &sum);
             s[ib] = d[ib] * (float)sum;
         }
     }
@@ -414,8 +441,7 @@ kv_status kv_quantize_rows(kv_dtype dtype, int hadamard, void *q, int64_t qs, fl
             }
             int8_t v[KV_I8_BLOCK] = {0};   /* int4: the padding of a short last block is value 0 */
             float *sc = scale + r * nb + b;
-            *sc = quantize_run(dtype == KV_I8 ? (int8_t *)q + r * qs + d : v, src, len, dtype == KV_I8 ? 127.0f : 7.0f,
-                               &sum);
+            *sc = quantize_run(dtype == KV_I8 ? (int8_t *)q + r * qs + d : v, src, len, dtype == KV_I4, &sum);
             if (dtype == KV_I4) {
                 uint8_t *o = (uint8_t *)q + r * qs + b * KV_I4_BLOCK_BYTES;
                 for (int e = 0; e < KV_I4_BLOCK_BYTES; e++)

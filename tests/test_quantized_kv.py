@@ -18,7 +18,7 @@ from test_attend_rows import CASES as ROW_CASES
 
 
 DTYPES = ["int8", "int4"]
-QMAX = {"int8": 127, "int4": 7}
+QRANGE = {"int8": (-127, 127), "int4": (-8, 7)}
 # attention: K and V of one dtype, or "K/V" of two (KVCache(dtype="int8/int4"): int8 keys, int4 values)
 KV_DTYPES = DTYPES + ["int8/int4", "int4/int8"]
 
@@ -75,21 +75,31 @@ def test_quantize_kv_is_the_numpy_rule_bit_for_bit(rng, D, dtype):
     x[0, 1, 0] = np.float32(1e-40)       # a subnormal maximum
     q, s = ops.quantize_kv(x, dtype)
     rq, rs = reference.quantize_kv(x, dtype)
-    nb, qmax = -(-D // 32), QMAX[dtype]
+    nb, (qmin, qmax) = -(-D // 32), QRANGE[dtype]
     shape = x.shape if dtype == "int8" else x.shape[:2] + (16 * nb,)
     assert q.dtype == rq.dtype == (np.int8 if dtype == "int8" else np.uint8) and q.shape == shape
     assert s.dtype == np.float32 and s.shape == x.shape[:2] + (nb,)
     assert np.array_equal(q, rq) and np.array_equal(s.view(np.uint32), rs.view(np.uint32))
     v = values(q, D)
-    assert v.shape == x.shape and np.abs(v.astype(np.int32)).max() <= qmax
+    assert v.shape == x.shape and qmin <= v.min() and v.max() <= qmax
     if dtype == "int4":   # the padding of a short last block holds value 0 (nibble 8)
         full = reference.unpack_int4(q, 32 * nb)
-        assert (full[..., D:] == 0).all() and ((q & 15) >= 1).all() and ((q >> 4) >= 1).all()
+        assert (full[..., D:] == 0).all()
     err = np.abs(reference.dequantize_kv(q, s, D).astype(np.float64) - x)
     assert (err <= quantized_step_bound(s, D)).all()
-    for b in range(nb):   # the largest value of each block is +-qmax
-        top = np.abs(v[..., 32 * b:32 * b + 32].astype(np.int32)).max(axis=-1)
-        assert (top[s[..., b] > 0] == qmax).all()
+    for b in range(nb):
+        vb, xb = v[..., 32 * b:32 * b + 32].astype(np.int32), x[..., 32 * b:32 * b + 32].astype(np.float64)
+        if dtype == "int8":   # the largest value of each block is +-127
+            assert (np.abs(vb).max(axis=-1)[s[..., b] > 0] == qmax).all()
+            continue
+        # int4: no step smaller by more than float32 rounding keeps every value within half a step:
+        # levels -8..7 reach -8.5 and 7.5 steps, on the side the scale's sign chooses
+        pos, neg = np.maximum(xb, 0).max(axis=-1), np.maximum(-xb, 0).max(axis=-1)
+        best = np.minimum(np.maximum(neg / 8.5, pos / 7.5), np.maximum(pos / 8.5, neg / 7.5))
+        assert (np.abs(s[..., b]) <= best * (1 + 2.0 ** -20) + 4 * 2.0 ** -149).all()   # (subnormal steps)
+        # and the range is used: a value at -8 or +7 in every block with a step
+        live = s[..., b] != 0
+        assert ((vb.min(axis=-1) == -8) | (vb.max(axis=-1) == 7))[live].all()
     if D > 32:   # a block of its own scale: a row's small block is not crushed by a large one
         y = x.copy()
         y[..., :32] *= 1000
@@ -99,13 +109,17 @@ def test_quantize_kv_is_the_numpy_rule_bit_for_bit(rng, D, dtype):
 
 def test_int4_layout_by_hand():
     """The packing of kvsimd.h KV_I4, written out: value i of a block in the low nibble of byte i,
-    value 16 + i in the high nibble, each as q + 8 (independent of reference.pack_int4)."""
+    value 16 + i in the high nibble, each as q + 8 (independent of reference.pack_int4); and the
+    step's sign: the side with the larger magnitude gets level -8 (8.5 steps of room)."""
     x = np.zeros(40, np.float32)
-    x[0], x[16], x[1], x[31], x[32], x[39] = 7.0, -7.0, 3.0, -1.0, 2.0, -2.0
+    x[0], x[16], x[1], x[31], x[32], x[39] = 3.0, -8.0, 1.0, -1.0, 2.0, 4.0
     q, s = ops.quantize_kv(x, "int4")
-    assert q.shape == (32,) and s.tolist() == [1.0, float(np.float32(2) / np.float32(7))]
-    assert q[0] == (7 + 8) | ((-7 + 8) << 4) and q[1] == (3 + 8) | (8 << 4) and q[15] == 8 | ((-1 + 8) << 4)
-    assert q[16] == (7 + 8) | (8 << 4) and q[16 + 7] == (-7 + 8) | (8 << 4) and q[16 + 8] == 8 | (8 << 4)
+    # block 0: negatives reach 8 (8.5 steps of room below 0), positives 3: s = 8 / 8.5 > 0
+    # block 1: positives reach 4, negatives none: s = -4 / 8.5 < 0, so 4 is level -8
+    assert q.shape == (32,) and s[0] > 0 > s[1]
+    assert abs(s[0] - 8 / 8.5) <= 1e-6 and abs(s[1] + 4 / 8.5) <= 1e-6
+    assert q[0] == (3 + 8) | ((-8 + 8) << 4) and q[1] == (1 + 8) | (8 << 4) and q[15] == 8 | ((-1 + 8) << 4)
+    assert q[16] == (-4 + 8) | (8 << 4) and q[16 + 7] == (-8 + 8) | (8 << 4) and q[16 + 8] == 8 | (8 << 4)
 
 
 def sylvester(n=32):
