@@ -142,6 +142,11 @@ cdef class _KVStore:
         and is refused once it differs (a stale plan's slots, ranges and positions are wrong)."""
         self._gen += 1
 
+    cdef int _before_write(self, int64_t l, int64_t s, int64_t t0, int64_t t1) except -1:
+        """Called by write() before it stores slots t0..t1-1 of layer l and sequence s (KVCache: an
+        open transaction saves the committed tokens' K/V there)."""
+        return 0
+
     cdef int _need_current(self, _Plan plan, str ending=None) except -1:
         """Refuse a stale plan; with ``ending`` (end_step / end_prefill) also one whose K/V were
         not written for every layer, or were overwritten by another plan since (committing it would
@@ -340,6 +345,7 @@ cdef class _KVStore:
             # written before both are known to be usable
             c0, c1 = <size_t>self.c.data, <size_t>self.c.data + self.c.nbytes
             k, v = (_np.array(a) if _addr(a) < c1 and c0 < _addr(a) + <size_t>a.nbytes else a for a in (k, v))
+            self._before_write(l, s, t0, t0 + T)
             for which, src in ((0, k), (1, v)):
                 self._put_rows(l, which, s, t0, src)
             self._writer = 0
@@ -738,6 +744,8 @@ cdef class KVCache(_KVStore):
                                           % (_np.nonzero(lengths + 1 > C)[0].tolist(), C))
             if self._policy == _P_SHIFT and rope is None and alibi_slopes is None:
                 raise KVSimdValueError("policy 'shift' needs the model's rope or alibi_slopes")
+            # every argument checked before a full window discards tokens: a bad one leaves the cache as it was
+            checked = _plan_args(H, self.n_kv_heads, self.head_dim, rope, alibi_slopes, scale, softcap, windows)
             refill = {}
             for b in range(B):
                 if lengths[b] == C:
@@ -749,7 +757,7 @@ cdef class KVCache(_KVStore):
                         self._discard_sink_query(b)
                     else:
                         raise KVSimdCapacityError("cache full: sequence %d holds %d tokens" % (b, C))
-            p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes, scale, softcap, windows)
+            p = _new_plan(self, 0, B, H, self.n_kv_heads, self.head_dim, rope, alibi_slopes, None, None, None, checked)
             if refill:
                 p.refill = _MappingProxyType(refill)
                 return p
@@ -897,7 +905,8 @@ cdef class KVCache(_KVStore):
         """One decode step of self-attention for layer ``layer``, every sequence of the batch, in
         one call: ``step_plan(...)`` then the attention the compiled layers run per layer.
         ``qkv`` float32 ``[batch, (H + 2 n_kv_heads) * head_dim]`` (each row the token's q, k, v,
-        heads contiguous; rotated in place with ``rope``); writes ``out`` float32
+        heads contiguous; rotated in place with ``rope``, and its q turned in place by H when the
+        cache stores turned rows, ``hadamard``: it is the layer's scratch); writes ``out`` float32
         ``[batch, H * head_dim]``.  k/v are stored at ``slots`` (invisible until committed)."""
         cdef _Plan plan
         with self._claim():
@@ -957,6 +966,20 @@ cdef class KVCache(_KVStore):
         self._changed()
         return 0
 
+    cdef int _before_write(self, int64_t l, int64_t s, int64_t t0, int64_t t1) except -1:
+        """In a transaction, the K/V of the tokens sequence s holds (sinks, then its ring) in slots
+        t0..t1-1 of layer l are saved first: a write over committed tokens is undone with it."""
+        cdef int64_t nk = self.n_keep, L = self._lengths[s], a, b
+        if self._tx is None:
+            return 0
+        held = ([(0, min(nk, L))] if nk else []) + \
+            _ring_ranges(self._head[s], L - nk, nk, self.capacity - nk)
+        for a, b in held:
+            a, b = max(a, t0), min(b, t1)
+            if a < b:
+                self._tx.save_kv(s, a, b, l)
+        return 0
+
     cdef int _shift(self, int64_t s, int64_t t0, int64_t t1, int64_t delta, RopeSpec rope) except -1:
         cdef kv_status rc
         cdef void *kp
@@ -980,8 +1003,11 @@ cdef class KVCache(_KVStore):
             c0, c1 = _need_int(t0, "t0"), _need_int(t1, "t1")
             if not 0 <= c0 <= c1 <= self.capacity:
                 raise KVSimdValueError("slot range t0..t1 = %d..%d outside 0..%d" % (c0, c1, self.capacity))
-            self._shift(s, c0, c1, _need_pos(delta, "delta"), RopeSpec(theta, style, rotary_dim, self.head_dim,
-                                                                       inv_freq))
+            spec = RopeSpec(theta, style, rotary_dim, self.head_dim, inv_freq)
+            d = _need_pos(delta, "delta")
+            if self._tx is not None:   # undone with the transaction, bit for bit
+                self._tx.save_kv(s, c0, c1)
+            self._shift(s, c0, c1, d, spec)
             self._changed()
 
 
@@ -1012,7 +1038,8 @@ cdef class _Tx:
     whose window is full (the step discards tokens) also has its bookkeeping row saved and the K/V
     the discard rewrites: every slot of every layer under "reevaluate" and "shift" (once per
     discard, i.e. every ``n_discard`` steps), only the overwritten slot under "sink_query".  A
-    truncate saves the row and the K/V of the slots it empties (later steps overwrite them)."""
+    truncate saves the row and the K/V of the slots it empties (later steps overwrite them); a
+    write() over committed tokens, and shift_range, the K/V they rewrite."""
     cdef KVCache cache
     cdef bint outer
     cdef int state                  # 0 not entered yet, 1 open, 2 exited: one use per object
@@ -1060,9 +1087,10 @@ cdef class _Tx:
         k = self.cache
         self.cells.append((b, slot, int(k._pos[b, slot]), int(k._rot[b, slot])))
 
-    cdef save_kv(self, int64_t b, int64_t t0, int64_t t1):
+    cdef save_kv(self, int64_t b, int64_t t0, int64_t t1, int64_t layer=-1):
+        """The K/V (and scales) of slots t0..t1-1 of sequence b: of every layer, or of ``layer``."""
         k = self.cache
-        for l in range(k.n_layers):
+        for l in (range(k.n_layers) if layer < 0 else (layer,)):
             self.kv.append((l, b, t0, k._saved_rows(l, b, t0, t1)))
 
     def restore(self):

@@ -270,6 +270,8 @@ def quantize_kv(x, dtype="int8", *, hadamard=False):
     if x.ndim < 1 or x.shape[x.ndim - 1] < 1:
         raise KVSimdValueError("x must have a non-empty last axis, got shape %s" % (x.shape,))
     cdef kv_dtype dt
+    if not isinstance(dtype, str):
+        raise KVSimdTypeError("dtype must be 'int8' or 'int4', got %r" % (dtype,))
     if dtype == "int8":
         dt = KV_I8
     elif dtype == "int4":

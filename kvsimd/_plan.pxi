@@ -81,26 +81,36 @@ cdef tuple _need_windows(windows):
     return out
 
 
+cdef tuple _plan_args(int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, alibi_slopes, scale, softcap, windows):
+    """A plan's arguments checked, before anything changes (begin_step checks them before its
+    policy discards tokens): (ALiBi slopes copied or None, scale, softcap, windows)."""
+    if H < 1 or H % Hkv or H > _MAX_HEADS:
+        raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
+    if rope is not None and rope.head_dim != D:
+        raise KVSimdValueError("rope is for head_dim %d, the cache has %d" % (rope.head_dim, D))
+    return (None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy(),
+            1.0 / sqrtf(<float>D) if scale is None else _need_scale(scale, D), _need_softcap(softcap),
+            _need_windows(windows))
+
+
 cdef _Plan _new_plan(object store, int kind, int64_t R, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope,
-                     alibi_slopes, scale=None, softcap=None, windows=None):
-    cdef _Plan p = _Plan.__new__(_Plan)
+                     alibi_slopes, scale=None, softcap=None, windows=None, tuple checked=None):
+    """A new plan of ``store``; ``checked``: _plan_args of these arguments, when the caller has
+    already checked them."""
+    cdef _Plan p
+    if checked is None:
+        checked = _plan_args(H, Hkv, D, rope, alibi_slopes, scale, softcap, windows)
+    p = _Plan.__new__(_Plan)
     p.owner, p.kind, p.R, p.H, p.HD = store, kind, R, H, H * D
     p.gen = (<_KVStore>store)._gen
     (<_KVStore>store)._nplans += 1
     if (<_KVStore>store)._writer == 0:       # write()s before this plan are not its K/V
         (<_KVStore>store)._writer = -1
     p.serial = (<_KVStore>store)._nplans
-    if H < 1 or H % Hkv or H > _MAX_HEADS:
-        raise KVSimdValueError("%d query heads is not a positive multiple of %d KV heads" % (H, Hkv))
     p.do_rope = rope is not None
     if p.do_rope:
-        if rope.head_dim != D:
-            raise KVSimdValueError("rope is for head_dim %d, the cache has %d" % (rope.head_dim, D))
         p.rope, p.st, p.rd = rope, rope.st, rope.rotary_dim
-    p.alibi = None if alibi_slopes is None else _need_slopes(alibi_slopes, H).copy()
-    p.scale = 1.0 / sqrtf(<float>D) if scale is None else _need_scale(scale, D)
-    p.softcap = _need_softcap(softcap)
-    p.windows = _need_windows(windows)
+    p.alibi, p.scale, p.softcap, p.windows = checked
     p.wtab = []
     p.nt = _threads_now()
     p.seqs = _np.zeros(R, _np.int64)

@@ -106,7 +106,7 @@ cdef class QMatrix:
         can = kv_has_x8(self.t) and rows % 8 == 0
         if activations is None:
             activations = "int8" if can else "float32"
-        if activations not in ("int8", "float32"):
+        if not isinstance(activations, str) or activations not in ("int8", "float32"):
             raise KVSimdValueError("%s: activations must be 'int8' or 'float32', got %r" % (name, activations))
         if activations == "int8" and not can:
             raise KVSimdValueError("%s: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K matrix of a "

@@ -551,6 +551,8 @@ def test_activations_choice(wtype, rng):
     assert QMatrix(raw, wtype, (16, cols), activations="float32").activations == "float32"
     with pytest.raises(KVSimdValueError, match=r"t: activations must be 'int8' or 'float32', got 'int4'"):
         QMatrix(raw, wtype, (16, cols), name="t", activations="int4")
+    with pytest.raises(KVSimdValueError, match=r"t: activations must be 'int8' or 'float32', got array"):
+        QMatrix(raw, wtype, (16, cols), name="t", activations=np.array(["int8", "float32"]))
     if wtype not in X8:
         with pytest.raises(KVSimdValueError, match=r"t: int8 activations need a Q8_0, Q4_0, Q4_1, Q4_K or Q5_K "):
             QMatrix(raw, wtype, (16, cols), name="t", activations="int8")

@@ -626,3 +626,77 @@ def test_attend_bound_names_a_pair_of_dtypes(rng):
     assert np.array_equal(attend_bound(q, k, v, dtype="float16/int8"), attend_bound(q, k, v, dtype="float16"))
     with pytest.raises(KVSimdValueError, match="got 'int3/int4'"):
         attend_bound(q, k, v, dtype="int3/int4")
+
+
+def _full_ring(dtype, policy, D=64, C=8):
+    """A cache of one layer whose sequence fills its ring (C tokens, 2 sinks), as written."""
+    c = KVCache(1, 2, D, C, dtype=dtype, n_keep=2, policy=policy)
+    k, v = np.random.default_rng(3).standard_normal((2, 2, C, D)).astype(np.float32)
+    c.write(0, k, v)
+    c.append(0, C, np.arange(C, dtype=np.int64))
+    return c
+
+
+def _cache_state(c, n=None):
+    """Everything a caller can see of a cache: bookkeeping, and the K/V (and scales) of the first
+    ``n`` slots (default: all) of every layer, as stored."""
+    n = c.capacity if n is None else n
+    views = [c.keys, c.values] + ([c.key_scales, c.value_scales] if c.dtype not in ("float16", "float32") else [])
+    rows = [np.array(f(l, length=n)).tobytes() for l in range(c.n_layers) for f in views]
+    return c.lengths.tolist(), c.positions.tolist(), c.tokens, rows
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8", "int4", "int8/int4"])
+@pytest.mark.parametrize("policy", ["reevaluate", "shift", "sink_query"])
+def test_begin_step_checks_its_arguments_before_a_discard(policy, dtype):
+    """A begin_step whose window is full refuses a bad scale, softcap, head count, window or RoPE
+    spec before its policy discards tokens: the cache keeps every token, position and stored bit
+    (the RoPE spec's error names both head dims, not the shift it would have failed in)."""
+    from kvsimd.cache import RopeSpec
+    D = 64
+    good = RopeSpec(10000.0, "gptj", None, D)
+    bad = [(dict(rope=RopeSpec(10000.0, "gptj", None, 32)), "rope is for head_dim 32, the cache has 64"),
+           (dict(rope=RopeSpec(10000.0, "gptj", None, 128)), "rope is for head_dim 128, the cache has 64"),
+           (dict(rope=good, scale=float("nan")), "scale"),
+           (dict(rope=good, softcap=-1.0), "softcap"),
+           (dict(rope=good, n_heads=3), "3 query heads"),
+           (dict(rope=good, windows=[0]), "windows")]
+    c = _full_ring(dtype, policy, D)
+    before = _cache_state(c)
+    for kw, msg in bad:
+        with pytest.raises(kvsimd.KVSimdError, match=msg):
+            c.begin_step(np.array([1], np.int64), **kw)
+        assert _cache_state(c) == before, kw
+    p = c.begin_step(np.array([1], np.int64), rope=good)   # and a good call still discards as its policy does
+    assert (c.length() < 8) == (policy != "reevaluate") or p.refill
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8", "int4", "int8/int4"])
+def test_transaction_undoes_shift_range_and_writes_over_committed_tokens(dtype):
+    """shift_range, and write() over committed slots, inside a transaction that raises are undone bit for
+    bit (the K/V and scales they rewrote); a write past the committed tokens keeps them as it did."""
+    c = KVCache(2, 2, 64, 8, dtype=dtype)
+    rng = np.random.default_rng(4)
+    for l in range(2):
+        k, v = rng.standard_normal((2, 2, 6, 64)).astype(np.float32)
+        c.write(l, k, v)
+    c.commit(6)
+    before = _cache_state(c, 6)
+    new = rng.standard_normal((2, 2, 3, 64)).astype(np.float32)
+    for act in (lambda: c.shift_range(0, 1, 5, 3, 10000.0, "gptj", None),
+                lambda: c.write(1, new[0], new[1], start=4),          # slots 4, 5 held, 6 not
+                lambda: c.write(0, new[0], new[1], start=0)):
+        with pytest.raises(RuntimeError, match="boom"):
+            with c.transaction():
+                act()
+                assert _cache_state(c, 6) != before
+                raise RuntimeError("boom")
+        assert _cache_state(c, 6) == before
+
+
+def test_quantize_kv_names_a_dtype_that_is_not_a_string():
+    """ops.quantize_kv refuses an array, a NumPy dtype or None as ``dtype`` with a KVSimdTypeError naming it."""
+    x = np.zeros((2, 32), np.float32)
+    for bad in (np.array(["int8", "int4"]), np.dtype(np.int8), None, 8):
+        with pytest.raises(KVSimdTypeError, match="dtype must be 'int8' or 'int4', got"):
+            ops.quantize_kv(x, bad)
