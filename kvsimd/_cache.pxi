@@ -384,14 +384,27 @@ cdef class _KVStore:
         return tuple(out)
 
     def _restore_rows(self, layer, seq, t0, rows):
+        """Put back at slots t0.. of one layer and sequence the rows _saved_rows copied, bit for
+        bit; every array is checked (the dtype and shape of what it goes into) before any is
+        stored."""
         with self._claim():
             l, s = self._layer(layer), self._seq(seq)
-            for w in (0, 1):
-                blk = self._block(l, w, s, True)
-                blk[:, t0:t0 + rows[w].shape[1]] = rows[w]
-                if kv_dtype_scaled(self._kv_dtype):
-                    sb = self._scale_block(l, w, s, True)
-                    sb[:, t0:t0 + rows[w].shape[1]] = rows[2 + w]
+            t = _need_int(t0, "t0")
+            dst = [self._block(l, w, s, True) for w in (0, 1)]
+            if kv_dtype_scaled(self._kv_dtype):
+                dst += [self._scale_block(l, w, s, True) for w in (0, 1)]
+            if not isinstance(rows, tuple) or len(rows) != len(dst):
+                raise KVSimdTypeError("rows must be the tuple of %d arrays _saved_rows gives, got %s"
+                                      % (len(dst), type(rows).__name__))
+            n = rows[0].shape[1] if isinstance(rows[0], _np.ndarray) and rows[0].ndim >= 2 else -1
+            for i, (d, r) in enumerate(zip(dst, rows)):
+                want = (d.shape[0], n) + d.shape[2:]
+                if not isinstance(r, _np.ndarray) or r.dtype != d.dtype or r.shape != want or not 0 <= t <= t + n <= d.shape[1]:
+                    raise KVSimdValueError("rows[%d] must be %s %s at slots %d.. of %d, got %s"
+                                           % (i, d.dtype, want, t, d.shape[1],
+                                              "%s %s" % (getattr(r, "dtype", type(r).__name__), getattr(r, "shape", ""))))
+            for d, r in zip(dst, rows):
+                d[:, t:t + n] = r
 
     def commit(self, n, seq=0):
         """Make ``n`` written tokens of sequence ``seq`` part of the cache."""

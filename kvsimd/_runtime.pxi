@@ -105,7 +105,9 @@ def show_runtime(file=None):
     """Print the version, compiler, per-path flags, detected CPU features and the active path."""
     import sys
     import numpy
-    out = file or sys.stdout
+    out = sys.stdout if file is None else file
+    if not callable(getattr(out, "write", None)) or getattr(out, "closed", False) is True:
+        raise KVSimdTypeError("file must be None or an open text stream with write(), got %r" % (file,))
     info = isa_info()
     lines = [
         "kvsimd %s (C core %s)" % (__version__, KV_VERSION.decode()),

@@ -37,14 +37,26 @@ cdef inline void *_ptr(cnp.ndarray a) noexcept:
 # ---------------------------------------------------------------------------------------------
 # The boundary checks: one function per concept, used by every entry point (ops.*, KVCache.*).
 
+# What the checks (and the callers' sizes) read of an array at Python level: an ndarray subclass
+# must not redefine them, or what is checked would not be the buffer the kernels get
+_ARRAY_FIELDS = ("shape", "dtype", "ndim", "size", "strides", "flags", "itemsize", "nbytes", "data",
+                 "__getattribute__", "__len__")
+
+
 def _need_array(a, str name, dtypes, int ndim, str dims, bint writeable=False, shape=None):
-    """Check type (no masked arrays), dtype (None: any), rank (-1: any), shape, contiguity,
-    alignment and, for a buffer kvsimd writes, writability; return the array."""
+    """Check type (no masked arrays, no subclass that redefines what is checked), dtype (None: any),
+    rank (-1: any), shape, contiguity, alignment and, for a buffer kvsimd writes, writability;
+    return the array."""
     if not isinstance(a, _np.ndarray):
         raise KVSimdTypeError("%s must be a numpy.ndarray, got %s" % (name, type(a).__name__))
     if isinstance(a, _np.ma.MaskedArray):
         raise KVSimdTypeError("%s is a numpy.ma.MaskedArray: kvsimd would ignore its mask; pass "
                               "%s.filled(...) or the data you mean" % (name, name))
+    if type(a) is not _np.ndarray:   # (checked every time: a class can change)
+        bad = [f for f in _ARRAY_FIELDS if getattr(type(a), f, None) is not getattr(_np.ndarray, f)]
+        if bad:
+            raise KVSimdTypeError("%s is a %s, which redefines numpy.ndarray's %s: pass numpy.asarray(%s)"
+                                  % (name, type(a).__name__, ", ".join(bad), name))
     if dtypes is not None and a.dtype not in dtypes:
         raise KVSimdTypeError("%s must have dtype %s, got %s"
                               % (name, " or ".join(str(d) for d in dtypes), a.dtype))

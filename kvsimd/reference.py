@@ -543,7 +543,7 @@ def layer(cfg, lw, x, positions=None, enc_out=None, window=0, kv="float"):
 
 def _ids(tokens, vocab, what):
     t = np.asarray(tokens)
-    if t.ndim != 1 or t.size == 0 or not np.issubdtype(t.dtype, np.integer):
+    if t.ndim != 1 or t.size == 0 or t.dtype.kind not in "iu":
         raise KVSimdValueError("%s must be a non-empty 1-D array of integer token ids, got %r" % (what, tokens))
     if t.min() < 0 or t.max() >= vocab:
         raise KVSimdValueError("%s has ids outside 0..%d: %s" % (what, vocab - 1, t[(t < 0) | (t >= vocab)][:5]))

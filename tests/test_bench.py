@@ -479,6 +479,21 @@ def test_attn_rows_l2_times_every_row_asked(dtype):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--plot", "README.md", "--quick", "attention"], "--plot README.md: not a directory"),
+    (["--threads", "2000", "--quick", "rope"], "--threads must be in 1..1024"),
+    (["--repeat", "-1", "--quick", "rope"], "--repeat must be >= 1"),
+    (["--quick", "--json", "/nonexistent/dir/x.json", "complexity"], "its directory does not exist"),
+])
+def test_bench_refuses_bad_arguments_before_it_runs(args, message):
+    """python -m kvsimd.bench: a file where --plot wants a directory, more threads than kvsimd runs,
+    no repeats, or a --json in no directory are one error line and exit 2, before the roofline."""
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "roofline" not in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
     (["--shape", "6/2/64"], "must be H/Hkv/D/N"),
     (["--rounds", "0"], "must be an integer >= 1"),
     (["--dtype", "int4"], "invalid choice: 'int4'"),

@@ -615,3 +615,65 @@ def test_a_plan_serves_only_its_cache(rng):
     np.testing.assert_array_equal(small.keys(0, length=20), before)
     with pytest.raises(KVSimdTypeError, match="plan"):
         layers(1).run(x, None)
+
+# ---------------------------------------------------------------------------------------------
+# ndarray subclasses that redefine what the boundary reads: what is checked must be the buffer the
+# kernels get (a subclass reporting a larger shape, or another dtype, read past the buffer or
+# misread it).  Run in a child process, so that a crash fails these cases, not the whole run.
+import childcases  # noqa: E402
+
+CASES = {}   # childcases reads the registry by this name
+sub_case = childcases.registrar(CASES)
+
+
+def _lying(field, value):
+    return type("Lying_" + field, (np.ndarray,), {field: property(lambda self: value)})
+
+
+@sub_case(r"x is a Lying_size, which redefines numpy.ndarray's size: pass numpy.asarray\(x\)")
+def subclass_size_to_float16():
+    ops.to_float16(np.ones(5, np.float32).view(_lying("size", 10 ** 6)))
+
+
+@sub_case(r"k is a Lying_shape, which redefines numpy.ndarray's shape")
+def subclass_shape_attend():
+    k = np.ones((1, 3, 4), np.float32).view(_lying("shape", (1, 10 ** 6, 4)))
+    ops.attend(np.ones((1, 4), np.float32), k, k)
+
+
+@sub_case(r"x is a Lying_shape, which redefines numpy.ndarray's shape")
+def subclass_shape_rope():
+    ops.apply_rope(np.ones((1, 3, 8), np.float32).view(_lying("shape", (1, 10 ** 5, 8))), np.arange(10 ** 5))
+
+
+@sub_case(r"x is a Lying_shape, which redefines numpy.ndarray's shape")
+def subclass_shape_qmatrix():
+    kvsimd.QMatrix(b"\0" * 34 * 8, "q8_0", (8, 32)).matmul(
+        np.ones((1, 32), np.float32).view(_lying("shape", (100000, 32))))
+
+
+@sub_case(r"x is a Lying_dtype, which redefines numpy.ndarray's dtype")
+def subclass_dtype_to_float16():
+    ops.to_float16(np.array([1.0, 2.0, 3.0, 4.0]).view(_lying("dtype", np.dtype(np.float32))))
+
+
+@sub_case(r"x is a Lying_flags, which redefines numpy.ndarray's flags")
+def subclass_flags_to_float16():
+    flags = type("Flags", (), {"c_contiguous": True, "aligned": True, "writeable": True})()
+    ops.to_float16(np.arange(10, dtype=np.float32)[::2].view(_lying("flags", flags)))
+
+
+sub_results = childcases.results_fixture(__name__, CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_array_subclasses_that_redefine_what_is_checked_are_refused(name, sub_results):
+    childcases.check(name, sub_results, CASES)
+
+
+def test_array_subclasses_that_keep_ndarray_fields_are_accepted(tmp_path):
+    """np.memmap and np.matrix (which redefine nothing the boundary reads) still work."""
+    m = np.memmap(tmp_path / "x.bin", np.float32, "w+", shape=(8,))
+    m[:] = np.arange(8)
+    assert np.array_equal(ops.to_float16(m), np.arange(8, dtype=np.float16))
+    assert np.array_equal(ops.to_float16(np.asmatrix(np.ones((2, 4), np.float32))), np.ones((2, 4), np.float16))

@@ -14,7 +14,7 @@ import pytest
 
 import childcases
 
-from kvsimd import Decoder, EncoderDecoder, KVCache, KVSimdError
+from kvsimd import CrossAttentionCache, Decoder, EncoderDecoder, KVCache, KVSimdError
 from kvsimd.bench.complexity import greedy_counting
 from kvsimd.nn import AttentionWeights, FFNWeights, LayerWeights, ModelConfig, NormWeights
 
@@ -282,7 +282,7 @@ def step_shift_cache_on_learned_positions():
     m.prefill([1, 2], cache=KVCache(1, 2, 8, 4, policy="shift"))
 
 
-@case(r"cross must be a kvsimd.KVCache, got None")
+@case(r"cross must be a kvsimd.CrossAttentionCache, got None")
 def encoder_decoder_prefill_without_cross():
     m = random_encoder_decoder()
     m.prefill([1], cache=m.new_cache(capacity=8), cross=None)
@@ -293,9 +293,30 @@ def encoder_decoder_step_with_short_cross():
     m = random_encoder_decoder()
     cache = m.new_cache(capacity=8)
     m.prefill([1], cache=cache, cross=m.cross_for([[5, 6]]))
-    cross = KVCache(1, 4, 8, 4)
+    cross = CrossAttentionCache(1, 4, 8, 4)
     cross.commit(2)
     m.step([3], cache=cache, cross=cross)
+
+
+@case(r"cross must be a kvsimd.CrossAttentionCache, got KVCache")
+def encoder_decoder_step_with_a_kv_cache_as_cross():
+    m = random_encoder_decoder()
+    cache = m.new_cache(capacity=8)
+    m.prefill([1], cache=cache, cross=m.cross_for([[5, 6]]))
+    m.step([3], cache=cache, cross=m.new_cache(capacity=4))
+
+
+@case(r"cache must be a kvsimd.KVCache, got CrossAttentionCache")
+def decoder_prefill_with_a_cross_cache():
+    m = random_decoder()
+    m.prefill([1], cache=CrossAttentionCache(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, 8))
+
+
+@case(r"tokens must be integer token ids, got dtype timedelta64")
+def decoder_prefill_of_timedelta_ids():
+    m = random_decoder()
+    m.prefill(np.array([5], dtype="timedelta64[s]"), cache=m.new_cache(capacity=4))
+
 
 
 @case(r"cross has 2 sequences, cache has 1")
@@ -477,3 +498,22 @@ def test_gguf_tensor_that_does_not_fit_its_metadata_is_a_gguf_error(tmp_path, mo
 def test_from_transformers_needs_a_model(load):
     with pytest.raises(KVSimdError, match=r"needs a loaded transformers model, got NoneType"):
         load(None)
+
+
+def test_fused_weight_parts_refuse_in_place_edits():
+    """wq, wk, wv (and their biases) and a gated FFN's w1, w3 are multiplied as fused copies: an
+    in-place edit of a part, or of a fused matrix, is refused (it would be silently lost), while
+    assigning a new array re-fuses and changes the output."""
+    from kvsimd.testing import random_decoder as tiny
+    m = tiny(41, 24, 2, 4, 2, 6, 36, seed=1, ffn_gated=True)
+    a, f = m.layers[0].attn, m.layers[0].ffn
+    base = m.forward([1, 2, 3])
+    for name, w in [("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wqkv", a.wqkv), ("wkv", a.wkv),
+                    ("w1", f.w1), ("w3", f.w3), ("w13", f.w13)]:
+        with pytest.raises(ValueError, match="read-only"):
+            w[:] = 0
+    assert np.array_equal(m.forward([1, 2, 3]), base)
+    a.wq = np.zeros_like(a.wq)
+    f.w3 = np.zeros_like(f.w3)
+    assert not np.array_equal(m.forward([1, 2, 3]), base)
+    assert not a.wqkv[:, :a.wq.shape[1]].any() and not f.w13[:, f.w1.shape[1]:].any()

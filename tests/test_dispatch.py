@@ -242,6 +242,20 @@ def test_show_runtime(capsys):
         assert line.endswith(flags[name] or "(baseline x86-64)"), line
 
 
+def test_show_runtime_names_a_file_it_cannot_write():
+    """file= takes an open stream: an int, or a closed StringIO, is a KVSimdTypeError naming it;
+    an open StringIO gets the text."""
+    import io
+    closed = io.StringIO()
+    closed.close()
+    for bad in (5, "out.txt", closed):
+        with pytest.raises(kvsimd.KVSimdTypeError, match="file must be None or an open text stream"):
+            kvsimd.show_runtime(file=bad)
+    buf = io.StringIO()
+    kvsimd.show_runtime(file=buf)
+    assert "active: " + kvsimd.active_isa() in buf.getvalue()
+
+
 def test_rows_and_flags_are_the_build_table():
     """The names, order and per-row compiler flags the extension reports are those of
     src_c/isa_rows.def, from which setup.py compiled each row (and passed the same text to it as

@@ -215,6 +215,21 @@ def test_prompt_lookup_crops_the_cache():
     assert cache.get_seq_length() == tok.shape[1] - 1
 
 
+def test_crop_refuses_what_is_not_an_integer():
+    """crop's count is checked as kvsimd checks integers: a string, None, NaN or a fraction is
+    refused with a KVSimdError naming it (int() would have raised a bare error, or rounded -1.5
+    and "-1" to a crop of one token), and the cache keeps its tokens."""
+    m = tiny("llama", seed=6, attn=kt.NAME)
+    for cache in (kt.KVSimdCache(m, dtype="float32"), kt.KVSimdSinkCache(m, window=16, n_keep=2)):
+        m(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache)
+        for bad in ("a", None, float("nan"), -1.5, "-1"):
+            with pytest.raises(KVSimdError, match="tokens_to_remove"):
+                cache.crop(bad)
+        assert cache.get_seq_length() == 4
+        cache.crop(-1)
+        assert cache.get_seq_length() == 3
+
+
 def test_sink_cache_equals_kvsimd_decoder_sink_query():
     """Past its window the sink cache gives the tokens kvsimd's own Decoder gives with the same
     weights under policy sink_query (prefill, then one token per step, the window sliding); heads

@@ -700,3 +700,26 @@ def test_quantize_kv_names_a_dtype_that_is_not_a_string():
     for bad in (np.array(["int8", "int4"]), np.dtype(np.int8), None, 8):
         with pytest.raises(KVSimdTypeError, match="dtype must be 'int8' or 'int4', got"):
             ops.quantize_kv(x, bad)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8", "int8/int4"])
+def test_restore_rows_checks_every_array_before_storing_any(dtype):
+    """_restore_rows (the rollbacks' and the transformers cache's way back) takes only the tuple
+    _saved_rows gives, with each array's dtype and shape, else a KVSimdError and nothing stored:
+    float rows are not cast into int8 storage, a short tuple or a wrong width is named."""
+    c = KVCache(1, 2, 64, 8, dtype=dtype)
+    k, v = np.random.default_rng(5).standard_normal((2, 2, 4, 64)).astype(np.float32)
+    c.write(0, k, v)
+    c.commit(4)
+    rows = c._saved_rows(0, 0, 0, 4)
+    before = _cache_state(c)
+    bad = [rows[:1], list(rows), (rows[0].astype(np.float32),) + rows[1:], (rows[0][:, :3],) + rows[1:],
+           (rows[0][:1],) + rows[1:], rows[:-1] + (rows[-1][..., :1],)]
+    for b in bad:
+        with pytest.raises(kvsimd.KVSimdError, match="rows"):
+            c._restore_rows(0, 0, 0, b)
+        assert _cache_state(c) == before
+    with pytest.raises(kvsimd.KVSimdError, match="slots 6"):
+        c._restore_rows(0, 0, 6, rows)
+    c._restore_rows(0, 0, 2, tuple(r[:, :2] for r in rows))     # slots 2, 3 take slots 0, 1's rows
+    assert np.array_equal(np.asarray(c.keys(0))[:, 2:4].view(np.uint8), np.asarray(rows[0])[:, :2].view(np.uint8))

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 import kvsimd
+from kvsimd import _kvsimd
 from kvsimd.bench import cases, common, kernels
 from kvsimd.errors import KVSimdError
 from kvsimd.bench.schema import SCHEMA_VERSION
@@ -339,8 +340,14 @@ def main(argv=None):
     for isa in args.isas:
         if isa not in supported:
             ap.error("ISA %r is not supported here (supported: %s)" % (isa, ", ".join(supported)))
-    if any(t < 1 for t in args.threads or []):
-        ap.error("--threads must be >= 1")
+    if any(not 1 <= t <= _kvsimd.MAX_THREADS for t in args.threads or []):
+        ap.error("--threads must be in 1..%d" % _kvsimd.MAX_THREADS)
+    if args.repeat is not None and args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error("--json %s: its directory does not exist" % args.json)
+    if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
+        ap.error("--plot %s: not a directory" % args.plot)
     if args.sink_tokens is not None and (args.what != "hf" or args.sink_tokens < 0):
         ap.error("--sink-tokens (>= 0) goes with the hf subcommand")
     if args.model != "shapes" and (args.what != "decode" or args.contention):

@@ -401,7 +401,7 @@ class _KVSimdCacheBase(Cache):
     def crop(self, tokens_to_remove):
         """Drop the newest ``-tokens_to_remove`` tokens of every sequence (transformers' convention:
         a negative count; assisted decoding's rollback)."""
-        n = int(tokens_to_remove)
+        n = _need_int(tokens_to_remove, "tokens_to_remove")
         if n > 0:
             raise KVSimdValueError("crop takes a negative number of tokens to remove, got %d" % n)
         self._abort()

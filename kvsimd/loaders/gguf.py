@@ -461,9 +461,9 @@ def _rope_scaling(gf, k, rot):
         raise GGUFError("%s: metadata %srope.scaling.type=%r is not supported (supported: %s, and the rope_freqs "
                         "tensor)" % (p, k, kind, ", ".join(ROPE_SCALING_TYPES)))
     for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
-        v = gf.get(k + key)
-        if v is not None and v != neutral:     # llama.cpp's variants beyond what these families' files use
-            raise GGUFError("%s: metadata %s%s=%r is not supported (only %r)" % (p, k, key, v, neutral))
+        v = _meta(gf, k + key, None, _FLOAT_TYPES | _INT_TYPES, "a number")
+        if v is not None and v.value != neutral:     # llama.cpp's variants beyond what these families' files use
+            raise GGUFError("%s: metadata %s%s=%r is not supported (only %r)" % (p, k, key, v.value, neutral))
     sc = {"type": "default" if kind == "none" else kind}
     if kind in ("linear", "yarn"):
         sc["factor"] = meta_float(gf, k + "rope.scaling.factor")

@@ -173,6 +173,11 @@ def check_config(cfg, what="config"):
         raise type(e)("%s.attn_%s" % (what, e)) from None
     if cfg.attn_scale is not None and cfg.attn_scale == 0:
         raise KVSimdValueError("%s.attn_scale must be > 0 (or None), got 0" % what)
+    if cfg.attn_scale is not None:   # the kernels' rule for the scale (ops.attend, the plans)
+        try:
+            _kvsimd._need_scale(cfg.attn_scale, cfg.head_dim)
+        except KVSimdError as e:
+            raise type(e)("%s.attn_%s" % (what, e)) from None
     check_windows(cfg, what)
     if cfg.position == "rope":
         # the kernels' own rule for theta, style and rotary_dim (ops.apply_rope, KVCache.step_plan),

@@ -40,7 +40,7 @@ def _tokens_1d(tokens, vocab, what="tokens"):
     if t is None or t.dtype == object or t.ndim != 1 or t.size == 0:
         raise KVSimdValueError("%s must be a non-empty 1-D sequence of integer token ids, got %s"
                                % (what, _short(tokens)))
-    if not np.issubdtype(t.dtype, np.integer):
+    if t.dtype.kind not in "iu":   # (np.issubdtype counts timedelta64 as an integer)
         raise KVSimdTypeError("%s must be integer token ids, got dtype %s: %s" % (what, t.dtype, _short(tokens)))
     if t.min() < 0 or t.max() >= vocab:
         raise KVSimdValueError("%s contain ids outside the vocabulary 0..%d: %s"
@@ -89,7 +89,7 @@ def _sample(logits, rng, temperature, top_k, top_p, what="logits"):
         z = np.asarray(logits)
     except (TypeError, ValueError):
         z = np.asarray(None)
-    if z.dtype == bool or not (np.issubdtype(z.dtype, np.integer) or np.issubdtype(z.dtype, np.floating)):
+    if z.dtype.kind not in "iuf":   # real numbers: not bool, timedelta64 (an "integer" to np.issubdtype), ...
         raise KVSimdTypeError("%s must be an array of real numbers, got %s" % (what, _short(logits)))
     z = z.astype(np.float64)
     if z.ndim != 1 or z.size == 0:

@@ -136,15 +136,14 @@ class _Stack:
     def _check_cache(self, cache, name="cache"):
         """A cache must have this model's layer count, KV heads and head_dim (the compiled step
         indexes it by the model's dimensions)."""
-        if not isinstance(cache, (KVCache, CrossAttentionCache)):
-            raise KVSimdTypeError("%s must be a kvsimd.KVCache, got %s" % (name, _short(cache)))
+        kind = CrossAttentionCache if name == "cross" else KVCache
+        if not isinstance(cache, kind):
+            raise KVSimdTypeError("%s must be a kvsimd.%s, got %s" % (name, kind.__name__, _short(cache)))
         c = self.cfg
         want, got = (c.n_layers, c.n_kv_heads, c.head_dim), (cache.n_layers, cache.n_kv_heads, cache.head_dim)
         if want != got:
             raise KVSimdValueError("%s has (n_layers, n_kv_heads, head_dim) = %s, this model needs %s: "
                                    "make it with model.new_cache()" % (name, got, want))
-        if name == "cross" and not isinstance(cache, CrossAttentionCache):
-            raise KVSimdTypeError("cross must be a kvsimd.CrossAttentionCache, got %s" % _short(cache))
         if name == "cache" and self._policy(cache.policy, "cache.policy") != cache.policy:
             raise KVSimdValueError("cache.policy %r is not resolved for this model: make the cache with "
                                    "model.new_cache(policy=%r)" % (cache.policy, cache.policy))

@@ -4,7 +4,9 @@ packing into the compiled layers (``pack_layers``).
 A matrix is either a float32 array ``[in, out]`` or a weight kept as its file stores it, a
 :class:`kvsimd.QMatrix` ``[out, in]`` (GGUF / torch order; quantized or 16-bit): loaders keep
 GGUF tensors so, and the compiled layers multiply them in place.  Fused projections (q|k|v,
-gate|up) of QMatrix parts are tuples of the parts, never copies."""
+gate|up) of QMatrix parts are tuples of the parts, never copies; of float32 parts, copies, which
+the decoder multiplies: the parts (the model's own copies) and the fused copies are read-only, so
+that an edit is made by assigning a new array (which re-fuses), never lost in place."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,6 +87,24 @@ def _fuse_columns(parts, what):
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
 
 
+def _freeze_parts(obj, names, fused):
+    """The float32 parts ``names`` of ``obj`` as read-only arrays of the model's own, and the
+    ``fused`` matrices made of them read-only: the decoder multiplies the fused copy, so an in-place
+    edit of a part would be silently lost -- it is refused instead (assigning a new array
+    re-fuses).  A part is copied (once: a frozen copy stays) rather than frozen in place, so that a
+    caller's array is never made read-only, and a part read by pointer (cross-attention's wq) is
+    an array the compiled layers' checks see resized.  None and QMatrix parts stay as they are."""
+    for name in names:
+        part = getattr(obj, name)
+        if isinstance(part, np.ndarray) and (part.flags.writeable or not part.flags.owndata):
+            own = np.array(part)
+            own.flags.writeable = False
+            object.__setattr__(obj, name, own)
+    for m in fused:
+        if isinstance(m, np.ndarray):
+            m.flags.writeable = False
+
+
 def _convert_and_fuse(obj, names):
     """The arrays ``names`` of a weights dataclass as float32, then its fused matrices (once ready,
     assigning a part re-fuses them: see __setattr__)."""
@@ -136,6 +156,7 @@ class AttentionWeights(_Tracked):
         self.wkv = _fuse_columns([self.wk, self.wv], "wk, wv")
         self.bkv = None if self.bk is None and self.bv is None else \
             _fuse_columns([z(self.bk, self.wk), z(self.bv, self.wv)], "bk, bv")
+        _freeze_parts(self, self._PARTS, (self.wqkv, self.bqkv, self.wkv, self.bkv))
 
 
 @dataclass
@@ -157,6 +178,8 @@ class FFNWeights(_Tracked):
 
     def _fuse(self):
         self.w13 = None if self.w3 is None else _fuse_columns([self.w1, self.w3], "w1, w3")
+        if self.w13 is not None:
+            _freeze_parts(self, ("w1", "w3"), (self.w13,))
 
 
 @dataclass
