@@ -1035,12 +1035,6 @@ cdef class CrossAttentionCache(_KVStore):
                                   % ", ".join(sorted(unexpected)))
 
 
-cdef object _readonly(a):
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
 cdef class _Tx:
     """A cache transaction (KVCache.transaction()): what a prefill or a decode step may change is
     saved before it changes, so that a failure or an interrupt puts the cache back exactly as it was.

@@ -146,6 +146,7 @@ cdef extern from "kvsimd.h" nogil:
     size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads) noexcept
     void kv_set_num_threads(int n) noexcept
     int kv_get_num_threads() noexcept
+    int kv_threads_started() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
     int kv_attend_isa(const kv_attn_params *p) noexcept
     int64_t kv_attend_pieces(const kv_attn_params *p, int threads) noexcept

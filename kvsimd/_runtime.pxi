@@ -141,3 +141,8 @@ def _set_kernel_threads(n):
 
 def _get_kernel_threads():
     return kv_get_num_threads()
+
+
+def _threads_started():
+    """Whether a kernel has run on more than one thread in this process (kvsimd.h kv_threads_started)."""
+    return kv_threads_started() != 0

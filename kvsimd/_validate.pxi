@@ -37,6 +37,13 @@ cdef inline void *_ptr(cnp.ndarray a) noexcept:
 # ---------------------------------------------------------------------------------------------
 # The boundary checks: one function per concept, used by every entry point (ops.*, KVCache.*).
 
+cdef object _readonly(a):
+    """A zero-copy view of the C-contiguous ``a`` that cannot be made writeable again (a plain
+    read-only view of a writeable array, or of an array that owns its data, can: setflags(write=True)
+    succeeds): built on a read-only buffer.  What kvsimd hands out of the state C reads."""
+    return _np.frombuffer(memoryview(a).toreadonly(), dtype=a.dtype).reshape(a.shape)
+
+
 # What the checks (and the callers' sizes) read of an array at Python level: an ndarray subclass
 # must not redefine them, or what is checked would not be the buffer the kernels get
 _ARRAY_FIELDS = ("shape", "dtype", "ndim", "size", "strides", "flags", "itemsize", "nbytes", "data",
@@ -394,12 +401,12 @@ cdef class RopeSpec:
     @property
     def inv_freq(self):
         """The inverse frequencies given (read-only float64 array), or None (from theta)."""
-        return self._inv if self._given else None
+        return _readonly(self._inv) if self._given else None
 
     @property
     def frequencies(self):
         """The inverse frequencies the kernels use (read-only float64 [rotary_dim/2])."""
-        return self._inv
+        return _readonly(self._inv)
 
     def _key(self):
         return (self.theta, self.style, self.rotary_dim, self.head_dim, self.attn_factor,

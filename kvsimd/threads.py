@@ -14,6 +14,7 @@ kvsimd then leaves BLAS alone."""
 import contextlib
 import operator
 import os
+import threading
 
 from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdValueError
@@ -32,6 +33,10 @@ BLAS_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "
 
 _blas_threads = None   # BLAS threads inside kvsimd's steps (None: leave BLAS alone)
 _controller = None
+_scope_lock = threading.Lock()   # blas_scope: one process-wide limit, however many threads are inside
+_scope_depth = 0                 # ... how many are
+_scope_limit = None              # ... and the threadpoolctl limit that restores the host's counts
+_fork_single = False             # forked after kernel threads ran: one kernel thread (see _after_fork_in_child)
 
 
 def check_thread_count(n, what="set_num_threads(n)"):
@@ -64,17 +69,53 @@ def blas_threads():
 def blas_scope():
     """Limit BLAS to :func:`blas_threads` for the duration of one kvsimd call, then restore it
     (about 7 us).  The limit is process-wide while it lasts: host threads running matrix
-    products at the same moment share it."""
-    global _controller
+    products at the same moment share it.  Calls on several threads at once share one limit,
+    set by the first to enter and lifted by the last to leave, so the host's own count is what
+    is restored (nested threadpoolctl scopes, one per thread, restored it in entry order, and a
+    thread leaving last put back the limited count for good)."""
+    global _controller, _scope_depth, _scope_limit
     n = _blas_threads
     if n is None:
         yield
         return
-    if _controller is None:
-        from threadpoolctl import ThreadpoolController
-        _controller = ThreadpoolController()   # the BLAS libraries loaded now (NumPy's)
-    with _controller.limit(limits=n, user_api="blas"):
+    with _scope_lock:
+        if _scope_depth == 0:
+            if _controller is None:
+                from threadpoolctl import ThreadpoolController
+                _controller = ThreadpoolController()   # the BLAS libraries loaded now (NumPy's)
+            _scope_limit = _controller.limit(limits=n, user_api="blas")
+        _scope_depth += 1
+    try:
         yield
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0:
+                limit, _scope_limit = _scope_limit, None
+                limit.restore_original_limits()
+
+
+def _after_fork_in_child():
+    """os.register_at_fork: in a child forked after kvsimd's kernels ran on several threads, GNU
+    OpenMP's thread pool belongs to the parent and a parallel region would wait for it forever,
+    so the child runs its kernels on one thread (set_num_threads refuses more).  The scope state
+    starts afresh: threads inside blas_scope at the fork do not exist in the child."""
+    global _scope_lock, _scope_depth, _scope_limit, _fork_single
+    _scope_lock, _scope_depth, _scope_limit = threading.Lock(), 0, None
+    if _kvsimd._threads_started():
+        _fork_single = True
+        _kvsimd._set_kernel_threads(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _need_unforked(n, what):
+    if n > 1 and _fork_single:
+        raise KVSimdValueError("%s=%d: this process was forked after kvsimd's kernels ran on several threads, and "
+                               "GNU OpenMP cannot start threads in such a child: it runs on 1 (start the child with "
+                               "the 'spawn' or 'forkserver' method, or before kvsimd runs, for more)" % (what, n))
 
 
 def set_num_threads(n):
@@ -83,8 +124,10 @@ def set_num_threads(n):
     divide among the ``n`` threads is split along its keys too, identical for a given ``n`` and
     within the attention bound otherwise) and for the BLAS library behind NumPy's
     matrix products inside kvsimd's prefill and decode steps (the host's own products keep
-    their thread count).  A bad ``n`` raises KVSimdValueError and changes nothing."""
+    their thread count).  A bad ``n`` raises KVSimdValueError and changes nothing, as does
+    ``n`` > 1 in a child forked after the kernels ran on several threads (_after_fork_in_child)."""
     n = check_thread_count(n)
+    _need_unforked(n, "set_num_threads(n)")
     _kvsimd._set_kernel_threads(n)
     _limit_blas(n)
 
@@ -99,7 +142,7 @@ def use_default_threads():
     """Back to the default (as at import without KVSIMD_NUM_THREADS): default_num_threads()
     kernel threads and one BLAS thread inside kvsimd's steps, unless a BLAS thread variable is
     set in the environment (then BLAS is left as the user sized it)."""
-    _kvsimd._set_kernel_threads(default_num_threads())
+    _kvsimd._set_kernel_threads(1 if _fork_single else default_num_threads())
     _limit_blas(None if any(os.environ.get(v, "").strip() for v in BLAS_ENV_VARS) else 1)
 
 

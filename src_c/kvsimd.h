@@ -308,6 +308,11 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D);   /* one kern
    kv_attend, so a concurrent kv_set_num_threads never changes a call under way. */
 void kv_set_num_threads(int n);
 int kv_get_num_threads(void);
+/* Nonzero once a kernel has run a parallel region of more than one thread in this process: GNU
+   OpenMP cannot start threads again in a child forked after that (the Python layer then keeps
+   the child at one thread), so each parallel region with nt > 1 calls kv_mark_threads_started. */
+int kv_threads_started(void);
+void kv_mark_threads_started(void);
 size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads); /* what kv_attend needs */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads);
 /* The row kv_attend runs p on (a kv_isa): the active one, except that on KV_FEAT_SPLIT512 cores the

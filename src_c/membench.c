@@ -56,6 +56,8 @@ uint64_t kv_bench_run(int op, void *dst, const void *src, size_t bytes, int thre
         threads = 1;
     const size_t per = (bytes / (size_t)threads) & ~(size_t)63;
     uint64_t sum = 0;
+    if (threads > 1)
+        kv_mark_threads_started();
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(+ : sum)
     for (int t = 0; t < threads; t++) {
         const size_t off = (size_t)t * per;

@@ -48,6 +48,10 @@ void kv_set_num_threads(int n)
 }
 int kv_get_num_threads(void) { return __atomic_load_n(&kv_threads, __ATOMIC_RELAXED); }
 
+static int kv_team = 0;   /* 1 once a parallel region of more than one thread has started */
+int kv_threads_started(void) { return __atomic_load_n(&kv_team, __ATOMIC_RELAXED); }
+void kv_mark_threads_started(void) { __atomic_store_n(&kv_team, 1, __ATOMIC_RELAXED); }
+
 /* this thread's index in the OpenMP team (its slice of the workspace) */
 static inline int thread_id(void)
 {
@@ -115,6 +119,8 @@ static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *w
 {
     const int64_t H = p->H, D = p->D, heads = p->Hkv, items = heads * S;
     float *acc = (float *)(workspace + one * (size_t)nt), *ml = acc + S * H * D;
+    if (nt > 1)
+        kv_mark_threads_started();
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
 #endif
@@ -183,6 +189,8 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
         return;
     }
     /* the last tiles of a causal pass read the most keys: they go first */
+    if (nt > 1)
+        kv_mark_threads_started();
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
 #endif
@@ -249,6 +257,8 @@ void kv_matmul(const kv_gemv_params *p, int threads)
         matmul_cols(row, p, 0, p->n);
         return;
     }
+    if (nt > 1)
+        kv_mark_threads_started();
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
 #endif

@@ -677,3 +677,19 @@ def test_array_subclasses_that_keep_ndarray_fields_are_accepted(tmp_path):
     m[:] = np.arange(8)
     assert np.array_equal(ops.to_float16(m), np.arange(8, dtype=np.float16))
     assert np.array_equal(ops.to_float16(np.asmatrix(np.ones((2, 4), np.float32))), np.ones((2, 4), np.float16))
+
+
+def test_bookkeeping_views_cannot_be_made_writeable():
+    """The cache's positions / head / seen / rotations, a plan's positions and tokens, and a RoPE
+    spec's frequencies are read-only views of state C reads: setflags(write=True) is refused (a
+    head written through one crashed the next step)."""
+    from kvsimd.cache import RopeSpec
+    c = KVCache(1, 1, 8, 8)
+    c.write(0, *np.ones((2, 1, 2, 8), np.float32))
+    c.append(0, 2, np.arange(2, dtype=np.int64))
+    plan = c.begin_step(np.array([1], np.int64))
+    spec = RopeSpec(10000.0, "gptj", None, 8, inv_freq=np.ones(4))
+    for a in (c.positions, c.head, c.seen, c.rotations, plan.embed_positions, plan.tokens, spec.frequencies,
+              spec.inv_freq):
+        with pytest.raises(ValueError, match="cannot set WRITEABLE flag"):
+            a.setflags(write=True)
