@@ -60,9 +60,19 @@ def rope_coefficients(isa: str, dtype) -> tuple[float, float, float]:
     return _ROPE[key]
 
 
+def _count(v, name, lo, hi=None):
+    """``v`` as an int in lo..hi (an integer, not a bool or a float), else KVSimdValueError naming it."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
+        raise KVSimdValueError("%s must be an integer in %d..%s, got %r" % (name, lo, "" if hi is None else hi, v))
+    return int(v)
+
+
 def pair_norm(x, style: str, rotary_dim: int):
     """|pair| of every component of ``x [..., D]`` (0 for the dims beyond ``rotary_dim``)."""
+    if style not in ("gptj", "neox"):
+        raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
     x = np.asarray(x, np.float64)
+    _count(rotary_dim, "rotary_dim", 0, x.shape[-1] if x.ndim else 0)
     n = np.zeros_like(x)
     rd = rotary_dim
     R = rd // 2
@@ -94,6 +104,10 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
         raise KVSimdValueError("calls must be in 1..8, got %r" % (calls,))
     if not (np.isfinite(factor) and factor > 0):
         raise KVSimdValueError("factor must be finite and > 0, got %r" % (factor,))
+    calls = _count(calls, "calls", 1)
+    if pair is None or out is None:
+        raise KVSimdValueError("pair and out must be arrays (pair_norm of the input, the exact result), got %s"
+                               % ("pair=None" if pair is None else "out=None"))
     pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0) * max(1.0, float(factor))
     last = a * np.abs(np.asarray(out, np.float64)) + b * pair + c
     return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
@@ -112,7 +126,10 @@ def quantized_step_bound(scale, D: int):
     :func:`kvsimd.ops.quantize_kv` to int8 or int4 (``scale`` its ``[..., blocks]`` scales: the
     step, max |block| / 127 for int8, signed for int4: :func:`kvsimd.reference.int4_scale`), plus
     the float32 rounding of the product (2**-24 relative)."""
-    per = np.repeat(np.abs(np.asarray(scale, np.float64)), 32, axis=-1)[..., :D]
+    scale = np.asarray(scale, np.float64)
+    blocks = scale.shape[-1] if scale.ndim else 0
+    D = _count(D, "D", max(1, 32 * blocks - 31), 32 * blocks)   # the head dim these blocks hold
+    per = np.repeat(np.abs(scale), 32, axis=-1)[..., :D]
     return per * (0.5 + 2.0 ** -23)
 
 
@@ -361,7 +378,7 @@ def matmul_depth(k: int, isa: str) -> int:
     if isa not in GEMV_LANES:
         raise KVSimdValueError("no matmul bound for isa=%r (rows: %s)" % (isa, ", ".join(GEMV_LANES)))
     w = GEMV_LANES[isa]
-    return -(-int(k) // w) + int(w).bit_length() - 1 + 8
+    return -(-_count(k, "k", 0) // w) + int(w).bit_length() - 1 + 8
 
 
 def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitude=None):

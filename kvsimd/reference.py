@@ -66,7 +66,18 @@ def attention_scores(q, k, *, scale=None, alibi_slopes=None, key_positions=None,
     outside every range score -inf."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
+    if q.ndim != 2 or k.ndim != 3 or q.shape[1] != k.shape[2]:
+        raise KVSimdValueError("q [H, D] and k [Hkv, N, D] must agree, got shapes %s and %s" % (q.shape, k.shape))
     Hkv, N, _ = k.shape
+    H = q.shape[0]
+    if H < 1 or Hkv < 1 or H % Hkv:   # the rule ops.attend checks
+        raise KVSimdValueError("query heads H=%d must be a positive multiple of KV heads Hkv=%d" % (H, Hkv))
+    if alibi_slopes is not None and np.shape(alibi_slopes) != (H,):
+        raise KVSimdValueError("alibi_slopes must have one slope per query head (%d), got shape %s"
+                               % (H, np.shape(alibi_slopes)))
+    for r in ranges or ():
+        if not 0 <= int(r[0]) <= int(r[1]) <= N:
+            raise KVSimdValueError("range %r must lie within the %d keys" % (tuple(r), N))
     dist = alibi_distances(N, key_positions, query_position, ranges)
     if ranges is None:
         return _scores(q, k, scale, alibi_slopes, dist, softcap)
@@ -97,6 +108,11 @@ def query_rows(T, n_keys, *, causal_offset=None, causal=True, window=None, query
     offset, a range's own + t; ``q_alt`` row t.  Returns a list of T keyword dicts."""
     N = int(n_keys)
     off = N - T if causal_offset is None else int(causal_offset)
+    if window is not None and int(window) < 0:
+        raise KVSimdValueError("window must be None or >= 0 (0: no window), got %d" % int(window))
+    if causal and off < 0:
+        raise KVSimdValueError("causal rows need causal_offset >= 0 (row 0 reads keys 0..offset), got %d "
+                               "(%d rows over %d keys)" % (off, T, N))
     qp0 = off if query_position is None else int(query_position)
     base = [(0, N)] if ranges is None else ranges
     out = []
@@ -319,6 +335,8 @@ def quantize_kv(x, dtype="int8", hadamard=False):
     gets scale NaN and q 0.  ``hadamard``: each whole block turned first, H x /
     32 (:func:`hadamard_rows` without its final times 32), so that q * scale stands for H x / 32.  Returns (q, scale float32 x.shape[:-1] +
     (blocks,)): int8 q of x.shape, or for int4 q packed as the cache stores it (:func:`pack_int4`)."""
+    if not isinstance(dtype, str) or dtype not in KV_QRANGE:
+        raise KVSimdValueError("dtype must be 'int8' or 'int4', got %r" % (dtype,))
     qmin, qmax = KV_QRANGE[dtype]
     x = np.asarray(x, np.float32)
     if hadamard:
@@ -390,12 +408,25 @@ def dequantize_kv(q, scale, D=None):
     return (q.astype(np.float32) * per).astype(np.float32)
 
 
+_KV_KINDS = ("float", "int8", "int4", "int8/int4", "int4/int8", "int8/int8", "int4/int4")
+
+
+def _kv_kind(kv):
+    """(name, hadamard) of a kind of K/V (:func:`_as_cached`), checked: a name of _KV_KINDS, or a
+    (name, bool) pair."""
+    pair = isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[1], (bool, np.bool_))
+    name = kv[0] if pair else kv
+    if not isinstance(name, str) or name not in _KV_KINDS:
+        raise KVSimdValueError("kv must be one of %s (or (name, hadamard)), got %r" % (", ".join(_KV_KINDS), kv))
+    return (name, bool(kv[1])) if pair else (name, "int4" in name.split("/"))
+
+
 def _as_cached(kv, x, D, which=0):
     """K (``which`` 0) or V (1) rows ``x`` as a cache of kind ``kv`` holds them: "float" as they are;
     "int8" / "int4" / "int8/int4" (int8 keys, int4 values) quantized as KVCache(dtype=...) stores
     them by default (turned by H when K or V is int4, else not); ("int4", False) or ("int8", True)
     to choose the turn.  Returns float64."""
-    name, had = (kv, "int4" in kv.split("/")) if isinstance(kv, str) else kv
+    name, had = _kv_kind(kv)
     dtype = name.split("/")[which] if "/" in name else name
     if dtype == "float":
         return x
@@ -409,7 +440,7 @@ def query_as_read(q, kv):
     (:func:`quantize_kv`, in float32; turned with them when they are turned), so that the kernel
     scores full blocks of keys with exact integer dot products (attn.inc.h round_query); else ``q``
     as it is.  The softmax scale applies after the rounding."""
-    name = kv if isinstance(kv, str) else kv[0]
+    name = _kv_kind(kv)[0]
     if name.split("/")[0] != "int8":
         return q
     return _as_cached(kv, np.asarray(q, np.float32), np.shape(q)[-1], 0)
@@ -613,6 +644,7 @@ def forward(model, tokens, src=None, positions=None, kv="float"):
     :func:`encode`).  ``positions`` (default ``0..T-1``) are the tokens' positions, e.g. the
     compressed positions a StreamingLLM window gives its kept tokens."""
     cfg = model.cfg
+    _kv_kind(kv)
     t = _ids(tokens, cfg.vocab_size, "tokens")
     pos = np.arange(t.size, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
     if pos.shape != t.shape:

@@ -72,3 +72,32 @@ def test_avx512fp16_rotation_bound_holds_for_the_model(rng, swap_mul, swap_fma):
     # the old kernel (one VFMULCPH by the fp16-rounded multiplier) does not meet it
     old = _cmul(x, _round16(cs).astype(np.float64))
     assert (np.abs(old - exact)[ok] > bound).any()
+
+
+def test_references_and_bounds_refuse_what_ops_refuses():
+    """reference.attend / bounds.attend_bound refuse what ops.attend refuses (heads that do not
+    divide, a slope per head missing, ranges past the keys, a negative window, causal rows before
+    the first key) instead of returning an empty or NaN result; the bounds' counts, style and D
+    are checked; reference.forward names an unknown kv."""
+    from kvsimd import reference
+    from kvsimd.errors import KVSimdValueError
+    q, k = np.ones((1, 8), np.float32), np.ones((2, 5, 8), np.float32)
+    q4, k1 = np.ones((4, 8), np.float32), np.ones((1, 5, 8), np.float32)
+    calls = [lambda: reference.attend(q, k, k), lambda: bounds.attend_bound(q, k, k),
+             lambda: reference.attend(q4, k1, k1, alibi_slopes=[0.5]),
+             lambda: reference.attend(q4, k1, k1, ranges=[(0, 50, False, 4)]),
+             lambda: reference.attend(np.ones((3, 4, 8)), k1, k1, window=-1),
+             lambda: reference.attend(np.ones((7, 4, 8)), k1, k1),
+             lambda: bounds.quantized_step_bound(np.ones((6, 1), np.float32), -1),
+             lambda: bounds.quantized_step_bound(np.ones((6, 1), np.float32), 64),
+             lambda: bounds.pair_norm(np.ones((2, 8)), "bogus", 8),
+             lambda: bounds.matmul_depth(-5, "avx2"), lambda: bounds.matmul_depth(2.5, "avx2"),
+             lambda: bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=2.5),
+             lambda: bounds.rope_bound("avx2", "float32", None, np.ones(8)),
+             lambda: reference.quantize_kv(np.ones((2, 32), np.float32), "int3"),
+             lambda: reference.query_as_read(q, "int3")]
+    for i, call in enumerate(calls):
+        with pytest.raises(KVSimdValueError):
+            call()
+            pytest.fail("call %d was accepted" % i)
+    assert bounds.quantized_step_bound(np.ones((6, 2), np.float32), 40).shape == (6, 40)

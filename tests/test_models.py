@@ -365,3 +365,54 @@ def test_unsupported_family_is_named():
 def test_repr_names_the_isa():
     _, d = causal("llama")
     assert kvsimd.active_isa() in repr(d) and "llama" in repr(d)
+
+
+def _tiny_llama(**rope):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, rope_parameters=dict({"rope_type": "default", "rope_theta": 10000.0}, **rope)))
+
+
+def test_from_transformers_reads_config_fields_as_transformers_does():
+    """A field present as None (partial_rotary_factor=None, as transformers may write it) means its
+    default: the model loads and matches transformers.  rope_theta 0 or a string, and a Gemma 2
+    query_pre_attn_scalar of 0 or below, are KVSimdErrors naming the field (0 was read as unset and
+    became 10000; the others were bare TypeError / ZeroDivisionError)."""
+    m = _tiny_llama(partial_rotary_factor=None)
+    ids = [1, 2, 3, 4]
+    with torch.no_grad():
+        ref = m(torch.tensor([ids])).logits[0].numpy()
+    got = Decoder.from_transformers(m).forward(ids)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    for bad, err in ((0.0, "rope_theta must be a positive finite number"), ("abc", "rope_theta must be a real number")):
+        m = _tiny_llama()
+        m.config.rope_parameters["rope_theta"] = bad
+        with pytest.raises(kvsimd.KVSimdError, match=err):
+            Decoder.from_transformers(m)
+    g = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8))
+    for bad in (0, -3):
+        g.config.query_pre_attn_scalar = bad
+        with pytest.raises(kvsimd.KVSimdValueError, match="query_pre_attn_scalar must be a finite number > 0"):
+            Decoder.from_transformers(g)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_encoder_decoder_with_other_head_counts_per_stack(family):
+    """An encoder of 2 heads under a decoder of 4 (transformers splits d_model per stack) loads
+    and matches transformers (the encoder's head size used to be the decoder's)."""
+    torch.manual_seed(1)
+    kw = dict(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
+    if family == "bart":
+        hf = transformers.BartForConditionalGeneration(transformers.BartConfig(**kw))
+    else:
+        hf = transformers.MarianMTModel(transformers.MarianConfig(decoder_start_token_id=0, pad_token_id=0, **kw))
+    hf.eval()
+    src, tgt = [5, 6, 7, 2], [2, 8, 9]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([src]), decoder_input_ids=torch.tensor([tgt])).logits[0].numpy()
+    got = EncoderDecoder.from_transformers(hf).forward(src, tgt)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

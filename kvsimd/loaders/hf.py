@@ -54,17 +54,41 @@ class _SD:
         return key in self.sd
 
 
+def _first_set(*values):
+    """The first value that is not None (a field present as None, as transformers may write it,
+    means its default, as a missing one does; 0 is a value, to be checked as one)."""
+    return next(v for v in values if v is not None)
+
+
+def _real_field(v, name):
+    """A config field that must be a real number, as a float; else a KVSimdTypeError naming it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise KVSimdTypeError("config.%s must be a real number, got %r" % (name, v))
+    return float(v)
+
+
+def _query_pre_attn_scale(c):
+    """Gemma 2's attention scale, query_pre_attn_scalar ** -0.5: the scalar must be a number > 0."""
+    v = _real_field(c.query_pre_attn_scalar, "query_pre_attn_scalar")
+    if not (math.isfinite(v) and v > 0):
+        raise KVSimdValueError("config.query_pre_attn_scalar must be a finite number > 0, got %r" % v)
+    return v ** -0.5
+
+
 def _rope_params(cfg):
     """(theta, partial rotary fraction, ModelConfig.rope_scaling) of a transformers config: its
     ``rope_parameters`` (transformers 5.x) or ``rope_scaling`` (4.x, theta beside it).  RoPE
     types other than default, linear, llama3 and yarn are refused."""
     p = dict(getattr(cfg, "rope_scaling", None) or {})
     p.update(getattr(cfg, "rope_parameters", None) or {})
-    theta = p.get("rope_theta") or getattr(cfg, "rope_theta", None) or getattr(cfg, "rotary_emb_base", None) or 10000.0
-    frac = p.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or getattr(cfg, "rotary_pct", 1.0))
+    theta = _first_set(p.get("rope_theta"), getattr(cfg, "rope_theta", None), getattr(cfg, "rotary_emb_base", None),
+                       10000.0)
+    frac = _first_set(p.get("partial_rotary_factor"), getattr(cfg, "partial_rotary_factor", None),
+                      getattr(cfg, "rotary_pct", None), 1.0)
+    theta, frac = _real_field(theta, "rope_theta"), _real_field(frac, "partial_rotary_factor")
     rtype = p.get("rope_type") or p.get("type") or "default"
     if rtype == "default":
-        return float(theta), float(frac), None
+        return theta, frac, None
     supported = [t for t in ROPE_SCALING if t != "default"]
     if rtype not in supported:
         raise KVSimdValueError("RoPE scaling %r is not supported (supported: default, %s)" % (rtype, ", ".join(supported)))
@@ -164,7 +188,7 @@ def _llama(model):
                       max_positions=c.max_position_embeddings, bos_token_id=c.bos_token_id,
                       eos_token_id=c.eos_token_id if isinstance(c.eos_token_id, int) else None,
                       qk_norm=qk_norm, post_norms=gemma, embed_scale=math.sqrt(c.hidden_size) if gemma else 1.0,
-                      attn_scale=c.query_pre_attn_scalar ** -0.5 if gemma else None,
+                      attn_scale=_query_pre_attn_scale(c) if gemma else None,
                       attn_softcap=(getattr(c, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
                       final_softcap=(getattr(c, "final_logit_softcapping", None) or 0.0) if gemma else 0.0,
                       attn_windows=_windows(c), family=c.model_type)
@@ -299,20 +323,20 @@ def encoder_decoder_from_transformers(cls, model, weights="float32"):
     if getattr(c, "normalize_before", False):
         raise KVSimdValueError("%s with normalize_before (pre-norm) is not supported" % family)
     sd = _SD(model)
-    d, H = c.d_model, c.decoder_attention_heads
-    Dh = d // H
+    d, H, He = c.d_model, c.decoder_attention_heads, c.encoder_attention_heads
     act = _act(c.activation_function)
     bart = family == "bart"
     position = "learned" if bart else "sinusoidal"
-    common = dict(vocab_size=c.vocab_size, d_model=d, head_dim=Dh, activation=act, norm="layernorm", norm_eps=1e-5,
+    common = dict(vocab_size=c.vocab_size, d_model=d, activation=act, norm="layernorm", norm_eps=1e-5,
                   pre_norm=False, position=position, max_positions=c.max_position_embeddings,
                   position_offset=2 if bart else 0, embed_scale=math.sqrt(d) if c.scale_embedding else 1.0,
                   embed_norm=bart, final_norm=False, eos_token_id=c.eos_token_id,
                   decoder_start_token_id=c.decoder_start_token_id, bos_token_id=c.bos_token_id, family=family)
-    dec_cfg = ModelConfig(n_layers=c.decoder_layers, n_heads=H, n_kv_heads=H, ffn_dim=c.decoder_ffn_dim,
-                          cross_attention=True, **common)
-    enc_cfg = ModelConfig(n_layers=c.encoder_layers, n_heads=c.encoder_attention_heads,
-                          n_kv_heads=c.encoder_attention_heads, ffn_dim=c.encoder_ffn_dim, **common)
+    # each stack's heads split d_model its own way (transformers: head_dim = d_model // heads)
+    dec_cfg = ModelConfig(n_layers=c.decoder_layers, n_heads=H, n_kv_heads=H, head_dim=d // H,
+                          ffn_dim=c.decoder_ffn_dim, cross_attention=True, **common)
+    enc_cfg = ModelConfig(n_layers=c.encoder_layers, n_heads=He, n_kv_heads=He, head_dim=d // He,
+                          ffn_dim=c.encoder_ffn_dim, **common)
 
     def attn(p):
         return AttentionWeights(sd(p + "q_proj.weight", True), sd(p + "k_proj.weight", True),
