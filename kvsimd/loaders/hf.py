@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from kvsimd import _kvsimd
 from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 from kvsimd.nn.config import F32, ROPE_SCALING, ModelConfig
 from kvsimd.nn.weights import AttentionWeights, FFNWeights, LayerWeights, NormWeights, need_format, store_weights
@@ -61,10 +62,9 @@ def _first_set(*values):
 
 
 def _real_field(v, name):
-    """A config field that must be a real number, as a float; else a KVSimdTypeError naming it."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise KVSimdTypeError("config.%s must be a real number, got %r" % (name, v))
-    return float(v)
+    """A config field that must be a real number, as a float (the boundary's one rule, named as the
+    config's field)."""
+    return _kvsimd._need_real(v, "config." + name)
 
 
 def _query_pre_attn_scale(c):
