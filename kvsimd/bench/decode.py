@@ -11,6 +11,7 @@
 """
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -231,6 +232,17 @@ class WorkerError(KVSimdError, RuntimeError):
     """A worker process of the GGUF bench failed (its message and the tail of its stderr)."""
 
 
+def _exit_text(rc):
+    """A worker's return code as words: a signal by name (a natively built llama.cpp has died of
+    SIGILL on a CPU whose AMX tiles it used without asking the kernel for them)."""
+    if rc is not None and rc < 0:
+        try:
+            return "killed by %s" % signal.Signals(-rc).name
+        except ValueError:
+            return "killed by signal %d" % -rc
+    return "exited with status %s" % rc
+
+
 class Worker:
     """One implementation in its own process (:mod:`kvsimd.bench.peers`), driven line by line."""
 
@@ -259,8 +271,7 @@ class Worker:
             rc = self.p.wait()
             self.log.seek(0)
             tail = self.log.read().strip().splitlines()[-3:]
-            raise WorkerError("%s worker exited with status %s%s" % (self.impl, rc, ": " + " | ".join(tail) if tail
-                                                                     else ""))
+            raise WorkerError("%s worker %s%s" % (self.impl, _exit_text(rc), ": " + " | ".join(tail) if tail else ""))
         reply = json.loads(line)
         if "error" in reply:
             raise WorkerError("%s: %s" % (self.impl, reply["error"]))
@@ -362,7 +373,7 @@ def _peer_ratios(rows, paired):
 
 
 def _rotated(names, i):
-    return names[i % len(names):] + names[:i % len(names)]
+    return names[i % len(names):] + names[:i % len(names)] if names else []
 
 
 def _prefill_repeats(n, repeat):
@@ -388,7 +399,9 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
     prompt of the text's first ``n`` tokens on an empty state, for each ``n`` in ``prefill_tokens`` (empty:
     none), the implementations taking turns within each repeat.  Peers' rows carry ``speedup``: the
     median over rounds of their step time over kvsimd's, with a 95% bootstrap interval, and
-    ``same_tokens``: for how many of the ``greedy_tokens`` steps they chose kvsimd's tokens."""
+    ``same_tokens``: for how many of the ``greedy_tokens`` steps they chose kvsimd's tokens.  A peer
+    that fails (its process dies, or it replies with an error) gets an "op": "peer" row saying how,
+    and the run goes on without it."""
     rows = []
 
     def emit(row):
@@ -429,6 +442,19 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                       rss_file_MiB=last["rss_file_MiB"], rss_delta_MiB=last["rss_MiB"] - last["rss_before_MiB"],
                       file_MiB=size / 2**20, **info))
         workers = {}
+
+        def call(impl, cmd, **kw):
+            """``impl``'s reply to ``cmd``, or None when it is a peer that failed (a crash, an error
+            reply): that peer is reported (an "op": "peer" row) and dropped from the rest of this
+            model's run, whose other implementations go on.  kvsimd's own failure ends the run."""
+            try:
+                return workers[impl].call(cmd, **kw)
+            except WorkerError as e:
+                if impl == "kvsimd":
+                    raise
+                emit(dict(base, op="peer", impl=impl, status="failed: %s" % e))
+                workers.pop(impl).close()
+                return None
         try:
             for impl in list(impls):
                 try:
@@ -442,16 +468,17 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
             # prefill of one prompt of each length, each repeat on an empty state
             for n, nt in ((n, nt) for n in prefill_tokens for nt in threads):
                 prompt = ids[:n]
-                for w in workers.values():
-                    w.call("threads", n=nt)
+                for impl in list(workers):
+                    call(impl, "threads", n=nt)
                 times = {impl: [] for impl in workers}
                 repeat = _prefill_repeats(n, prefill_repeat)
                 warm = 1 if repeat >= 3 and n <= 1024 else 0      # a round that warms up, untimed
                 for i in range(warm + repeat):
                     for impl in _rotated(list(workers), i):
-                        t = workers[impl].call("prefill", tokens=prompt)["seconds"]
-                        if i >= warm:
-                            times[impl].append(t)
+                        r = call(impl, "prefill", tokens=prompt)
+                        if r is not None and i >= warm:
+                            times[impl].append(r["seconds"])
+                times = {impl: t for impl, t in times.items() if impl in workers}
                 out = []
                 for impl, t in times.items():
                     rate, ci = _ci_rate([x / len(prompt) for x in t])
@@ -462,31 +489,36 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
             # decode at each depth
             for depth in sorted(depths):               # each context extends the one before
                 context = ids[:max(depth, 1)]         # depth 0: a one-token prompt (a step needs one)
-                for impl, w in workers.items():
-                    w.call("threads", n=max(threads))
-                    f = w.call("fill", tokens=context)
-                    if f["tokens"] > 1:      # the context's prefill, in chunks of 512: a prefill figure too
+                for impl in list(workers):
+                    f = call(impl, "threads", n=max(threads))
+                    f = None if f is None else call(impl, "fill", tokens=context)
+                    if f is not None and f["tokens"] > 1:      # the context's prefill, in chunks of 512: a prefill figure too
                         # (0 tokens: kvsimd with fill="random" prefilled nothing)
                         emit(dict(base, op="fill", impl=impl, tokens=f["tokens"], start=len(context) - f["tokens"],
                                   threads=max(threads), seconds=f["seconds"], tok_per_s=f["tokens"] / f["seconds"],
                                   **infos[impl]))
                 for nt in threads:
-                    chosen = {impl: [] for impl in workers}
-                    for impl, w in workers.items():
-                        w.call("threads", n=nt)
-                        w.call("start", first=ids[len(context)])
-                        if warmup:
-                            chosen[impl] += w.call("steps", n=warmup)["tokens"]
+                    chosen = {}
+                    for impl in list(workers):
+                        if call(impl, "threads", n=nt) is None or call(impl, "start", first=ids[len(context)]) is None:
+                            continue
+                        r = call(impl, "steps", n=warmup) if warmup else {"tokens": []}
+                        if r is not None:
+                            chosen[impl] = list(r["tokens"])
                     every = {impl: [] for impl in workers}
                     per_round = {impl: [] for impl in workers}
                     for i in range(rounds):
                         for impl in _rotated(list(workers), i):
-                            r = workers[impl].call("steps", n=steps)
+                            r = call(impl, "steps", n=steps)
+                            if r is None:
+                                continue
                             every[impl] += r["times"]
                             chosen[impl] += r["tokens"]
                             per_round[impl].append(statistics.median(r["times"]))
                     out = []
                     for impl, t in every.items():
+                        if impl not in workers:
+                            continue
                         rate, ci = _ci_rate(t)
                         out.append(dict(base, impl=impl, context=depth, context_tokens=len(context), threads=nt,
                                         tok_per_s=rate, tok_per_s_ci95=ci, steps=len(t), rounds=rounds,
@@ -495,10 +527,12 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
                             same = next((j for j, (a, b) in enumerate(zip(chosen[impl], chosen["kvsimd"])) if a != b),
                                         len(chosen[impl]))
                             out[-1].update(same_tokens=same, greedy_tokens=len(chosen[impl]))
-                    for r in _peer_ratios(out, per_round):
+                    for r in _peer_ratios(out, {impl: t for impl, t in per_round.items() if impl in workers}):
                         emit(r)
-            for impl, w in workers.items():
-                emit(dict(base, op="memory", impl=impl, **{k: v for k, v in w.call("rss").items()}))
+            for impl in list(workers):
+                r = call(impl, "rss")
+                if r is not None:
+                    emit(dict(base, op="memory", impl=impl, **r))
         finally:
             for w in workers.values():
                 w.close()
