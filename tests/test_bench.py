@@ -255,6 +255,19 @@ def test_contention_flag_needs_decode():
     assert p.returncode == 2 and "--contention goes with the decode subcommand" in p.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["decode", "--model", "smollm2", "--kv-dtype", "int8"], "--kv-dtype goes with the quality subcommand"),
+    (["attention", "--kv-dtype", "int4"], "--kv-dtype goes with the quality subcommand"),
+    (["decode", "--kv-int8"], "--kv-int8 and --kv-int4 go with decode of a GGUF model"),
+    (["quality", "--kv-int4"], "--kv-int8 and --kv-int4 go with decode of a GGUF model")])
+def test_cache_dtype_flags_name_their_subcommand(args, message):
+    """A cache-dtype flag given to a subcommand that does not read it is one error line and exit 2,
+    before anything runs (decode --kv-dtype int8 timed float16 caches only, saying nothing)."""
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "roofline" not in p.stdout
+
+
 def schema_counts():
     from kvsimd.bench.complexity import SEED_COUNTS
     return SEED_COUNTS

@@ -359,6 +359,10 @@ def main(argv=None):
     if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1) or \
             min(args.prefill_tokens or [0]) < 0:
         ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
+    if args.kv_dtype and args.what != "quality":     # decode would silently time float16 caches only
+        ap.error("--kv-dtype goes with the quality subcommand (decode of a GGUF model takes --kv-int8 and --kv-int4)")
+    if (args.kv_int8 or args.kv_int4) and (args.what != "decode" or args.model == "shapes" or args.contention):
+        ap.error("--kv-int8 and --kv-int4 go with decode of a GGUF model (--model smollm2, llama3-8b or a path)")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
     wants_text = args.what in ("quality", "hf") or (args.what == "decode" and args.model != "shapes"
