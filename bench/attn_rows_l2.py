@@ -1,7 +1,7 @@
 """Decode attention in the cache, row beside row: the compute side of the kernel without DRAM.
 
     python bench/attn_rows_l2.py [--isa NAME ...] [--shape H/Hkv/D/N ...] [--rounds 5] [--threads 1]
-                                 [--dtype float16|int8]
+                                 [--dtype float16|int8|int4]
 
 ``python -m kvsimd.bench attention`` measures decode attention beyond the LLC, where the memory and
 the kernel's arithmetic are hard to tell apart.  This times one ``ops.attend`` call (one query row,
@@ -9,8 +9,8 @@ float16 K/V) over K/V small enough to stay in the caches (warm: the same arrays 
 every compiled row this CPU runs (or --isa), the rows alternated round by round: per shape and row
 the median over rounds of each round's median of 15 calls, as GFLOP/s (4 H D N per call) and as %
 of the row's fp32 multiply-add peak on as many threads (kvsimd.bench.common.fma_peak).  ``--dtype
-int8``: K/V as an int8 cache stores them (ops.quantize_kv, the same values), its scales counted in
-the MiB shown.  Default
+int8`` or ``int4``: K/V as a cache of that dtype stores them (ops.quantize_kv, the same values; int4
+turned by H), the scales counted in the MiB shown.  Default
 shapes: MHA 32/32/128 and 16/16/64, G = 3 9/3/128 and SmolLM2 9/3/64, GQA 32/8/128, G = 8 64/8/128,
 MQA 32/1/128, each at a context whose K+V is 2-4 MiB."""
 import argparse
@@ -55,7 +55,8 @@ def main():
     ap.add_argument("--shape", action="append", type=shape, help="H/Hkv/D/N (default: %s)" % ", ".join(SHAPES))
     ap.add_argument("--rounds", type=positive, default=5)
     ap.add_argument("--threads", type=positive, default=1)
-    ap.add_argument("--dtype", choices=("float16", "int8"), default="float16", help="K/V as stored (default float16)")
+    ap.add_argument("--dtype", choices=("float16", "int8", "int4"), default="float16",
+                    help="K/V as stored (default float16; int4 turned by the Hadamard matrix, as an int4 cache does)")
     args = ap.parse_args()
     try:
         run(args)
@@ -77,9 +78,10 @@ def run(args):
         spec = "%d/%d/%d/%d" % (H, Hkv, D, N)
         k, v = fill((Hkv, N, D), np.float16, 1), fill((Hkv, N, D), np.float16, 2)
         kw, nbytes = {}, k.nbytes + v.nbytes
-        if args.dtype == "int8":
-            (k, ks), (v, vs) = ops.quantize_kv(k.astype(np.float32)), ops.quantize_kv(v.astype(np.float32))
-            kw, nbytes = dict(k_scale=ks, v_scale=vs), k.nbytes + v.nbytes + ks.nbytes + vs.nbytes
+        if args.dtype != "float16":      # as a cache of that dtype stores them: int4 turned by H
+            turn = args.dtype == "int4"
+            (k, ks), (v, vs) = (ops.quantize_kv(x.astype(np.float32), args.dtype, hadamard=turn) for x in (k, v))
+            kw, nbytes = dict(k_scale=ks, v_scale=vs, hadamard=turn), k.nbytes + v.nbytes + ks.nbytes + vs.nbytes
         q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
         med = {isa: [] for isa in isas}
         for r in range(args.rounds):

@@ -476,17 +476,18 @@ def test_ab_compare_refuses_bad_arguments(args, message):
 
 
 # ---------------------------------------------------------------------------------- in-cache attention script
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "int8", "int4"])
 def test_attn_rows_l2_times_every_row_asked(dtype):
     """bench/attn_rows_l2.py: one line per shape with each row asked for, in GFLOP/s and % of the
-    row's peak, over float16 or int8 K/V (int8: its scales counted in the K+V bytes)."""
+    row's peak, over float16, int8 or int4 K/V (their scales counted in the K+V bytes)."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "attn_rows_l2.py"), "--isa", "scalar", "--isa",
                         "avx2", "--shape", "6/2/64/96", "--rounds", "2", "--dtype", dtype],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     head, line = p.stdout.strip().splitlines()
     assert "%s K/V" % dtype in head and "scalar" in head and "avx2" in head
-    kib = {"float16": 2 * 2 * 96 * 64 * 2, "int8": 2 * (2 * 96 * 64 + 2 * 96 * 2 * 4)}[dtype] / 2 ** 20
+    kib = {"float16": 2 * 2 * 96 * 64 * 2, "int8": 2 * (2 * 96 * 64 + 2 * 96 * 2 * 4),
+           "int4": 2 * (2 * 96 * 32 + 2 * 96 * 2 * 4)}[dtype] / 2 ** 20
     assert line.startswith("6/2/64/96") and "K+V %5.2f MiB" % kib in line
     assert line.count("GFLOP/s") == 2 and "scalar" in line and "avx2" in line
 
@@ -509,7 +510,7 @@ def test_bench_refuses_bad_arguments_before_it_runs(args, message):
 @pytest.mark.parametrize("args, message", [
     (["--shape", "6/2/64"], "must be H/Hkv/D/N"),
     (["--rounds", "0"], "must be an integer >= 1"),
-    (["--dtype", "int4"], "invalid choice: 'int4'"),
+    (["--dtype", "bfloat16"], "invalid choice: 'bfloat16'"),
 ])
 def test_attn_rows_l2_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "attn_rows_l2.py"), *args],
