@@ -2,6 +2,7 @@
 import contextlib
 import inspect
 import math
+import os
 import types
 
 import numpy as np
@@ -82,7 +83,12 @@ def assert_matches_reference(model, tokens, logits, *, src=None, positions=None,
         raise KVSimdValueError("cache_dtype must be one of %s, got %r" % (", ".join(REFERENCE_BOUNDS), cache_dtype))
     err = reference_error(model, tokens, logits, src=src, positions=positions,
                           kv=cache_dtype if cache_dtype.startswith("int") else "float")
-    bound = REFERENCE_BOUNDS[cache_dtype] if bound is None else bound
+    if bound is None:
+        bound = REFERENCE_BOUNDS[cache_dtype]
+    else:
+        bound = _kvsimd._need_real(bound, "bound")
+        if not bound >= 0:
+            raise KVSimdValueError("bound must be a number >= 0, got %r" % bound)
     assert err <= bound, ("logits differ from kvsimd.reference.forward by %.3g of the largest |logit| "
                           "(bound %g for a %s cache)" % (err, bound, cache_dtype))
     return err
@@ -195,6 +201,30 @@ def _random_setup(what, dims, seed, scale, bias, options, defaults):
     return nn, cfg, _Weights(nn, seed, scale, bias)
 
 
+def _weights_bytes(cfg, cross=False, embeddings=True):
+    """Bytes of the float32 weights :class:`_Weights` draws for ``cfg``'s stack, about (norms and
+    biases left out), in Python integers: no overflow whatever the dimensions.  ``embeddings``:
+    the token embeddings and LM head (an encoder has neither: it shares the decoder's)."""
+    d, q, kv, F = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    attn = 2 * d * q + 2 * d * kv
+    layer = attn * (2 if cross else 1) + (3 if cfg.ffn_gated else 2) * d * F
+    pos = (cfg.position_offset + cfg.max_positions) * d if cfg.position == "learned" else 0
+    return 4 * (2 * cfg.vocab_size * d * embeddings + pos + cfg.n_layers * layer)
+
+
+def _check_memory(what, nbytes, dims):
+    """KVSimdValueError when a random model's weights would not fit in this machine's memory: numpy
+    would raise MemoryError, or the kernel's OOM killer end the process while the weights are drawn."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if nbytes > phys:
+        raise KVSimdValueError("%s: these dimensions (%s) make %.3g GiB of float32 weights, more than this "
+                               "machine's %.3g GiB of memory" % (what, ", ".join("%s=%d" % kv for kv in dims.items()),
+                                                                 nbytes / 2**30, phys / 2**30))
+
+
 def random_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, *, seed=0, scale=1.0,
                    bias=False, **options):
     """A tiny :class:`kvsimd.Decoder` with random weights, built without torch (tests, benchmarks,
@@ -218,6 +248,7 @@ def random_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim,
     nn, cfg, w = _random_setup("random_decoder", dims, seed, scale, bias, options, {})
     if cfg.cross_attention:
         raise KVSimdValueError("random_decoder: cross_attention=True needs an encoder: use random_encoder_decoder")
+    _check_memory("random_decoder", _weights_bytes(cfg), dims)
     return nn.Decoder(cfg, **w.stack(cfg))
 
 
@@ -250,6 +281,8 @@ def random_encoder_decoder(vocab_size, d_model, n_layers, n_heads, n_kv_heads, h
     if n_enc < 1:
         raise KVSimdValueError("%s: enc_layers must be >= 1, got %d" % (what, n_enc))
     _, enc_cfg, _ = _random_setup(what, dict(dims, n_layers=n_enc), seed, scale, bias, options, defaults)
+    _check_memory(what, _weights_bytes(cfg, cross=True) + _weights_bytes(enc_cfg, embeddings=False),
+                  dict(dims, enc_layers=n_enc))
     dec = w.stack(cfg, d_source=enc_cfg.d_model)
     enc = [w.layer(enc_cfg) for _ in range(n_enc)]
     return nn.EncoderDecoder(cfg, enc_cfg, w.pos_table(enc_cfg), enc, w.norm(enc_cfg) if enc_cfg.final_norm else None,

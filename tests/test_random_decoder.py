@@ -126,6 +126,46 @@ def test_a_bad_dimension_is_a_kvsimd_error_naming_it(kwargs, word):
         random_decoder(**dict(DIMS, **kwargs))
 
 
+@pytest.mark.parametrize("kwargs", [dict(vocab_size=2**40), dict(ffn_dim=2**40)])
+def test_dimensions_too_big_for_memory_are_refused_before_a_weight_is_drawn(kwargs):
+    """Weights larger than this machine's memory (4 bytes x 2**45 and more, far above any machine
+    these tests run on): a KVSimdValueError naming the dimensions and the size, before any is
+    drawn -- numpy raised MemoryError, or the OOM killer could end the process mid-draw.  (One
+    array too big each: without the check these fail at once rather than draw for hours.)"""
+    name, value = next(iter(kwargs.items()))
+    for make in (random_decoder, random_encoder_decoder):
+        with pytest.raises(KVSimdError, match=r"GiB of float32 weights, more than this machine's .* GiB of memory") as e:
+            make(**dict(DIMS, **kwargs))
+        assert "%s=%d" % (name, value) in str(e.value)
+
+
+@pytest.mark.parametrize("gated, position", [(False, "rope"), (True, "learned")])
+def test_the_memory_check_counts_what_is_drawn(gated, position):
+    """The size the check compares with the machine's memory is the weights' own: within 5% of the
+    bytes of the drawn matrices and tables (norms and biases are the rest), decoder and
+    encoder-decoder (whose encoder shares the decoder's embeddings), so that many small layers are
+    counted as one huge matrix is."""
+    from kvsimd.testing import _weights_bytes
+    dims = dict(DIMS, vocab_size=512, d_model=64, ffn_dim=128)
+
+    def drawn(stack, cross=False):
+        n = 0
+        for l in stack:
+            n += sum(getattr(l.attn, w).nbytes for w in ("wq", "wk", "wv", "wo"))
+            n += sum(getattr(l.ffn, w).nbytes for w in ("w1", "w2", "w3") if getattr(l.ffn, w) is not None)
+            if cross:
+                n += sum(getattr(l.cross, w).nbytes for w in ("wq", "wk", "wv", "wo"))
+        return n
+    d = random_decoder(**dims, ffn_gated=gated, position=position)
+    got = d.embed.nbytes + d.lm_head.nbytes + (d.pos_embed.nbytes if d.pos_embed is not None else 0) + drawn(d.layers)
+    assert got == pytest.approx(_weights_bytes(d.cfg), rel=0.05)
+    m = random_encoder_decoder(**dims, enc_layers=3, ffn_gated=gated)
+    got = (m.embed.nbytes + m.lm_head.nbytes + m.pos_embed.nbytes + m.enc_pos.nbytes + drawn(m.layers, cross=True)
+           + drawn(m.enc_layers))
+    assert got == pytest.approx(_weights_bytes(m.cfg, cross=True) + _weights_bytes(m.enc_cfg, embeddings=False),
+                                rel=0.05)
+
+
 def test_encoder_decoder_shapes_and_options():
     m = random_encoder_decoder(**DIMS, enc_layers=3, pre_norm=False, embed_norm=True, bias=True)
     assert isinstance(m, EncoderDecoder)
@@ -180,3 +220,15 @@ def test_encoder_decoder_generate_equals_reference_greedy(rng):
     tokens = list(m.generate(src, max_new_tokens=12, cache_dtype="float32", stop_tokens=()))
     assert len(tokens) == 12
     assert assert_greedy_is_reference_greedy(m, [m.cfg.decoder_start_token_id], tokens, src=src) >= 11
+
+
+@pytest.mark.parametrize("bound, error", [("x", "a real number"), (float("nan"), ">= 0"), (-1, ">= 0")])
+def test_assert_matches_reference_checks_its_bound(bound, error):
+    """A bound that is not a number >= 0 is a KVSimdError naming it (a string raised numpy's
+    TypeError from the comparison; NaN let every error pass)."""
+    from kvsimd.testing import assert_matches_reference
+    d = random_decoder(**DIMS)
+    logits = d.forward([1, 2, 3])
+    with pytest.raises(KVSimdError, match=r"\bbound\b.*" + error):
+        assert_matches_reference(d, [1, 2, 3], logits, bound=bound)
+    assert assert_matches_reference(d, [1, 2, 3], logits, bound=1.0) < 1e-3
