@@ -703,9 +703,10 @@ for line in sys.stdin:
 
 
 def test_decode_gguf_goes_on_when_a_peer_dies(tmp_path, tiny_gguf, monkeypatch):
-    """A peer whose process dies mid-run (a natively built llama.cpp died of SIGILL on a Xeon whose
-    AMX tiles it used unasked) is reported -- the signal by name and its stderr's tail -- and
-    dropped; kvsimd's figures for every depth are still measured, and the run ends normally."""
+    """A peer whose process dies mid-run (a natively built llama.cpp died of SIGILL in its AMX
+    matrix product on a Xeon) is reported -- the signal by name and its stderr's tail -- and
+    dropped; kvsimd's figures for every depth are still measured, and the run ends normally.  One
+    of kvsimd's own caches dying ends the run."""
     from kvsimd.bench import decode
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
@@ -713,7 +714,7 @@ def test_decode_gguf_goes_on_when_a_peer_dies(tmp_path, tiny_gguf, monkeypatch):
     started = []
 
     def popen(args, **kw):
-        if "llama.cpp" in args:                 # [python, -m, kvsimd.bench.peers, impl, path, ...]
+        if "llama.cpp" in args or "kvsimd-int8" in args:     # [python, -m, kvsimd.bench.peers, impl, path, ...]
             args = [sys.executable, str(script), "3"]      # dies at its third "steps"
             started.append(1)
         return real(args, **kw)
@@ -731,6 +732,10 @@ def test_decode_gguf_goes_on_when_a_peer_dies(tmp_path, tiny_gguf, monkeypatch):
     assert set(pre) == {"kvsimd", "llama.cpp"} and "speedup" in pre["llama.cpp"]     # before it died
     assert [r["impl"] for r in rows if r.get("op") == "memory"] == ["kvsimd"]
     assert decode._exit_text(-11) == "killed by SIGSEGV" and decode._exit_text(3) == "exited with status 3"
+    # kvsimd's own caches are not peers: their failure ends the run
+    with pytest.raises(decode.WorkerError, match="kvsimd-int8 worker killed by SIGILL"):
+        decode.bench_gguf([("tiny", tiny_gguf)], [0], [1], steps=2, rounds=2, prefill_tokens=(), load_repeat=1,
+                          peers=("kvsimd-int8",))
 
 
 def test_decode_gguf_says_not_installed(tmp_path, tiny_gguf):

@@ -234,7 +234,7 @@ class WorkerError(KVSimdError, RuntimeError):
 
 def _exit_text(rc):
     """A worker's return code as words: a signal by name (a natively built llama.cpp has died of
-    SIGILL on a CPU whose AMX tiles it used without asking the kernel for them)."""
+    SIGILL in its AMX matrix product on a Xeon)."""
     if rc is not None and rc < 0:
         try:
             return "killed by %s" % signal.Signals(-rc).name
@@ -446,11 +446,12 @@ def bench_gguf(models, depths, threads, steps, rounds, progress=None, text_path=
         def call(impl, cmd, **kw):
             """``impl``'s reply to ``cmd``, or None when it is a peer that failed (a crash, an error
             reply): that peer is reported (an "op": "peer" row) and dropped from the rest of this
-            model's run, whose other implementations go on.  kvsimd's own failure ends the run."""
+            model's run, whose other implementations go on.  A failure of kvsimd's own (any of its
+            caches) ends the run."""
             try:
                 return workers[impl].call(cmd, **kw)
             except WorkerError as e:
-                if impl == "kvsimd":
+                if impl.startswith("kvsimd"):
                     raise
                 emit(dict(base, op="peer", impl=impl, status="failed: %s" % e))
                 workers.pop(impl).close()
