@@ -437,11 +437,36 @@ static void KV_FN(scores_n)(const float *q, const void *kb, int mode, int64_t ks
 #define KV_INT_MIN_NH 2
 #endif
 #if KV_INT_DOT
-_Static_assert(KV_B % 8 == 0, "kv_scores_i8 takes a block's keys 8 at a time");
+/* kv_scores_i8's key tile: KV_KL keys on the lanes (the row's vec header may give 16; else the
+   8-lane forms, v8_x86.h / vec_scalar.h) */
+#ifndef KV_KL
+#define KV_KL 8
+typedef v8b vkb;
+typedef v8i vki;
+typedef v8f vkf;
+static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
+{
+    for (int l = 0; l < 8; l++)
+        r[l] = v8b_load(p + l * stride);
+}
+static inline void vkb_transpose8(vkb r[8]) { v8b_transpose8(r); }
+static inline vkb vkb_flip(vkb a) { return v8b_flip(a); }
+static inline vkb vkb_bcast4(const int8_t *p) { return v8b_bcast4(p); }
+static inline vki vki_set1(int32_t a) { return v8i_set1(a); }
+static inline vki vki_dot(vki acc, vkb u, vkb s) { return v8i_dot(acc, u, s); }
+static inline vkf vkf_from(vki a) { return v8f_from(a); }
+static inline vkf vkf_set1(float a) { return v8f_set1(a); }
+static inline vkf vkf_zero(void) { return v8f_zero(); }
+static inline vkf vkf_mul(vkf a, vkf b) { return v8f_mul(a, b); }
+static inline vkf vkf_fmadd(vkf a, vkf b, vkf c) { return v8f_fmadd(a, b, c); }
+static inline void vkf_store(float *p, vkf a) { v8f_store(p, a); }
+static inline void vkf_cols(vkf *out, const float *p, int64_t n) { v8f_cols(out, p, n); }
+#endif
+_Static_assert(KV_B % KV_KL == 0, "kv_scores_i8 takes a block's keys KV_KL at a time");
 
 /* The KV_B scores of NH query vectors rounded to int8 (round_query: vector i's at qi + i * QF) with
  * the full block of int8 keys at kb (rows of D values, D a multiple of 32; ksc: the block scales
- * of its first row, D / 32 per row), into s + i * ss.  Per 8 keys and 32-value block: the keys'
+ * of its first row, D / 32 per row), into s + i * ss.  Per KV_KL keys and 32-value block: the keys'
  * bytes transposed so that lane l holds 4 values of key l, each made unsigned (k + 128); per query
  * vector 8 integer dot products of 4 values per lane from its offset -128 sum(q), exact in int32
  * (|sum| <= 32 x 127 x 127 < 2^24, so the conversion is exact too), then times the vector's step
@@ -453,39 +478,37 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
 {
     const int64_t nb = D / KV_I8_BLOCK;
     const int64_t qoff = 2 * nb;   /* the int8 values of a rounded query, in floats from its start */
-    for (int j0 = 0; j0 < KV_B; j0 += 8) {
+    for (int j0 = 0; j0 < KV_B; j0 += KV_KL) {
         const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
-        const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + 8) * pf_row) : 0, per = (nl + nb - 1) / nb;
-        v8f tot[KV_GS], ks[KV_MAX_HEAD_DIM / KV_I8_BLOCK];
+        const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + KV_KL) * pf_row) : 0, per = (nl + nb - 1) / nb;
+        vkf tot[KV_GS], ks[KV_MAX_HEAD_DIM / KV_I8_BLOCK];
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
-            tot[i] = v8f_zero();
-        v8f_cols(ks, ksc + j0 * nb, nb);   /* ks[b]: the 8 keys' scales of block b */
+            tot[i] = vkf_zero();
+        vkf_cols(ks, ksc + j0 * nb, nb);   /* ks[b]: the keys' scales of block b */
         for (int64_t b = 0; b < nb; b++) {
             for (int64_t m = b * per; m < nl && m < (b + 1) * per; m++)
                 __builtin_prefetch(pl + m * 64, 0, 3);
-            v8b r[8];
-#pragma GCC unroll 8
-            for (int l = 0; l < 8; l++)
-                r[l] = v8b_load((const uint8_t *)kb + (j0 + l) * D + b * KV_I8_BLOCK);
-            v8b_transpose8(r);
+            vkb r[8];
+            vkb_rows(r, (const uint8_t *)kb + j0 * D + b * KV_I8_BLOCK, D);
+            vkb_transpose8(r);
 #pragma GCC unroll 8
             for (int d = 0; d < 8; d++)
-                r[d] = v8b_flip(r[d]);
+                r[d] = vkb_flip(r[d]);
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++) {
                 const float *q = qi + i * QF;
                 const int8_t *q8 = (const int8_t *)(q + qoff) + b * KV_I8_BLOCK;
-                v8i acc = v8i_set1(((const int32_t *)(q + nb))[b]);
+                vki acc = vki_set1(((const int32_t *)(q + nb))[b]);
 #pragma GCC unroll 8
                 for (int d = 0; d < 8; d++)
-                    acc = v8i_dot(acc, r[d], v8b_bcast4(q8 + 4 * d));
-                tot[i] = v8f_fmadd(v8f_mul(v8f_from(acc), v8f_set1(q[b])), ks[b], tot[i]);
+                    acc = vki_dot(acc, r[d], vkb_bcast4(q8 + 4 * d));
+                tot[i] = vkf_fmadd(vkf_mul(vkf_from(acc), vkf_set1(q[b])), ks[b], tot[i]);
             }
         }
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
-            v8f_store(s + i * ss + j0, tot[i]);
+            vkf_store(s + i * ss + j0, tot[i]);
     }
 }
 

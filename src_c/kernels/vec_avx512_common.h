@@ -254,4 +254,65 @@ static inline vf vf_load_bf16(const uint16_t *p)
 
 #include "v8_x86.h"   /* the int8-activation product's 8-lane forms */
 
+/* The int8 attention keys' tile (attn.inc.h, kv_scores_i8): 16 keys on the lanes of a 512-bit
+   register, keys 0-7 in the low half and 8-15 in the high half, each half as the 8-lane forms
+   above have them.  One transpose and one VPDPBUSD per 4 values then serve 16 keys, not 8. */
+#define KV_KL 16
+typedef __m512i vkb;   /* 4 bytes per lane */
+typedef __m512i vki;
+typedef __m512 vkf;
+/* r[l]: the 32 bytes at p + l stride (low half) and at p + (l + 8) stride (high half) */
+static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
+{
+    for (int l = 0; l < 8; l++)
+        r[l] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + l * stride))),
+                                  _mm256_loadu_si256((const __m256i *)(p + (l + 8) * stride)), 1);
+}
+/* v8b_transpose8 in each half: r[d] <- dword d of each row, lane l from row l */
+static inline void vkb_transpose8(vkb r[8])
+{
+    __m512i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* per half, 128-bit lane 0 (then 1) of u[m] and of u[4 + m]: v8b_transpose8's permute2x128 */
+    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm512_permutex2var_epi64(u[m], even, u[4 + m]);
+        r[m + 4] = _mm512_permutex2var_epi64(u[m], odd, u[4 + m]);
+    }
+}
+static inline vkb vkb_flip(vkb a) { return _mm512_xor_si512(a, _mm512_set1_epi8((char)0x80)); }
+static inline vkb vkb_bcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+static inline vki vki_set1(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vki vki_dot(vki acc, vkb u, vkb s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vkf vkf_from(vki a) { return _mm512_cvtepi32_ps(a); }
+static inline vkf vkf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vkf vkf_zero(void) { return _mm512_setzero_ps(); }
+static inline vkf vkf_mul(vkf a, vkf b) { return _mm512_mul_ps(a, b); }
+static inline vkf vkf_fmadd(vkf a, vkf b, vkf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vkf_store(float *p, vkf a) { _mm512_storeu_ps(p, a); }
+/* out[c] <- p[c], p[n + c], .. p[15 n + c] for c < n <= 16: v8f_cols of rows 0-7 and of 8-15 */
+static inline void vkf_cols(vkf *out, const float *p, int64_t n)
+{
+    v8f lo[16], hi[16];
+    v8f_cols(lo, p, n);
+    v8f_cols(hi, p + 8 * n, n);
+    for (int64_t c = 0; c < n; c++)
+        out[c] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo[c])),
+                                                     _mm256_castps_pd(hi[c]), 1));
+}
+
 #endif
