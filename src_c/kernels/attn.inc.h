@@ -449,18 +449,18 @@ static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
     for (int l = 0; l < 8; l++)
         r[l] = v8b_load(p + l * stride);
 }
-static inline void vkb_transpose8(vkb r[8]) { v8b_transpose8(r); }
-static inline vkb vkb_flip(vkb a) { return v8b_flip(a); }
-static inline vkb vkb_bcast4(const int8_t *p) { return v8b_bcast4(p); }
-static inline vki vki_set1(int32_t a) { return v8i_set1(a); }
-static inline vki vki_dot(vki acc, vkb u, vkb s) { return v8i_dot(acc, u, s); }
-static inline vkf vkf_from(vki a) { return v8f_from(a); }
-static inline vkf vkf_set1(float a) { return v8f_set1(a); }
-static inline vkf vkf_zero(void) { return v8f_zero(); }
-static inline vkf vkf_mul(vkf a, vkf b) { return v8f_mul(a, b); }
-static inline vkf vkf_fmadd(vkf a, vkf b, vkf c) { return v8f_fmadd(a, b, c); }
-static inline void vkf_store(float *p, vkf a) { v8f_store(p, a); }
-static inline void vkf_cols(vkf *out, const float *p, int64_t n) { v8f_cols(out, p, n); }
+#define vkb_transpose8 v8b_transpose8
+#define vkb_flip v8b_flip
+#define vkb_bcast4 v8b_bcast4
+#define vki_set1 v8i_set1
+#define vki_dot v8i_dot
+#define vkf_from v8f_from
+#define vkf_set1 v8f_set1
+#define vkf_zero v8f_zero
+#define vkf_mul v8f_mul
+#define vkf_fmadd v8f_fmadd
+#define vkf_store v8f_store
+#define vkf_cols v8f_cols
 #endif
 _Static_assert(KV_B % KV_KL == 0, "kv_scores_i8 takes a block's keys KV_KL at a time");
 

@@ -33,21 +33,28 @@ static inline v8b v8b_bcast4(const int8_t *p)
 static inline v8i v8i_zero(void) { return _mm256_setzero_si256(); }
 static inline v8i v8i_set1(int32_t a) { return _mm256_set1_epi32(a); }
 static inline v8i v8i_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+/* The first two steps of an 8x8 transpose of 4-byte groups, within each 128-bit lane, for registers
+   of W bits (256 here, 512 in vec_avx512_common.h's 16-key form): u[m] then holds dwords m and m + 4
+   of rows 0-3 in lanes 0 and 1 (u[4 + m]: rows 4-7). */
+#define KV_T8_IN_LANES(W, r, u) do {                                                  \
+        __m##W##i t_[8];                                                              \
+        for (int i_ = 0; i_ < 4; i_++) {                                              \
+            t_[2 * i_] = _mm##W##_unpacklo_epi32(r[2 * i_], r[2 * i_ + 1]);           \
+            t_[2 * i_ + 1] = _mm##W##_unpackhi_epi32(r[2 * i_], r[2 * i_ + 1]);       \
+        }                                                                             \
+        for (int i_ = 0; i_ < 2; i_++) {                                              \
+            u[4 * i_] = _mm##W##_unpacklo_epi64(t_[4 * i_], t_[4 * i_ + 2]);          \
+            u[4 * i_ + 1] = _mm##W##_unpackhi_epi64(t_[4 * i_], t_[4 * i_ + 2]);      \
+            u[4 * i_ + 2] = _mm##W##_unpacklo_epi64(t_[4 * i_ + 1], t_[4 * i_ + 3]);  \
+            u[4 * i_ + 3] = _mm##W##_unpackhi_epi64(t_[4 * i_ + 1], t_[4 * i_ + 3]);  \
+        }                                                                             \
+    } while (0)
 /* r[d] <- dword d (bytes 4d..4d+3) of each of r[0..7], lane l from r[l]: an 8x8 transpose of 4-byte
    groups (int8 attention keys onto the lanes) */
 static inline void v8b_transpose8(v8b r[8])
 {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
+    __m256i u[8];
+    KV_T8_IN_LANES(256, r, u);
     for (int m = 0; m < 4; m++) {   /* u[m]: dwords m (low half) and m + 4 (high half) of rows 0-3; u[4 + m] rows 4-7 */
         r[m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);
         r[m + 4] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);

@@ -271,17 +271,8 @@ static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
 /* v8b_transpose8 in each half: r[d] <- dword d of each row, lane l from row l */
 static inline void vkb_transpose8(vkb r[8])
 {
-    __m512i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
+    __m512i u[8];
+    KV_T8_IN_LANES(512, r, u);
     /* per half, 128-bit lane 0 (then 1) of u[m] and of u[4 + m]: v8b_transpose8's permute2x128 */
     const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int m = 0; m < 4; m++) {
