@@ -119,6 +119,9 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
 # int8 and int4 K/V: each row is widened to exactly the float32 values q * scale
 # (reference.dequantize_kv), so against float64 math on those values the float32 tolerance holds.
 ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
+# The softmax weight of a key far below the maximum: kernels/attn.inc.h's vf_exp clamps its
+# argument at -87.34, e^-87.34 = 2**-126 (FLT_MIN), with its polynomial's error a little more.
+EXP_FLOOR = 2.0 ** -125
 
 
 def quantized_step_bound(scale, D: int):
@@ -258,7 +261,9 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     ``|attend(q, k, v, **kw) - reference.attend(...)|``
     (keywords as :func:`kvsimd.reference.attend`; ``dtype`` defaults to k's).
 
-    ``ATTEND_TOL[dtype] * attend_scale`` plus the effect of the score errors e_j of the ALiBi
+    ``ATTEND_TOL[dtype] * attend_scale``, plus ``EXP_FLOOR * sum_j |v_jd|`` (the kernels' exp
+    stops at 2**-126: a key scoring more than 87.3 below the maximum, whose float64 weight is 0 or
+    less, weighs about that much; it shows only where the output is ~0 and its scale too), plus the effect of the score errors e_j of the ALiBi
     bias (:func:`alibi_score_error`) and of the soft cap (:func:`softcap_score_error`), summed:
     perturbing the scores by e_j changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first
     order, so the output moves by at most
@@ -285,7 +290,7 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     names = [_tol_name(n, dtype) for n in dtype.split("/")] if isinstance(dtype, str) else \
         [_tol_name(k.dtype if dtype is None else dtype, dtype)]
     p, va, scale = _weights_and_scale(q, k, v, kw)
-    bound = max(ATTEND_TOL[n] for n in names) * scale
+    bound = max(ATTEND_TOL[n] for n in names) * scale + EXP_FLOOR * va.sum(axis=1)
     err = 0.0
     if kw.get("alibi_slopes") is not None:
         dist = reference.alibi_distances(k.shape[1], kw.get("key_positions"), kw.get("query_position"),

@@ -259,6 +259,20 @@ def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
     check(row, q, kq, ks, vq, vs, "not causal", causal=False)
 
 
+@pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 70, 64), (32, 1, 40, 128), (2, 2, 33, 64)])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_attend_quantized_queries_near_the_top_of_float32(row, rng, H, Hkv, N, D, dtype):
+    """A finite query of about 3e36 whose scores stay in float32's range: over int8 keys an
+    integer sum times the query's step alone went past it (every output NaN on the rows with
+    integer dot products), so the step takes the keys' block scale first.  Keys on the lanes
+    (9/3, 2/2) and queries on the lanes (32/1), one query and several rows."""
+    q = rng.standard_normal((3, H, D)).astype(np.float32) * np.float32(3e36)
+    _, kq, ks = quantized(rng, (Hkv, N, D), spread=0.125, dtype=sides(dtype)[0])
+    _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
+    assert np.isfinite(check(row, q[0], kq, ks, vq, vs, "one query")).all()
+    assert np.isfinite(check(row, q, kq, ks, vq, vs, "rows", causal=False)).all()
+
+
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 1, 128)])

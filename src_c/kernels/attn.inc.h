@@ -469,8 +469,9 @@ _Static_assert(KV_B % KV_KL == 0, "kv_scores_i8 takes a block's keys KV_KL at a 
  * of its first row, D / 32 per row), into s + i * ss.  Per KV_KL keys and 32-value block: the keys'
  * bytes transposed so that lane l holds 4 values of key l, each made unsigned (k + 128); per query
  * vector 8 integer dot products of 4 values per lane from its offset -128 sum(q), exact in int32
- * (|sum| <= 32 x 127 x 127 < 2^24, so the conversion is exact too), then times the vector's step
- * (times the softmax scale) and the keys' block scales, added to the score.  No horizontal sums:
+ * (|sum| <= 32 x 127 x 127 < 2^24, so the conversion is exact too), then times the product of
+ * the vector's step (times the softmax scale) and the keys' block scales, added to the score (the
+ * product first: the sum times the step alone can pass float32's range where the score does not).  No horizontal sums:
  * the scores land on the lanes.  Prefetches the block at pf (rows pf_row bytes) spread over the
  * work. */
 KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, const float *ksc, int64_t D, const int NH,
@@ -503,7 +504,7 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
 #pragma GCC unroll 8
                 for (int d = 0; d < 8; d++)
                     acc = vki_dot(acc, r[d], vkb_bcast4(q8 + 4 * d));
-                tot[i] = vkf_fmadd(vkf_mul(vkf_from(acc), vkf_set1(q[b])), ks[b], tot[i]);
+                tot[i] = vkf_fmadd(vkf_from(acc), vkf_mul(vkf_set1(q[b]), ks[b]), tot[i]);
             }
         }
 #pragma GCC unroll 8
@@ -1155,7 +1156,8 @@ KV_AINLINE void KV_FN(lane_int_query)(float *reg, int64_t MP, int64_t D, int64_t
 /* sT[j][u] = the scores of keys j < NJ (int8 rows of D values at kb, block scales ksc, D / 32 per
    row) for NQ 8-lane vectors of query lanes (reg: lane_int_query's region, all from the first):
    per 32-value block, 8 integer dot products of 4 values per lane from the offsets (exact), one
-   conversion, times the lanes' steps and the key's block scale, added in block order. */
+   conversion, times the product of the lanes' steps and the key's block scale (the product
+   first, as kv_scores_i8), added in block order. */
 KV_AINLINE void kv_lane_scores_i8(const float *reg, int64_t MP, int64_t u0, const int8_t *kb, const float *ksc,
                                   int64_t D, float *sT, const int NQ, const int NJ)
 {
@@ -1194,7 +1196,7 @@ KV_AINLINE void kv_lane_scores_i8(const float *reg, int64_t MP, int64_t u0, cons
             const v8f kscv = v8f_set1(ksc[j * nb + b]);
 #pragma GCC unroll 4
             for (int u = 0; u < NQ; u++)
-                s[j][u] = v8f_fmadd(v8f_mul(v8f_from(a[j][u]), v8f_load(reg + b * MP + u0 + 8 * u)), kscv, s[j][u]);
+                s[j][u] = v8f_fmadd(v8f_from(a[j][u]), v8f_mul(v8f_load(reg + b * MP + u0 + 8 * u), kscv), s[j][u]);
         }
     }
 #pragma GCC unroll 4
