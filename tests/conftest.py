@@ -58,6 +58,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a cmake/ctest build, a benchmark run or a long emulated case "
                                        "(the fast set: pytest -m 'not slow')")
     config.addinivalue_line("markers", "emulated_slow: slow on an emulated row only (marked slow there)")
+    config.addinivalue_line("markers", "sanitizer_slow: a large case that CI's sanitizer step leaves to the suite "
+                                       "(.ci/run: -m 'not sanitizer_slow'; smaller cases there take the same paths)")
     config.addinivalue_line("markers", "row_cases: a hypothesis kernel case over every row (conftest.row_cases)")
 
 
