@@ -95,9 +95,24 @@ ext = Extension(
     libraries=["m"],
 )
 
+# Where build_clib leaves the kernel rows' archives and objects unless told otherwise: one place in
+# the tree for every way of building (pip install -e, setup.py build_ext --inplace), one per flavour.
+# tests/test_c_units.py links the C unit tests against these archives (the extension's own rows)
+# instead of compiling the rows a second time.
+CLIB_DIR = os.path.join(HERE, "build", "clib-sanitize" if SANITIZE else "clib")
+
+
 class build_clib(_build_clib):
     """The kernel rows compiled side by side, one compiler per row and at most one per core: each
-    row is one translation unit of always-inline kernels that takes a minute or more."""
+    row is one translation unit of always-inline kernels that takes a minute or more.  Archives in
+    CLIB_DIR and objects under it, not in build's temporary directory (pip's is deleted)."""
+
+    def finalize_options(self):
+        if self.build_clib is None:
+            self.build_clib = CLIB_DIR
+        if self.build_temp is None:
+            self.build_temp = os.path.join(CLIB_DIR, "obj")
+        super().finalize_options()
 
     def build_libraries(self, libraries):
         jobs = max(1, min(len(libraries), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

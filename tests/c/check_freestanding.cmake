@@ -1,8 +1,10 @@
-# Fails when an object file has undefined symbols (calls into libc or libgcc).
+# Fails when an object file (or an archive's) has undefined symbols (calls into libc or libgcc).
 execute_process(COMMAND nm -u ${OBJECTS} OUTPUT_VARIABLE undefined RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "nm failed on ${OBJECTS}")
 endif()
+# (on an archive nm names each member, "tu_avx512.o:", before its symbols)
+string(REGEX REPLACE "[^\n]*:\n" "" undefined "${undefined}\n")
 string(STRIP "${undefined}" undefined)
 if(NOT undefined STREQUAL "")
   message(FATAL_ERROR "kernels reference outside symbols:\n${undefined}")
