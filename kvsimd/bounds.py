@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsimd import reference
+from kvsimd import _kvsimd, reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
@@ -60,19 +60,12 @@ def rope_coefficients(isa: str, dtype) -> tuple[float, float, float]:
     return _ROPE[key]
 
 
-def _count(v, name, lo, hi=None):
-    """``v`` as an int in lo..hi (an integer, not a bool or a float), else KVSimdValueError naming it."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
-        raise KVSimdValueError("%s must be an integer in %d..%s, got %r" % (name, lo, "" if hi is None else hi, v))
-    return int(v)
-
-
 def pair_norm(x, style: str, rotary_dim: int):
     """|pair| of every component of ``x [..., D]`` (0 for the dims beyond ``rotary_dim``)."""
     if style not in ("gptj", "neox"):
         raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
     x = np.asarray(x, np.float64)
-    _count(rotary_dim, "rotary_dim", 0, x.shape[-1] if x.ndim else 0)
+    _kvsimd._need_int(rotary_dim, "rotary_dim", 0, x.shape[-1] if x.ndim else 0)
     n = np.zeros_like(x)
     rd = rotary_dim
     R = rd // 2
@@ -104,7 +97,7 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
         raise KVSimdValueError("calls must be in 1..8, got %r" % (calls,))
     if not (np.isfinite(factor) and factor > 0):
         raise KVSimdValueError("factor must be finite and > 0, got %r" % (factor,))
-    calls = _count(calls, "calls", 1)
+    calls = _kvsimd._need_int(calls, "calls", 1)
     if pair is None or out is None:
         raise KVSimdValueError("pair and out must be arrays (pair_norm of the input, the exact result), got %s"
                                % ("pair=None" if pair is None else "out=None"))
@@ -131,7 +124,7 @@ def quantized_step_bound(scale, D: int):
     the float32 rounding of the product (2**-24 relative)."""
     scale = np.asarray(scale, np.float64)
     blocks = scale.shape[-1] if scale.ndim else 0
-    D = _count(D, "D", max(1, 32 * blocks - 31), 32 * blocks)   # the head dim these blocks hold
+    D = _kvsimd._need_int(D, "D", max(1, 32 * blocks - 31), 32 * blocks)   # the head dim these blocks hold
     per = np.repeat(np.abs(scale), 32, axis=-1)[..., :D]
     return per * (0.5 + 2.0 ** -23)
 
@@ -383,7 +376,7 @@ def matmul_depth(k: int, isa: str) -> int:
     if isa not in GEMV_LANES:
         raise KVSimdValueError("no matmul bound for isa=%r (rows: %s)" % (isa, ", ".join(GEMV_LANES)))
     w = GEMV_LANES[isa]
-    return -(-_count(k, "k", 0) // w) + int(w).bit_length() - 1 + 8
+    return -(-_kvsimd._need_int(k, "k", 0) // w) + int(w).bit_length() - 1 + 8
 
 
 def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitude=None):

@@ -80,7 +80,7 @@ def test_references_and_bounds_refuse_what_ops_refuses():
     the first key) instead of returning an empty or NaN result; the bounds' counts, style and D
     are checked; reference.forward names an unknown kv."""
     from kvsimd import reference
-    from kvsimd.errors import KVSimdValueError
+    from kvsimd.errors import KVSimdTypeError, KVSimdValueError
     q, k = np.ones((1, 8), np.float32), np.ones((2, 5, 8), np.float32)
     q4, k1 = np.ones((4, 8), np.float32), np.ones((1, 5, 8), np.float32)
     calls = [lambda: reference.attend(q, k, k), lambda: bounds.attend_bound(q, k, k),
@@ -91,8 +91,8 @@ def test_references_and_bounds_refuse_what_ops_refuses():
              lambda: bounds.quantized_step_bound(np.ones((6, 1), np.float32), -1),
              lambda: bounds.quantized_step_bound(np.ones((6, 1), np.float32), 64),
              lambda: bounds.pair_norm(np.ones((2, 8)), "bogus", 8),
-             lambda: bounds.matmul_depth(-5, "avx2"), lambda: bounds.matmul_depth(2.5, "avx2"),
-             lambda: bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=2.5),
+             lambda: bounds.matmul_depth(-5, "avx2"),
+             lambda: bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=0),
              lambda: bounds.rope_bound("avx2", "float32", None, np.ones(8)),
              lambda: reference.quantize_kv(np.ones((2, 32), np.float32), "int3"),
              lambda: reference.query_as_read(q, "int3")]
@@ -100,4 +100,11 @@ def test_references_and_bounds_refuse_what_ops_refuses():
         with pytest.raises(KVSimdValueError):
             call()
             pytest.fail("call %d was accepted" % i)
+    # the counts by the library's one rule for integer arguments (_need_int): a float is a type error
+    with pytest.raises(KVSimdTypeError, match=r"k must be an integer, got 2\.5"):
+        bounds.matmul_depth(2.5, "avx2")
+    with pytest.raises(KVSimdTypeError, match=r"calls must be an integer, got 2\.5"):
+        bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=2.5)
+    with pytest.raises(KVSimdValueError, match=r"D must be in 33\.\.64, got 65"):
+        bounds.quantized_step_bound(np.ones((6, 2), np.float32), 65)
     assert bounds.quantized_step_bound(np.ones((6, 2), np.float32), 40).shape == (6, 40)
