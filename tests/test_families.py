@@ -240,3 +240,29 @@ def test_gguf_rope_scaling_outside_these_families_is_refused(tmp_dir):
             gf.metadata = real
         with pytest.raises(GGUFError, match=msg):
             Decoder.from_gguf(path)
+
+
+def test_transformers_from_gguf_keeps_what_transformers_loaded(tmp_dir, tmp_path, monkeypatch):
+    """kvsimd.bench.hf.transformers_from_gguf, the SmolLM2 reference of the model tests and the hf
+    bench, kept converted in $KVSIMD_CACHE: what it returns, converting and then read back from its
+    copy, is transformers' own GGUF load (the same tensors, logits and tokens); a changed file is
+    converted again."""
+    from kvsimd.bench.hf import transformers_from_gguf
+    monkeypatch.setenv("KVSIMD_CACHE", str(tmp_path))
+    path, theirs, _ = family_file(tmp_dir, "llama", "Q8_0")
+    first = transformers_from_gguf(path)
+    again, tok = transformers_from_gguf(path, tokenizer=True)
+    assert len(os.listdir(tmp_path / "hf")) == 1
+    want = theirs.state_dict()
+    toks = [1, 5, 9, 2, 7]
+    for m in (first, again):
+        got = m.state_dict()
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert np.array_equal(hf_logits(m, toks), hf_logits(theirs, toks))
+    direct = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = "the old king said to his daughters"
+    assert tok(text).input_ids == direct(text).input_ids
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    transformers_from_gguf(path)
+    assert len(os.listdir(tmp_path / "hf")) == 2

@@ -48,12 +48,11 @@ def ours_int8(model_dir):
 
 @pytest.fixture(scope="module")
 def theirs(model_dir):
-    torch = pytest.importorskip("torch")
-    T = pytest.importorskip("transformers")
-    T.logging.set_verbosity_error()
-    m = T.AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=models.SMOLLM2_FILE, dtype=torch.float32).eval()
-    tok = T.AutoTokenizer.from_pretrained(model_dir, gguf_file=models.SMOLLM2_FILE)
-    return m, tok
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvsimd.bench.hf import transformers_from_gguf
+    # transformers' own GGUF load (its float32 dequantization and tokenizer), kept converted
+    return transformers_from_gguf(os.path.join(model_dir, models.SMOLLM2_FILE), tokenizer=True)
 
 
 PROMPTS = ["The old king said to his daughters:", "def fibonacci(n):", None]

@@ -350,15 +350,11 @@ def test_a_failed_pass_leaves_the_sink_cache_as_it_was():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    import os
-
     from kvsimd.loaders import registry as models
     pytest.importorskip("gguf")
-    path = models.smollm2_path()
-    m = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=models.SMOLLM2_FILE,
-                                               dtype=torch.float32).eval()
-    tok = T.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=models.SMOLLM2_FILE)
-    return m, tok
+    from kvsimd.bench.hf import transformers_from_gguf
+    # transformers' own GGUF load (its float32 dequantization and tokenizer), kept converted
+    return transformers_from_gguf(models.smollm2_path(), tokenizer=True)
 
 
 def agree_until_a_near_tie(got, got_log, ref, ref_log, n0, most=0.1):

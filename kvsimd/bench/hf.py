@@ -39,10 +39,62 @@ def _libs():
     return torch, T, kt
 
 
-def load_smollm2(path):
+def transformers_from_gguf(path, tokenizer=False):
+    """transformers' own load of a GGUF file, ``AutoModelForCausalLM.from_pretrained(dir,
+    gguf_file=...)`` with float32 weights (its dequantization), in eval mode; with ``tokenizer``,
+    ``(model, AutoTokenizer.from_pretrained(dir, gguf_file=...))``.
+
+    What transformers converts is kept in ``$KVSIMD_CACHE/hf/`` (the same float32 tensors as
+    safetensors, the config and the tokenizer), one copy per file (name, size, mtime) and per
+    transformers version, and read from there next time: its GGUF path took ~34 s for SmolLM2
+    (gguf's Python parser of the 49k-token vocabulary and transformers' tensor-name maps), the copy
+    ~2 s.  The decode bench's transformers worker (:mod:`.peers`) does not use it: its load is
+    part of what it reports."""
+    from kvsimd.loaders import registry
     torch, T, _ = _libs()
-    return T.AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                  gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    key = "%s-%d-%d-tf%s" % (os.path.basename(path), st.st_size, st.st_mtime_ns, T.__version__)
+    saved = os.path.join(registry.cache_dir(), "hf", key)
+    if not os.path.isfile(os.path.join(saved, "done")):
+        kw = dict(gguf_file=os.path.basename(path))
+        model = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kw)
+        tok = T.AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
+        tmp = "%s.tmp%d" % (saved, os.getpid())
+        try:      # written whole beside, then renamed: a reader never sees half a copy
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            _save_dequantized(model, tmp)
+            tok.save_pretrained(tmp)
+            open(os.path.join(tmp, "done"), "w").close()
+            os.rename(tmp, saved)
+        except OSError:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isfile(os.path.join(saved, "done")):   # no room: this load stands
+                return (model.eval(), tok) if tokenizer else model.eval()
+        del model, tok       # (the copy, from here on, whichever process wrote it)
+    model = T.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    return (model, T.AutoTokenizer.from_pretrained(saved)) if tokenizer else model
+
+
+def _save_dequantized(model, where):
+    """A model transformers loaded from GGUF, as a plain float32 checkpoint (its save_pretrained
+    refuses models it loaded from GGUF, though their tensors are float32 by then): the config
+    without the GGUF quantization entry, the tensors (tied ones once) as safetensors."""
+    import copy
+
+    from safetensors.torch import save_model
+    os.makedirs(where)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(where)
+    model.generation_config.save_pretrained(where)
+    save_model(model, os.path.join(where, "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_smollm2(path):
+    return transformers_from_gguf(path)
 
 
 def bench_decode(model, ids, depths, threads, steps, rounds, progress=None, warmup=2):
