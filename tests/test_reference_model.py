@@ -98,14 +98,12 @@ def test_decoder_matches_reference_seq2seq(name, dtype, rng):
 
 
 @pytest.fixture(scope="module")
-def smollm2(request):
+def smollm2():
     """SmolLM2-135M-Instruct (30 layers, GQA 9/3, GPT-J RoPE pairs), the GGUF tests/test_gguf.py
-    reads, kept in the pytest cache."""
+    reads, from kvsimd's model cache."""
     pytest.importorskip("gguf")
     from kvsimd import Decoder
     from kvsimd.loaders import registry as models
-    if not os.environ.get("KVSIMD_CACHE"):
-        os.environ["KVSIMD_CACHE"] = str(request.config.cache.mkdir("kvsimd-models"))
     return Decoder.from_gguf(models.smollm2_path(), activations="float32")
 
 
