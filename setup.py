@@ -9,6 +9,7 @@ import tempfile
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build import build as _build
 from setuptools.command.build_clib import build_clib as _build_clib
 from setuptools.command.build_ext import build_ext as _build_ext
 
@@ -121,25 +122,54 @@ class build_clib(_build_clib):
             return super().build_libraries(libraries)
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(jobs) as pool:   # the compiler runs as a subprocess: threads suffice
-            for f in [pool.submit(super(build_clib, self).build_libraries, [lib]) for lib in libraries]:
+            # the widest rows first (the longest compiles), the scalar row last
+            for f in [pool.submit(super(build_clib, self).build_libraries, [lib]) for lib in reversed(libraries)]:
                 f.result()
 
 
+class build(_build):
+    """build_ext runs build_clib itself, beside its own compile (below)."""
+    sub_commands = [c for c in _build.sub_commands if c[0] != "build_clib"]
+
+
 class build_ext(_build_ext):
-    """The extension is rebuilt (relinked) whenever a kernel row's archive or a shared header is newer
-    than it: setuptools alone tracks only the extension's own sources."""
+    """The kernel rows (build_clib, unless it already ran) compile in a thread beside the extension's
+    own sources, and the link waits for them: the extension's 140,000 lines of Cython C took a
+    minute or more on one core after the rows, with the other core idle.  The extension is rebuilt
+    whenever a kernel row's archive, a kernel source or a shared header is newer than it
+    (setuptools alone tracks only the extension's own sources; a row still compiling when that is
+    checked has its sources to show for it)."""
 
     def run(self):
-        libdir = self.get_finalized_command("build_clib").build_clib
+        libdir = self.get_finalized_command("build_clib").build_clib   # finalized here, not in the thread
         deps = [os.path.join(libdir, "libkv_%s.a" % isa) for isa in rows]
         deps += [os.path.join("src_c", f) for f in ("kvsimd.h", "isa_rows.def", "wtypes.def")]
+        deps += sorted(os.path.join("src_c", "kernels", f) for f in os.listdir(os.path.join("src_c", "kernels")))
         for e in self.extensions:
             e.depends = list(e.depends or []) + [d for d in deps if d not in (e.depends or [])]
-        super().run()
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(1) as pool:
+            self._rows = pool.submit(self.run_command, "build_clib")
+            try:
+                super().run()
+            finally:
+                self._rows.result()      # the rows' own error, if they failed
+
+    def build_extension(self, ext):
+        link = self.compiler.link_shared_object
+
+        def link_after_the_rows(*args, **kwargs):
+            self._rows.result()
+            return link(*args, **kwargs)
+        self.compiler.link_shared_object = link_after_the_rows
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.link_shared_object = link
 
 
 setup(
-    cmdclass={"build_clib": build_clib, "build_ext": build_ext},
+    cmdclass={"build": build, "build_clib": build_clib, "build_ext": build_ext},
     libraries=libraries,
     ext_modules=cythonize([ext], compiler_directives=directives,
                           include_path=["kvsimd"]),
