@@ -3,6 +3,8 @@ models written as llama.cpp lays them out), loaded by kvsimd and by transformers
 from the same bytes: prompt logits within the model bounds of tests/test_models.py and greedy
 tokens identical, with float32 and float16 caches and F32, Q8_0 and Q4_K matrices."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -250,7 +252,15 @@ def test_transformers_from_gguf_keeps_what_transformers_loaded(tmp_dir, tmp_path
     from kvsimd.bench.hf import transformers_from_gguf
     monkeypatch.setenv("KVSIMD_CACHE", str(tmp_path))
     path, theirs, _ = family_file(tmp_dir, "llama", "Q8_0")
+    # half-written copies: one of a process that is gone (removed), one of a live one (this process: kept)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / "hf" / ("x.gguf-1-2-tf0.tmp" + gone)).mkdir(parents=True)
+    (tmp_path / "hf" / ("x.gguf-1-2-tf0.tmp%d" % os.getpid())).mkdir()
     first = transformers_from_gguf(path)
+    live = "x.gguf-1-2-tf0.tmp%d" % os.getpid()
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir() if ".tmp" in p.name) == [live]
+    (tmp_path / "hf" / live).rmdir()
     again, tok = transformers_from_gguf(path, tokenizer=True)
     assert len(os.listdir(tmp_path / "hf")) == 1
     want = theirs.state_dict()

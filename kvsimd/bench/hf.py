@@ -48,14 +48,15 @@ def transformers_from_gguf(path, tokenizer=False):
     safetensors, the config and the tokenizer), one copy per file (name, size, mtime) and per
     transformers version, and read from there next time: its GGUF path took ~34 s for SmolLM2
     (gguf's Python parser of the 49k-token vocabulary and transformers' tensor-name maps), the copy
-    ~2 s.  The decode bench's transformers worker (:mod:`.peers`) does not use it: its load is
-    part of what it reports."""
+    ~2 s.  A copy half written by a process that is gone is removed.  The decode bench's
+    transformers worker (:mod:`.peers`) does not use it: its load is part of what it reports."""
     from kvsimd.loaders import registry
     torch, T, _ = _libs()
     path = os.path.abspath(path)
     st = os.stat(path)
     key = "%s-%d-%d-tf%s" % (os.path.basename(path), st.st_size, st.st_mtime_ns, T.__version__)
     saved = os.path.join(registry.cache_dir(), "hf", key)
+    _remove_abandoned_copies(os.path.dirname(saved))
     if not os.path.isfile(os.path.join(saved, "done")):
         kw = dict(gguf_file=os.path.basename(path))
         model = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kw)
@@ -75,6 +76,27 @@ def transformers_from_gguf(path, tokenizer=False):
         del model, tok       # (the copy, from here on, whichever process wrote it)
     model = T.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
     return (model, T.AutoTokenizer.from_pretrained(saved)) if tokenizer else model
+
+
+def _remove_abandoned_copies(where):
+    """Half-written copies (``<key>.tmp<pid>``, ~520 MB for SmolLM2) of processes that are gone: a
+    load interrupted while writing leaves one behind."""
+    import shutil
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return
+    for name in names:
+        base, sep, pid = name.rpartition(".tmp")
+        if not (sep and base and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue                  # its process is still writing it
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        except (OSError, OverflowError):
+            continue
 
 
 def _save_dequantized(model, where):
