@@ -272,6 +272,14 @@ def test_transformers_from_gguf_keeps_what_transformers_loaded(tmp_dir, tmp_path
     direct = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     text = "the old king said to his daughters"
     assert tok(text).input_ids == direct(text).input_ids
+    from kvsimd import KVSimdError, KVSimdTypeError
+    with pytest.raises(KVSimdError, match="not found"):
+        transformers_from_gguf(str(tmp_path / "missing.gguf"))
+    with pytest.raises(KVSimdTypeError, match="path must be a str or os.PathLike, got 5"):
+        transformers_from_gguf(5)
+    (tmp_path / "junk.gguf").write_bytes(b"junk" * 10)
+    with pytest.raises(KVSimdError, match="not a readable GGUF file"):
+        transformers_from_gguf(str(tmp_path / "junk.gguf"))
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     transformers_from_gguf(path)

@@ -51,6 +51,8 @@ def transformers_from_gguf(path, tokenizer=False):
     ~2 s.  A copy half written by a process that is gone is removed.  The decode bench's
     transformers worker (:mod:`.peers`) does not use it: its load is part of what it reports."""
     from kvsimd.loaders import registry
+    from kvsimd.loaders.gguf import open_gguf
+    open_gguf(path)     # the loader's checks first: a KVSimdError naming a bad path or file (0.2 s)
     torch, T, _ = _libs()
     path = os.path.abspath(path)
     st = os.stat(path)
