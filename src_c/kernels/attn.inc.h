@@ -156,6 +156,27 @@ KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, size_t 
 KV_AINLINE const char *kv_line_floor(const char *p) { return (const char *)((uintptr_t)p & ~(uintptr_t)63); }
 KV_AINLINE int64_t kv_lines(const char *p, const char *end) { return (int64_t)((end - p + 63) / 64); }
 
+/* A prefetch spread over a block's work: each kv_pf_step issues the next n lines from p up to
+   end, kv_pf_finish the rest.  A burst of a whole 4 KiB block (64 lines) at once stalls an Intel
+   core: the prefetches wait for line fill buffers (16 on Golden Cove) and the FMAs behind them
+   wait too. */
+typedef struct kv_pf { const char *p, *end; int64_t n; } kv_pf;
+KV_AINLINE kv_pf kv_pf_over(const char *p, const char *end, int64_t steps)
+{
+    const kv_pf c = {kv_line_floor(p), end, (kv_lines(kv_line_floor(p), end) + steps - 1) / steps};
+    return c;
+}
+KV_AINLINE void kv_pf_step(kv_pf *c)
+{
+    for (int64_t i = 0; i < c->n && c->p < c->end; i++, c->p += 64)
+        __builtin_prefetch(c->p, 0, 2);
+}
+KV_AINLINE void kv_pf_finish(kv_pf *c)
+{
+    for (; c->p < c->end; c->p += 64)
+        __builtin_prefetch(c->p, 0, 2);
+}
+
 /* Keys per vector in the scores loop (KV_KP, from the row's vec header; 1 by default): KV_KP key
    rows side by side in one vector, KV_KW elements of each, so that one horizontal reduction
    (vf_reduce_keys: KV_W keys from KV_W / KV_KP vectors) finishes KV_KP dot products.  A block's
@@ -1000,10 +1021,11 @@ KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
    chain of KV_LANE_SB + D / KV_LANE_SB roundings, as short as the one-vector path's lane chains
    and add tree (one chain over all of D rounded up to 8x more for D = 256 on avx2). */
 KV_AINLINE void kv_lane_scores(const float *qT, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
-                               const int NQ, const int NJ)
+                               kv_pf *pf, const int NQ, const int NJ)
 {
     vf a[KV_LJ][KV_LQ];
     for (int64_t d0 = 0; d0 < D; d0 += KV_LANE_SB) {
+        kv_pf_step(pf);
         const int64_t d1 = D - d0 > KV_LANE_SB ? d0 + KV_LANE_SB : D;
 #pragma GCC unroll 8
         for (int j = 0; j < NJ; j++)
@@ -1042,9 +1064,10 @@ KV_AINLINE void kv_lane_scores(const float *qT, int64_t MP, const float *kb, int
 /* accT[d][u] += sum_j pT[j][u] vb[j][d] for ND elements d (accT, vb from the first) and NQ
    vectors of lanes, over the nb keys of a block. */
 KV_AINLINE void kv_lane_accum(float *accT, int64_t MP, const float *pT, const float *vb, int64_t Dp, int64_t nb,
-                              const int NQ, const int ND)
+                              kv_pf *pf, const int NQ, const int ND)
 {
     vf a[KV_LJ][KV_LQ];
+    kv_pf_step(pf);
 #pragma GCC unroll 8
     for (int e = 0; e < ND; e++)
 #pragma GCC unroll 8
@@ -1071,14 +1094,16 @@ KV_AINLINE void kv_lane_accum(float *accT, int64_t MP, const float *pT, const fl
 }
 
 /* One block: scores of its KV_B keys (kb, zero-padded rows past the block's end) for nqv
-   vectors of lanes, KV_LQ x KV_LJ at a time. */
+   vectors of lanes, KV_LQ x KV_LJ at a time; a prefetch step per KV_LANE_SB elements of a tile. */
+#define KV_LANE_SCORE_STEPS(nqv, D) \
+    (((nqv) + KV_LQ - 1) / KV_LQ * ((KV_B + KV_LJ - 1) / KV_LJ) * (((D) + KV_LANE_SB - 1) / KV_LANE_SB))
 #define KV_LS_Q(nq) { int j0 = 0;                                                                \
         for (; j0 + KV_LJ <= KV_B; j0 += KV_LJ)                                                  \
-            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, nq, KV_LJ); \
+            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, pf, nq, KV_LJ); \
         if (KV_B % KV_LJ)                                                                        \
-            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, nq, KV_B % KV_LJ); }
+            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, pf, nq, KV_B % KV_LJ); }
 static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
-                                     int64_t nqv)
+                                     int64_t nqv, kv_pf *pf)
 {
     int64_t u0 = 0;
     for (; u0 + KV_LQ <= nqv; u0 += KV_LQ)
@@ -1096,8 +1121,10 @@ static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *k
 }
 #undef KV_LS_Q
 
-/* One block: accT += weights (pT, nb keys) @ V rows (vb), D elements and nqv vectors of lanes. */
-#define KV_LA_D(nq, nd) kv_lane_accum(accT + e0 * MP + u0 * KV_W, MP, pT + u0 * KV_W, vb + e0, Dp, nb, nq, nd)
+/* One block: accT += weights (pT, nb keys) @ V rows (vb), D elements and nqv vectors of lanes; a
+   prefetch step per tile. */
+#define KV_LANE_ACCUM_STEPS(nqv, D) (((nqv) + KV_LQ - 1) / KV_LQ * (((D) + KV_LJ - 1) / KV_LJ))
+#define KV_LA_D(nq, nd) kv_lane_accum(accT + e0 * MP + u0 * KV_W, MP, pT + u0 * KV_W, vb + e0, Dp, nb, pf, nq, nd)
 #define KV_LA_Q(nq) { int64_t e0 = 0;                                                            \
         for (; e0 + KV_LJ <= D; e0 += KV_LJ)                                                     \
             KV_LA_D(nq, KV_LJ);                                                                  \
@@ -1112,7 +1139,7 @@ static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *k
         default: break; } }
 _Static_assert(KV_LJ <= 8, "lane_accum_block's tail takes up to 7 elements");
 static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, const float *vb, int64_t Dp, int64_t D,
-                                    int64_t nb, int64_t nqv)
+                                    int64_t nb, int64_t nqv, kv_pf *pf)
 {
     int64_t u0 = 0;
     for (; u0 + KV_LQ <= nqv; u0 += KV_LQ)
@@ -1288,22 +1315,22 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     }
 }
 
-/* The lanes path's prefetch, at the start of the block at token t of a pass ending at c1: the
-   rows KV_LANE_PF blocks ahead, into L2 (a block of this path is enough work that one burst is
-   spread enough).  Each 16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the
-   hardware prefetchers stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with
-   it 67% (in the LLC 70%; Zen 4). */
+/* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows KV_LANE_PF
+   blocks ahead, into L2, spread over the block's `steps` steps of work (kv_pf).  Each 16-row block
+   of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers stop: without
+   it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%; Zen 4).  Spread
+   rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536 keys took
+   0.88-0.93x the time on the Xeon (avx512, avx512fp16 and avx2 rows). */
 #ifndef KV_LANE_PF
 #define KV_LANE_PF 2
 #endif
-KV_AINLINE void kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes)
+KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t steps)
 {
     const int64_t a = t + KV_LANE_PF * KV_B;
     if (a >= c1)
-        return;
-    const char *p1 = base + (size_t)(a + (c1 - a < KV_B ? c1 - a : KV_B)) * row_bytes;
-    for (const char *x = kv_line_floor(base + (size_t)a * row_bytes); x < p1; x += 64)
-        __builtin_prefetch(x, 0, 2);
+        return kv_pf_over(base, base, 1);   /* nothing */
+    return kv_pf_over(base + (size_t)a * row_bytes, base + (size_t)(a + (c1 - a < KV_B ? c1 - a : KV_B)) * row_bytes,
+                      steps);
 }
 
 /* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.]. */
@@ -1312,9 +1339,10 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_lane_prefetch(st->kbase, t, c1, st->krb);
+        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, KV_LANE_SCORE_STEPS(nqv, D));
 #if KV_INT_DOT
         if (st->lqint) {   /* int8 keys read in place, every lane the softmax reads scored */
+            kv_pf_finish(&pf);
             KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, (const int8_t *)st->kbase + t * D,
                                         st->kscale + t * (D / KV_I8_BLOCK), D, st->sc + (t - c0) * MP,
                                         nqv * KV_W / 8, tn - t);
@@ -1322,7 +1350,8 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
         }
 #endif
         KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
-        KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv);
+        KV_FN(lane_scores_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, nqv, &pf);
+        kv_pf_finish(&pf);
     }
 }
 
@@ -1385,9 +1414,10 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_lane_prefetch(st->vbase, t, c1, st->vrb);
+        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, KV_LANE_ACCUM_STEPS(nqv, D));
         KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
-        KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv);
+        KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv, &pf);
+        kv_pf_finish(&pf);
     }
 }
 
