@@ -518,6 +518,35 @@ def test_attn_rows_l2_refuses_bad_arguments(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
+# ---------------------------------------------------------------------------------- one row of two trees
+def test_kernel_ab_times_one_row_of_two_trees():
+    """bench/kernel_ab.py with this checkout's HEAD against its work tree on the scalar row: a line
+    per case (MQA over 40 query heads: the lanes path; a head_dim of 24; float16 and int8), both
+    trees' medians and their ratio, and, the kernels being the same source, the same outputs to
+    the last bit."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_ab.py"), "HEAD", ".", "--isa", "scalar",
+                        "--shape", "40,1,32", "--shape", "4,2,24", "--tokens", "37", "--reps", "3",
+                        "--dtype", "float16", "--dtype", "int8"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert lines[0] == "OLD = A = HEAD, NEW = B = ., row scalar, 1 thread" and len(lines) == 5, p.stdout
+    for line, case in zip(lines[1:], ["40/1/32 N=37 float16", "40/1/32 N=37 int8", "4/2/24 N=37 float16",
+                                      "4/2/24 N=37 int8"]):
+        assert line.startswith(case) and "B/A median" in line and line.endswith("max|A-B| 0"), line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--isa", "sse9"], "unknown row 'sse9'"),
+    (["--shape", "32,1"], "expected H,HKV,D"),
+    (["--shape", "32,5,128"], "HKV dividing H"),
+    (["--reps", "0"], "--reps must be >= 1"),
+])
+def test_kernel_ab_refuses_bad_arguments(args, message):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_ab.py"), ".", ".", *args],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------- GGUF files beside llama.cpp
 TINY = dict(vocab=320, d=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, rope_theta=10000.0, context=512,
             tied=False)
