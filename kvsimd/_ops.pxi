@@ -20,7 +20,11 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     (``kvsimd.reference.query_as_read``).  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
     ``[N]``) defaults to ``0..N-1`` and ``query_position`` to ``N-1``.  One pass over K/V, online
-    softmax, fp32 accumulation.  Returns float32 ``[H, D]`` (``out`` if given).
+    softmax, fp32 accumulation.  Returns float32 ``[H, D]`` (``out`` if given).  The weighted values
+    are summed before the division by the sum of the weights (each at most 1, the largest exactly
+    1): an output is finite when ``sum_j w_j |v_jd|`` is, which can reach N times the largest
+    ``|v|`` when many keys share the top score -- values near float32's maximum / N (1e37 over 64
+    equal keys) give inf where the exact average is finite.
 
     Several key ranges under one softmax (a ring cache with attention sinks): ``ranges`` lists
     ``(t0, t1)``, ``(t0, t1, use_q_alt)`` or ``(t0, t1, use_q_alt, query_position)`` tuples,

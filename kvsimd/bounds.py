@@ -17,7 +17,7 @@ from kvsimd import _kvsimd, reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_scale", "attend_bound", "alibi_score_error", "SOFTCAP_REL", "softcap_score_error", "GEMV_LANES",
+           "attend_scale", "attend_bound", "score_chain", "score_rounding_error", "alibi_score_error", "SOFTCAP_REL", "softcap_score_error", "GEMV_LANES",
            "matmul_depth", "matmul_bound", "x8_block_magnitude"]
 
 U16 = 2.0 ** -11
@@ -106,15 +106,45 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
     return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
 
 
-# attend: |out - ref| <= TOL * sum_j p_j |v_jd|  (+ the ALiBi term below), per element.
-# fp32 accumulation with an online softmax; the tolerance of the dot-product and softmax
-# rounding is the measured envelope (float16 K/V: reference = float64 math on the fp16 values).
+# attend: |out - ref| <= TOL * sum_j p_j |v_jd|  (+ the score terms of attend_bound), per element.
+# fp32 accumulation with an online softmax; the tolerance of the softmax and accumulation
+# rounding is the measured envelope (float16 K/V: reference = float64 math on the fp16 values);
+# the dot products' rounding, which grows with the scores, is score_rounding_error's term.
 # int8 and int4 K/V: each row is widened to exactly the float32 values q * scale
 # (reference.dequantize_kv), so against float64 math on those values the float32 tolerance holds.
 ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
 # The softmax weight of a key far below the maximum: kernels/attn.inc.h's vf_exp clamps its
 # argument at -87.34, e^-87.34 = 2**-126 (FLT_MIN), with its polynomial's error a little more.
 EXP_FLOOR = 2.0 ** -125
+
+
+def score_chain(D: int) -> int:
+    """The most float32 roundings on the way to one score ``scale * q . k_j`` in the kernels
+    (kernels/attn.inc.h), for head dim D: the scalar row sums each segment of 64 products in one
+    chain and then the segments (64 + ceil(D / 64)); the SIMD rows' lanes hold shorter chains
+    before their add trees (D / 8 + 4), the lanes path 16 + D / 16, int8 keys D / 32 block sums
+    of exact integer dot products; plus the query's product with the scale and the products of
+    a sum by the query's and the keys' steps, counted as 3."""
+    D = _kvsimd._need_int(D, "D", 1)
+    return min(D, 64) + -(-D // 64) + 3
+
+
+def score_rounding_error(q, k, scale=None, q_alt=None):
+    """Bound ``[H, N]`` on the float32 rounding of each score of :func:`kvsimd.ops.attend`:
+    ``(score_chain(D) + 1) * 2**-24 * |scale| * sum_c |q_c| |k_jc|`` (each of the n roundings of a
+    sum moves it by at most 2**-24 of the sum of the magnitudes it adds; one more for the
+    higher-order terms), with ``max(|q|, |q_alt|)`` when ``q_alt`` is given.  Small against the
+    scores' own size, but a score of 100 carries an error of up to ~1e-3, and through the softmax
+    the output moves by as much relative to its scale: more than ``ATTEND_TOL`` covers once
+    scores reach the tens (q of norm ~60 over D = 64)."""
+    qa = np.abs(np.asarray(q, np.float64))
+    if q_alt is not None:
+        qa = np.maximum(qa, np.abs(np.asarray(q_alt, np.float64)))
+    ka = np.abs(np.asarray(k, np.float64))
+    D = qa.shape[-1]
+    sc = 1.0 / np.sqrt(D) if scale is None else abs(float(scale))
+    ka = np.repeat(ka, qa.shape[0] // ka.shape[0], axis=0)
+    return (score_chain(D) + 1) * U32 * sc * np.einsum("hd,hnd->hn", qa, ka)
 
 
 def quantized_step_bound(scale, D: int):
@@ -178,7 +208,7 @@ def alibi_score_error(alibi_slopes, distances):
     The kernel subtracts ``slope * float(query_position - key_position)`` from the fp32 score:
     the product and the subtraction are each rounded to fp32 (or fused: one rounding), each
     with an error up to ``u32 * |slope * distance|`` (the subtraction's ``u32 * |score|``
-    counts the dot-product part in ATTEND_TOL), plus one more when ``|distance| >= 2**24`` is
+    counts in :func:`score_rounding_error`), plus one more when ``|distance| >= 2**24`` is
     not exact in fp32.  Note the *absolute* error grows with the distance: a bias of 1000
     carries ~1e-4 of score error, whatever the weights."""
     d = np.abs(np.asarray(distances, np.float64))
@@ -256,8 +286,10 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
 
     ``ATTEND_TOL[dtype] * attend_scale``, plus ``EXP_FLOOR * sum_j |v_jd|`` (the kernels' exp
     stops at 2**-126: a key scoring more than 87.3 below the maximum, whose float64 weight is 0 or
-    less, weighs about that much; it shows only where the output is ~0 and its scale too), plus the effect of the score errors e_j of the ALiBi
-    bias (:func:`alibi_score_error`) and of the soft cap (:func:`softcap_score_error`), summed:
+    less, weighs about that much; it shows only where the output is ~0 and its scale too), plus
+    the effect of the score errors e_j of the dot products' rounding (:func:`score_rounding_error`),
+    of the ALiBi bias (:func:`alibi_score_error`) and of the soft cap (:func:`softcap_score_error`),
+    summed:
     perturbing the scores by e_j changes the weights to p_j (1 + e_j - sum_k p_k e_k) to first
     order, so the output moves by at most
     ``sum_j p_j e_j |v_jd| + (sum_k p_k e_k) * sum_j p_j |v_jd|``.
@@ -273,7 +305,11 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     the larger of the two), through the softmax as above.  Turning the output back, H sums the
     errors of its block in every component, and rounds five times more: 5 * 2**-24 times the
     block's sum of ``attend_scale`` (each stated as 6 * 2**-24 for the higher-order terms).  A
-    shorter last block is not turned: the bound above."""
+    shorter last block is not turned: the bound above.
+
+    Not covered: overflow -- the kernel's sum of the weighted values past float32's range (values
+    near 3.4e38 / N over N keys of equal weight: see :func:`kvsimd.ops.attend`) -- and NaN or
+    infinite inputs."""
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
         return np.stack([attend_bound(q[t], k, v, dtype=dtype, hadamard=hadamard, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
@@ -284,7 +320,7 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
         [_tol_name(k.dtype if dtype is None else dtype, dtype)]
     p, va, scale = _weights_and_scale(q, k, v, kw)
     bound = max(ATTEND_TOL[n] for n in names) * scale + EXP_FLOOR * va.sum(axis=1)
-    err = 0.0
+    err = score_rounding_error(q, k, kw.get("scale"), kw.get("q_alt"))
     if kw.get("alibi_slopes") is not None:
         dist = reference.alibi_distances(k.shape[1], kw.get("key_positions"), kw.get("query_position"),
                                          kw.get("ranges"))
@@ -292,10 +328,8 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     if kw.get("softcap"):
         plain = {key: val for key, val in kw.items() if key not in ("alibi_slopes", "key_positions", "query_position")}
         err = err + softcap_score_error(reference.attention_scores(q, k, **plain), kw["softcap"])
-    if np.ndim(err):
-        pe = p * err
-        bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
-    return bound
+    pe = p * err
+    return bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
 
 
 def _turned_attend_bound(q, k, v, dtype, kw):

@@ -273,6 +273,19 @@ def test_attend_quantized_queries_near_the_top_of_float32(row, rng, H, Hkv, N, D
     assert np.isfinite(check(row, q, kq, ks, vq, vs, "rows", causal=False)).all()
 
 
+@pytest.mark.parametrize("H,Hkv,N,D", [(4, 2, 24, 256), (32, 1, 24, 64)])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_attend_quantized_scores_in_the_hundreds(row, rng, H, Hkv, N, D, dtype):
+    """Scores of +-100 and more (q ~ 8 randn, scale 3) over int8 / int4 / mixed keys: errors up to
+    12x the tolerance alone over int8 keys (the dot products' rounding grows with the scores),
+    within attend_bound's score term on every row, keys on the lanes (4/2) and queries (32/1)."""
+    for trial in range(4):
+        q = (8 * rng.standard_normal((H, D))).astype(np.float32)
+        _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
+        _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
+        check(row, q, kq, ks, vq, vs, "trial %d" % trial, scale=3.0)
+
+
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 1, 128)])
