@@ -3,6 +3,7 @@ models written as llama.cpp lays them out), loaded by kvsimd and by transformers
 from the same bytes: prompt logits within the model bounds of tests/test_models.py and greedy
 tokens identical, with float32 and float16 caches and F32, Q8_0 and Q4_K matrices."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -284,3 +285,23 @@ def test_transformers_from_gguf_keeps_what_transformers_loaded(tmp_dir, tmp_path
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     transformers_from_gguf(path)
     assert len(os.listdir(tmp_path / "hf")) == 2
+    # a bytes path is the same file (transformers takes str paths: it is decoded)
+    assert torch.equal(transformers_from_gguf(os.fsencode(path)).model.norm.weight, want["model.norm.weight"])
+    assert len(os.listdir(tmp_path / "hf")) == 2
+    # another file of the same name, size and mtime, elsewhere (cp -p), with another final norm
+    other = tmp_path / "elsewhere" / os.path.basename(path)
+    other.parent.mkdir()
+    shutil.copyfile(path, other)
+    from kvsimd.loaders.gguf import open_gguf
+    g = open_gguf(str(other))
+    t = g.tensors["output_norm.weight"]
+    off, n = t.offset, t.nbytes
+    g.close()
+    with open(other, "r+b") as fh:
+        fh.seek(off)
+        fh.write(np.full(n // 4, 2.0, np.float32).tobytes())
+    st = os.stat(path)
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(other).st_size == st.st_size and os.stat(other).st_mtime_ns == st.st_mtime_ns
+    assert (transformers_from_gguf(str(other)).model.norm.weight == 2.0).all()
+    assert len(os.listdir(tmp_path / "hf")) == 3

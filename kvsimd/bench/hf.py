@@ -45,18 +45,23 @@ def transformers_from_gguf(path, tokenizer=False):
     ``(model, AutoTokenizer.from_pretrained(dir, gguf_file=...))``.
 
     What transformers converts is kept in ``$KVSIMD_CACHE/hf/`` (the same float32 tensors as
-    safetensors, the config and the tokenizer), one copy per file (name, size, mtime) and per
-    transformers version, and read from there next time: its GGUF path took ~34 s for SmolLM2
-    (gguf's Python parser of the 49k-token vocabulary and transformers' tensor-name maps), the copy
-    ~2 s.  A copy half written by a process that is gone is removed.  The decode bench's
+    safetensors, the config and the tokenizer), one copy per file and per transformers version,
+    and read from there next time.  A file is its real path, size, mtime and ctime: a file copied
+    with its mtime (``cp -p``) elsewhere, or over the same path, is another file (its ctime is the
+    copy's).  transformers' GGUF path took ~34 s for SmolLM2 (gguf's Python parser of the
+    49k-token vocabulary and transformers' tensor-name maps), the copy ~2 s.  A copy half written by a process that is gone is removed.  The decode bench's
     transformers worker (:mod:`.peers`) does not use it: its load is part of what it reports."""
+    import hashlib
+
     from kvsimd.loaders import registry
     from kvsimd.loaders.gguf import open_gguf
-    open_gguf(path)     # the loader's checks first: a KVSimdError naming a bad path or file (0.2 s)
+    open_gguf(path).close()   # the loader's checks first: a KVSimdError naming a bad path or file (0.2 s)
     torch, T, _ = _libs()
-    path = os.path.abspath(path)
+    path = os.path.realpath(os.fsdecode(path))     # transformers takes str paths only
     st = os.stat(path)
-    key = "%s-%d-%d-tf%s" % (os.path.basename(path), st.st_size, st.st_mtime_ns, T.__version__)
+    where = hashlib.sha1(os.path.dirname(path).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    key = "%s-%s-%d-%d-%d-tf%s" % (os.path.basename(path), where, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                   T.__version__)
     saved = os.path.join(registry.cache_dir(), "hf", key)
     _remove_abandoned_copies(os.path.dirname(saved))
     if not os.path.isfile(os.path.join(saved, "done")):
