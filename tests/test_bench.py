@@ -406,6 +406,32 @@ def test_missing_text_is_one_line_and_exit_2(tmp_path, argv, extra_env, names):
     assert "roofline" not in p.stdout
 
 
+@pytest.mark.parametrize("argv, n", [
+    (["-m", "kvsimd.bench", "quality", "--quick"], 256),
+    (["-m", "kvsimd.bench.quality", "policies", "--tokens", "300"], 300),
+])
+@pytest.mark.parametrize("words", [0, 30])
+def test_text_too_short_for_the_run_is_one_line_and_exit_2(tmp_path, argv, n, words):
+    """A text that gives fewer tokens than the run reads (one more than it scores, from character
+    20,000 on) is one line naming the file, the tokens it gave and the tokens needed, exit 2, before
+    any model or timing runs: shorter than 20,000 characters it was a traceback from the run, a
+    little longer a run that printed "PPL all nan"."""
+    from kvsimd.bench.quality import TEXT_START
+    text = tmp_path / "short.txt"
+    text.write_text("x" * (100 if not words else TEXT_START) + " the king" * words)
+    p = subprocess.run([sys.executable, *argv, "--text", str(text)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: text %s: " % text in lines[0] and "needs %d" % (n + 1) in lines[0], lines
+    if not words:
+        assert ": 0 tokens after its first %d characters" % TEXT_START in lines[0], lines
+    else:
+        got = int(lines[0].split("short.txt: ")[1].split()[0])
+        assert 0 < got < n + 1, lines
+    assert "roofline" not in p.stdout and "quality " not in p.stdout
+
+
 def test_text_flag_goes_with_the_subcommands_that_read_text():
     p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--text", TEXT],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -503,6 +529,17 @@ def test_bench_refuses_bad_arguments_before_it_runs(args, message):
     no repeats, or a --json in no directory are one error line and exit 2, before the roofline."""
     p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "roofline" not in p.stdout
+
+
+def test_bench_refuses_a_json_path_that_is_a_directory(tmp_path):
+    """--json naming a directory is one error line and exit 2 before the roofline (it was found only
+    when the results were written, an IsADirectoryError after the whole run)."""
+    (tmp_path / "out.json").mkdir()
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "attention", "--quick", "--json",
+                        str(tmp_path / "out.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    message = "--json %s: a directory" % (tmp_path / "out.json")
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "roofline" not in p.stdout
 
@@ -797,6 +834,25 @@ def test_decode_gguf_bad_flags(args, message):
     p = subprocess.run([sys.executable, "-m", "kvsimd.bench", *args], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("file", "not a GGUF file kvsimd reads: %s is not a readable GGUF file"),
+    ("directory", "a directory, not a GGUF file"),
+])
+def test_decode_gguf_refuses_a_model_that_is_not_gguf(tmp_path, kind, message):
+    """decode --model PATH of an existing file that is not GGUF (or of a directory) is one error line
+    naming it and exit 2, before the roofline (it was a GGUFError traceback from the run)."""
+    path = tmp_path / "bad.gguf"
+    if kind == "file":
+        path.write_text("not a gguf file at all")
+    else:
+        path.mkdir()
+    p = subprocess.run([sys.executable, "-m", "kvsimd.bench", "decode", "--model", str(path), "--quick"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    message = "--model %s: " % path + (message % path if "%s" in message else message)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "roofline" not in p.stdout
 
 
 # ---------------------------------------------------------------------------------- the model files

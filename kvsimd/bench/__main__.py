@@ -228,9 +228,14 @@ def run_streaming(args, roof):
     return rows
 
 
+def _quality_tokens(args):
+    """Scored positions of the quality run (it reads one token more from the text)."""
+    return 256 if args.quick else 2304
+
+
 def run_quality(args, roof):
     from kvsimd.bench import quality
-    rows, curves = quality.main(n_tokens=256 if args.quick else 2304, windows=(64,) if args.quick else (256, 512),
+    rows, curves = quality.main(n_tokens=_quality_tokens(args), windows=(64,) if args.quick else (256, 512),
                                 oracle_every=args.oracle_every, text_path=args.text,
                                 dtypes=tuple(args.kv_dtype or ("float16",)))
     for r in rows:
@@ -346,6 +351,8 @@ def main(argv=None):
         ap.error("--repeat must be >= 1")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         ap.error("--json %s: its directory does not exist" % args.json)
+    if args.json and os.path.isdir(args.json):      # else found only when the results are written, after the run
+        ap.error("--json %s: a directory (give the path of the file to write)" % args.json)
     if args.plot and os.path.exists(args.plot) and not os.path.isdir(args.plot):
         ap.error("--plot %s: not a directory" % args.plot)
     if args.sink_tokens is not None and (args.what != "hf" or args.sink_tokens < 0):
@@ -353,9 +360,16 @@ def main(argv=None):
     if args.model != "shapes" and (args.what != "decode" or args.contention):
         ap.error("--model goes with the decode subcommand (not --contention)")
     if args.model not in ("shapes", "smollm2", "llama3-8b"):
+        if os.path.isdir(args.model):
+            ap.error("--model %s: a directory, not a GGUF file" % args.model)
         if not os.path.isfile(args.model):
             ap.error("--model %s: no such file (give shapes, smollm2, llama3-8b or the path of a GGUF file)"
                      % args.model)
+        from kvsimd.loaders.gguf import open_gguf
+        try:       # its header, metadata and tensor directory (no tensor data): a fraction of a second
+            open_gguf(args.model).close()
+        except KVSimdError as e:
+            ap.error("--model %s: not a GGUF file kvsimd reads: %s" % (args.model, e))
     if any(d < 0 for d in args.depth or []) or (args.steps is not None and args.steps < 1) or \
             min(args.prefill_tokens or [0]) < 0:
         ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
@@ -371,6 +385,9 @@ def main(argv=None):
         ap.error("--text goes with quality or decode --model smollm2 (or another GGUF model)")
     try:       # before anything runs: a missing text is one line and exit 2, not a traceback later
         args.text = common.text_path(args.text, required=args.what == "quality") if wants_text else None
+        if args.what == "quality":      # and long enough for the run (its tokenizer alone, about a second)
+            from kvsimd.bench import quality
+            quality.check_text(args.text, _quality_tokens(args))
     except KVSimdError as e:
         print("python -m kvsimd.bench: error: %s" % e, file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import numpy as np
 import kvsimd
 from kvsimd.bench.common import text_path as find_text
 from kvsimd.bench.schema import vs_float16_text
+from kvsimd.errors import KVSimdValueError
 
 
 def _nll(logits, target):
@@ -38,11 +39,37 @@ def oracle_shard(model, tokens, W, shard=0, n_shards=1, every=1):
     return nll
 
 
+# characters of the text skipped before the tokens are read: its front matter (Project Gutenberg's header)
+TEXT_START = 20000
+
+
 def load_tokens(model, text_path, n_tokens):
-    """The first ``n_tokens + 1`` tokens of the text file (past its front matter)."""
+    """The first ``n_tokens + 1`` tokens of the text file (past its front matter, the first
+    TEXT_START characters): a run over ``n_tokens`` scored positions.  KVSimdValueError naming the
+    file when it gives fewer (a shorter run would be another measurement, or none)."""
     with open(text_path, encoding="utf-8", errors="replace") as fh:
         text = fh.read()
-    return model.tokenizer.encode(text[20000:])[:n_tokens + 1]
+    tokens = model.tokenizer.encode(text[TEXT_START:])[:n_tokens + 1]
+    if len(tokens) < n_tokens + 1:
+        raise KVSimdValueError("text %s: %d tokens after its first %d characters (of %d), a run over %d tokens "
+                               "needs %d" % (text_path, len(tokens), TEXT_START, len(text), n_tokens, n_tokens + 1))
+    return tokens
+
+
+def check_text(text_path, n_tokens):
+    """:func:`load_tokens` with the model's tokenizer alone (the GGUF file's metadata, no weights:
+    about a second): KVSimdValueError before anything runs when the text is too short for a run
+    over ``n_tokens``."""
+    from types import SimpleNamespace
+
+    from kvsimd.loaders import registry as models
+    from kvsimd.loaders.gguf import open_gguf
+    from kvsimd.loaders.tokenizer import Tokenizer
+    gf = open_gguf(models.smollm2_path())
+    try:
+        load_tokens(SimpleNamespace(tokenizer=Tokenizer.from_gguf(gf)), text_path, n_tokens)
+    finally:
+        gf.close()
 
 
 # KV-cache kinds the quality runs compare: a dtype of KVCache ("int8/int4": int8 keys, int4 values),
@@ -251,6 +278,7 @@ def _cli(argv=None):
         from kvsimd.errors import KVSimdError
         try:       # before the model loads: one line and exit 2
             a.text = find_text(a.text)
+            check_text(a.text, a.tokens)
         except KVSimdError as e:
             print("python -m kvsimd.bench.quality: error: %s" % e, file=sys.stderr)
             return 2
