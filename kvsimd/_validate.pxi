@@ -242,6 +242,9 @@ def _rope_params(theta, style, rotary_dim, int64_t D):
         raise KVSimdValueError("theta must be a positive finite number (at least %g), got %r" % (_MIN_THETA, th))
     if D > KV_MAX_HEAD_DIM:
         raise KVSimdValueError("head_dim (last axis) is %d; at most %d is supported" % (D, KV_MAX_HEAD_DIM))
+    if rotary_dim is None and D % 2:
+        raise KVSimdValueError("head_dim (last axis) is %d: RoPE turns pairs of dims, and rotary_dim defaults to "
+                               "head_dim; give an even rotary_dim below it" % D)
     rd = D if rotary_dim is None else _need_int(rotary_dim, "rotary_dim")
     if rd <= 0 or rd % 2 or rd > D:
         raise KVSimdValueError("rotary_dim must be even and in 2..head_dim=%d, got %d" % (D, rd))

@@ -73,6 +73,10 @@ def rope_calls():
         (lambda x: ops.shift_keys(x, 3, start=-1), ValueError, "0 <= start"),
         (lambda x: ops.shift_keys(x, 3, rotary_dim=5), ValueError, "rotary_dim must be even"),
         (lambda x: ops.shift_keys(x, 2**60), ValueError, "delta must be within"),
+        # an odd head_dim and no rotary_dim: the message names what the caller gave
+        (lambda x: ops.shift_keys(x[:, :, :15].copy(), 1), ValueError,
+         r"head_dim \(last axis\) is 15: RoPE turns pairs of dims, and rotary_dim defaults to head_dim"),
+        (lambda x: ops.apply_rope(x[:, :, :15].copy(), pos), ValueError, r"head_dim \(last axis\) is 15"),
     ]
 
 

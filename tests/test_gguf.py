@@ -400,6 +400,8 @@ def test_model_cache_that_is_a_file(tmp_path, monkeypatch):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(GGUFError, match="GGUF file not found: .*nope.gguf"):
         Decoder.from_gguf(str(tmp_path / "nope.gguf"))
+    with pytest.raises(GGUFError, match="is a directory, not a GGUF file"):   # was "not found"
+        Decoder.from_gguf(str(tmp_path))
 
 
 def test_truncated_file(tmp_path, model_dir):

@@ -163,6 +163,8 @@ class GGUFFile:
         except TypeError:
             raise KVSimdTypeError("path must be a str or os.PathLike, got %r" % (path,)) from None
         self.path = path
+        if os.path.isdir(path):
+            raise GGUFError("%s is a directory, not a GGUF file" % path)
         if not os.path.isfile(path):
             raise GGUFError("GGUF file not found: %s" % path)
         try:
