@@ -17,8 +17,8 @@ from kvsimd import _kvsimd, reference
 from kvsimd.errors import KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
-           "attend_scale", "attend_bound", "score_chain", "score_rounding_error", "alibi_score_error", "SOFTCAP_REL", "softcap_score_error", "GEMV_LANES",
-           "matmul_depth", "matmul_bound", "x8_block_magnitude"]
+           "attend_scale", "attend_bound", "score_chain", "score_rounding_error", "alibi_score_error", "SOFTCAP_REL",
+           "softcap_score_error", "GEMV_LANES", "matmul_depth", "matmul_bound", "x8_block_magnitude"]
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24

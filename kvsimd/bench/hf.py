@@ -49,8 +49,9 @@ def transformers_from_gguf(path, tokenizer=False):
     and read from there next time.  A file is its real path, size, mtime and ctime: a file copied
     with its mtime (``cp -p``) elsewhere, or over the same path, is another file (its ctime is the
     copy's).  transformers' GGUF path took ~34 s for SmolLM2 (gguf's Python parser of the
-    49k-token vocabulary and transformers' tensor-name maps), the copy ~2 s.  A copy half written by a process that is gone is removed.  The decode bench's
-    transformers worker (:mod:`.peers`) does not use it: its load is part of what it reports."""
+    49k-token vocabulary and transformers' tensor-name maps), the copy ~2 s.  A copy half written
+    by a process that is gone is removed.  The decode bench's transformers worker (:mod:`.peers`)
+    does not use it: its load is part of what it reports."""
     import hashlib
 
     from kvsimd.loaders import registry
