@@ -1319,8 +1319,9 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
    blocks ahead, into L2, spread over the block's `steps` steps of work (kv_pf).  Each 16-row block
    of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers stop: without
    it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%; Zen 4).  Spread
-   rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536 keys took
-   0.88-0.93x the time on the Xeon (avx512, avx512fp16 and avx2 rows). */
+   rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536 keys took 0.92x /
+   0.97x / 0.95x the time on the Xeon (avx512 / avx512fp16 / avx2 rows, K/V on huge pages; 0.91x /
+   0.87x 16 bytes into a page; bench/kernel_ab.py). */
 #ifndef KV_LANE_PF
 #define KV_LANE_PF 2
 #endif
