@@ -139,12 +139,26 @@ def score_rounding_error(q, k, scale=None, q_alt=None):
     scores reach the tens (q of norm ~60 over D = 64)."""
     qa = np.abs(np.asarray(q, np.float64))
     if q_alt is not None:
+        if np.shape(q_alt) != qa.shape:
+            raise KVSimdValueError("q_alt must have q's shape %s, got %s" % (qa.shape, np.shape(q_alt)))
         qa = np.maximum(qa, np.abs(np.asarray(q_alt, np.float64)))
+    return (score_chain(qa.shape[-1]) + 1) * U32 * _score_magnitude(qa, k, scale)
+
+
+def _score_magnitude(qa, k, scale):
+    """``|scale| * sum_c qa_c |k_jc|`` ``[H, N]`` for query magnitudes qa ``[H, D]`` (``scale`` None:
+    1 / sqrt(D)): the size of what a score's roundings act on."""
     ka = np.abs(np.asarray(k, np.float64))
-    D = qa.shape[-1]
-    sc = 1.0 / np.sqrt(D) if scale is None else abs(float(scale))
-    ka = np.repeat(ka, qa.shape[0] // ka.shape[0], axis=0)
-    return (score_chain(D) + 1) * U32 * sc * np.einsum("hd,hnd->hn", qa, ka)
+    if qa.ndim != 2 or ka.ndim != 3 or qa.shape[1] != ka.shape[2] or ka.shape[0] < 1 or qa.shape[0] % ka.shape[0]:
+        raise KVSimdValueError("q [H, D] and k [Hkv, N, D] must agree, with Hkv dividing H, got shapes %s and %s"
+                               % (qa.shape, ka.shape))
+    if scale is None:
+        sc = 1.0 / np.sqrt(qa.shape[1])
+    else:
+        sc = abs(_kvsimd._need_real(scale, "scale"))
+        if not np.isfinite(sc):
+            raise KVSimdValueError("scale must be finite, got %r" % (scale,))
+    return sc * np.einsum("hd,hnd->hn", qa, np.repeat(ka, qa.shape[0] // ka.shape[0], axis=0))
 
 
 def quantized_step_bound(scale, D: int):
@@ -342,10 +356,7 @@ def _turned_attend_bound(q, k, v, dtype, kw):
     qt = reference.hadamard_rows(np.asarray(q, np.float64))
     inner = attend_bound(qt, k, v, dtype=dtype, **turned)
     p, va, scale = _weights_and_scale(qt, k, v, turned)
-    ka = np.repeat(np.abs(np.asarray(k, np.float64)), p.shape[0] // k.shape[0], axis=0)
-    sc = kw.get("scale")
-    sc = 1.0 / np.sqrt(np.shape(q)[-1]) if sc is None else abs(float(sc))
-    pe = p * (6 * U32 * sc * np.einsum("hd,hnd->hn", bq, ka))
+    pe = p * (6 * U32 * _score_magnitude(bq, k, kw.get("scale")))
     inner = inner + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
     w = np.shape(q)[-1] // 32 * 32
     bound = inner.copy()

@@ -576,7 +576,9 @@ def test_kernel_ab_times_one_row_of_two_trees():
     (["--isa", "sse9"], "unknown row 'sse9'"),
     (["--shape", "32,1"], "expected H,HKV,D"),
     (["--shape", "32,5,128"], "HKV dividing H"),
-    (["--reps", "0"], "--reps must be >= 1"),
+    (["--reps", "0"], "--reps in 1..10000"),
+    (["--tokens", str(2 ** 40)], "--tokens must be in 1..2**24"),
+    (["--shape", "99999,1,64"], "H <= 4096"),
 ])
 def test_kernel_ab_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_ab.py"), ".", ".", *args],

@@ -95,7 +95,12 @@ def test_references_and_bounds_refuse_what_ops_refuses():
              lambda: bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=0),
              lambda: bounds.rope_bound("avx2", "float32", None, np.ones(8)),
              lambda: reference.quantize_kv(np.ones((2, 32), np.float32), "int3"),
-             lambda: reference.query_as_read(q, "int3")]
+             lambda: reference.query_as_read(q, "int3"),
+             lambda: bounds.score_rounding_error(q, k),                    # 1 query head on 2 KV heads
+             lambda: bounds.score_rounding_error(q4, k1[:, :, :4]),        # head dims differ
+             lambda: bounds.score_rounding_error(q4, k1, scale=np.nan),
+             lambda: bounds.score_rounding_error(q4, k1, q_alt=q),         # q_alt of another shape
+             lambda: bounds.score_chain(0)]
     for i, call in enumerate(calls):
         with pytest.raises(KVSimdValueError):
             call()
@@ -103,6 +108,12 @@ def test_references_and_bounds_refuse_what_ops_refuses():
     # the counts by the library's one rule for integer arguments (_need_int): a float is a type error
     with pytest.raises(KVSimdTypeError, match=r"k must be an integer, got 2\.5"):
         bounds.matmul_depth(2.5, "avx2")
+    with pytest.raises(KVSimdTypeError, match=r"scale must be a real number, got 'x'"):
+        bounds.score_rounding_error(q4, k1, scale="x")
+    with pytest.raises(KVSimdTypeError, match=r"D must be an integer, got 64\.0"):
+        bounds.score_chain(64.0)
+    # the score term: (score_chain(D) + 1) u32 |scale| sum |q||k|, score_chain(8) = 8 + 1 + 3
+    assert np.allclose(bounds.score_rounding_error(q4, k1, scale=-0.5), 13 * 2.0 ** -24 * 0.5 * 8)
     with pytest.raises(KVSimdTypeError, match=r"calls must be an integer, got 2\.5"):
         bounds.rope_bound("avx2", "float32", np.ones(8), np.ones(8), calls=2.5)
     with pytest.raises(KVSimdValueError, match=r"D must be in 33\.\.64, got 65"):
