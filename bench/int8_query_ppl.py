@@ -13,64 +13,24 @@ KVCache(dtype="int8") and KVCache(dtype="int8/int4") store them (kvsimd.referenc
 latter turned by H), each with the query rounded so (turned as the keys are) or not, and prints each
 perplexity and its change against float.  No kvsimd kernel runs: the model's weights are read by
 kvsimd's GGUF loader, everything after that is NumPy.  The reference's per-query attention loop
-is replaced here by a causal one over blocks of 256 queries (the same float64 math, about 50 s per
-configuration for 2,304 tokens on one core)."""
-import argparse
-import json
+is replaced here by bench/ref_ppl.py's causal one over blocks of queries."""
 import math
-import os
 import time
 
 import numpy as np
 
-
-def causal_attention():
-    """A stand-in for kvsimd.reference._attention (dense causal rows, no ALiBi, window or soft cap):
-    the query arrives as kvsimd.reference.query_as_read gives it (patched per configuration)."""
-
-    def attention(q, k, v, positions=None, slopes=None, window=0, scale=None, softcap=None):
-        if positions is None or slopes is not None or window or softcap:
-            raise NotImplementedError("dense causal attention only (SmolLM2)")
-        H, T, D = q.shape
-        G = H // k.shape[0]
-        kr, vr = np.repeat(k, G, 0), np.repeat(v, G, 0)
-        sc = 1.0 / math.sqrt(D) if scale is None else scale
-        out = np.empty((T, H * D))
-        for t0 in range(0, T, 256):
-            t1 = min(T, t0 + 256)
-            s = np.einsum("htd,hsd->hts", q[:, t0:t1], kr[:, :t1]) * sc
-            s[:, np.arange(t0, t1)[:, None] < np.arange(t1)[None, :]] = -np.inf
-            s -= s.max(-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(-1, keepdims=True)
-            out[t0:t1] = np.einsum("hts,hsd->thd", p, vr[:, :t1]).reshape(t1 - t0, H * D)
-        return out
-    return attention
+from ref_ppl import causal_attention, model_and_tokens, parser, run_cli, write_json
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2304, help="tokens scored (default 2304, at least 1)")
-    ap.add_argument("--text", help="text file (default: kvsimd.bench's, $KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
-    ap.add_argument("--json", help="write the perplexities here")
-    args = ap.parse_args()
-    if args.tokens < 1:
-        ap.error("--tokens must be >= 1, got %d" % args.tokens)
-    import kvsimd
-    try:
-        run(args)
-    except kvsimd.KVSimdError as e:   # no text, no model: one line naming what is missing
-        ap.exit(2, "%s: %s\n" % (ap.prog, e))
+    ap = parser(__doc__)
+    run_cli(ap, ap.parse_args(), run)
 
 
 def run(args):
-    from kvsimd import Decoder, reference
-    from kvsimd.bench.common import text_path
-    from kvsimd.bench.quality import _nll, load_tokens
-    from kvsimd.loaders import registry
-    text = text_path(args.text)   # KVSimdValueError naming --text and the variables when there is none
-    model = Decoder.from_gguf(registry.smollm2_path(), activations="float32")
-    tokens = load_tokens(model, text, args.tokens)
+    from kvsimd import reference
+    from kvsimd.bench.quality import _nll
+    model, tokens, text = model_and_tokens(args)
     ppl = {}
     rounded = reference.query_as_read   # the int8 keys' rule (turned with turned keys); else q
 
@@ -87,12 +47,9 @@ def run(args):
         ppl[name] = math.exp(np.mean([_nll(logits[i], tokens[i + 1]) for i in range(len(tokens) - 1)]))
         print("%-28s perplexity %.4f  %+.3f%% against float K/V  (%.0f s)"
               % (name, ppl[name], 100 * (ppl[name] / ppl["float K/V"] - 1), time.time() - t0), flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"what": "bench/int8_query_ppl.py: SmolLM2 Q4_1 through kvsimd.reference (float64), dense "
-                               "causal, K/V float, as an int8 or an int8/int4 cache stores them, the query rounded to "
-                               "int8 per head and 32-value block (turned as the keys are) or not",
-                       "tokens": len(tokens) - 1, "text": os.path.basename(text), "perplexity": ppl}, fh, indent=1)
+    write_json(args.json, "bench/int8_query_ppl.py: SmolLM2 Q4_1 through kvsimd.reference (float64), dense causal, "
+               "K/V float, as an int8 or an int8/int4 cache stores them, the query rounded to int8 per head and "
+               "32-value block (turned as the keys are) or not", tokens, text, perplexity=ppl)
 
 
 if __name__ == "__main__":

@@ -1011,3 +1011,33 @@ def test_workers_decode_the_same_tokens_as_the_decoder(tiny_gguf):
                     assert got == list(direct.generate(ids[:depth + 1], max_new_tokens=6))
         finally:
             w.close()
+
+
+def test_int4_recent_ppl_reads_the_recent_tokens_as_computed(tmp_path):
+    """bench/int4_recent_ppl.py over 24 tokens: with --recent 64 every key a query reads is among its
+    last 64, so int4 K/V read as computed give float's perplexity exactly; with --recent 0 the int4
+    rows (turned or not) give another; --sinks 24 reads every key as computed too.  Bad arguments
+    end in one usage line, exit 2."""
+    script = os.path.join(ROOT, "bench", "int4_recent_ppl.py")
+    env = dict(os.environ, KVSIMD_NUM_THREADS="1", KVSIMD_BENCH_TEXT=TEXT)
+
+    def rows(*args):
+        out = tmp_path / "r.json"
+        p = subprocess.run([sys.executable, script, "--tokens", "24", *args, "--json", str(out)], capture_output=True,
+                           text=True, cwd=str(tmp_path), env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        doc = json.loads(out.read_text())
+        assert doc["tokens"] == 24 and doc["text"] == "hamlet_gut.txt"
+        return doc["rows"]
+
+    r = rows("--kind", "int4", "--kind", "int4-plain", "--recent", "0", "--recent", "64")
+    base = r["float"]["perplexity"]
+    for kind in ("int4", "int4-plain"):
+        assert r["%s, recent 64, sinks 0" % kind]["perplexity"] == base
+        assert r["%s, recent 64, sinks 0" % kind]["vs_float"] == 1.0
+        assert abs(r["%s, recent 0, sinks 0" % kind]["perplexity"] / base - 1) > 1e-6
+    assert rows("--recent", "0", "--sinks", "24")["int4, recent 0, sinks 24"]["perplexity"] == base
+    for bad, words in [(["--tokens", "0"], "--tokens must be >= 1"), (["--recent", "-1"], "must be >= 0"),
+                       (["--kind", "int3"], "invalid choice")]:
+        p = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 2 and words in p.stderr, p.stderr
