@@ -56,6 +56,7 @@ cdef extern from "kvsimd.h" nogil:
         float *part_ml
         const float *k_scale
         const float *v_scale
+        int64_t key_base
 
     ctypedef struct kv_rot_params:
         void *x
@@ -148,6 +149,9 @@ cdef extern from "kvsimd.h" nogil:
     int kv_get_num_threads() noexcept
     int kv_threads_started() noexcept
     void kv_attend(const kv_attn_params *p, void *workspace, int threads) noexcept
+    size_t kv_attend_sources_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t T, int64_t n,
+                                             int threads) noexcept
+    void kv_attend_sources(const kv_attn_params *src, int64_t n, void *workspace, int threads) noexcept
     int kv_attend_isa(const kv_attn_params *p) noexcept
     int64_t kv_attend_pieces(const kv_attn_params *p, int threads) noexcept
     kv_status kv_apply_rope(void *x, kv_dtype dtype, int64_t H, int64_t N, int64_t D,

@@ -3,7 +3,7 @@
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
            ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None, k_scale=None,
-           v_scale=None, hadamard=False):
+           v_scale=None, hadamard=False, recent=None):
     """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
@@ -47,7 +47,17 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ``hadamard``), so that H of the values a row stands for is the row (a shorter last block as it
     is).  The kernel then reads a turned copy of q (and of ``q_alt``; the caller's arrays are not
     changed) and ``out`` is turned back in place after it: scores and output are those of the
-    unturned rows, up to the float32 rounding of the two turns."""
+    unturned rows, up to the float32 rounding of the two turns.
+
+    ``recent=(k_recent, v_recent)``: float16 or float32 ``[Hkv, M, D]`` (one dtype), the K/V rows of
+    M tokens that follow k/v's N in the sequence, read as they are (a quantized cache's most
+    recent tokens, kept unquantized: SmolLM2's int4 perplexity, ``bench/int4_recent_ppl.py``), under
+    the same softmax as k/v.  The keys are then N + M: k/v's (their ``ranges``, if given), then every
+    recent one, scored with q; ``key_positions`` has N + M entries and ``query_position``
+    defaults to N + M - 1; rows cut causally over all N + M (``causal_offset`` default
+    N + M - T, and in 0..N + M - T).  With ``hadamard`` the recent rows are given as they are
+    (unturned) and turned in a float32 copy.  Each part is computed on its own and merged (kvsimd.h
+    kv_attend_sources): within the attention bound of one softmax over all N + M rows."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
@@ -71,6 +81,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     k_scale = _need_block_scales(k, k_scale, "k", "k_scale", D)
     v_scale = _need_block_scales(v, v_scale, "v", "v_scale", D)
     cdef bint hd = _need_flag(hadamard, "hadamard")
+    kr, vr = _need_recent(recent, k, D)
+    cdef int64_t M = 0 if kr is None else kr.shape[1], NM = N + M
     if hd and k_scale is None:
         raise KVSimdValueError("hadamard=True applies to quantized K/V (int8, or int4 as uint8 rows), got k and v of "
                                "dtype %s" % (k.dtype,))
@@ -78,8 +90,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         raise KVSimdValueError("query heads H=%d must be a positive multiple of KV heads Hkv=%d" % (H, Hkv))
     if N < 1:
         raise KVSimdValueError("the cache is empty (N=0): attention needs at least one key")
-    if N > KV_MAX_TOKENS:
-        raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (N, KV_MAX_TOKENS))
+    if NM > KV_MAX_TOKENS:
+        raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (NM, KV_MAX_TOKENS))
     cdef int64_t off = 0, cend = 0, win = 0
     causal = _need_flag(causal, "causal")
     if not rows:
@@ -91,10 +103,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             raise KVSimdValueError("q has no rows (shape %s)" % (q.shape,))
         if causal_offset is not None and not causal:
             raise KVSimdValueError("causal_offset applies to a causal pass, got causal=False")
-        off = N - T if causal_offset is None else _need_int(causal_offset, "causal_offset")
-        if causal and not 0 <= off <= N - T:
-            raise KVSimdValueError("causal_offset must be in 0..N-T=%d (row t sees keys up to causal_offset + t), "
-                                   "got %d" % (N - T, off))
+        off = NM - T if causal_offset is None else _need_int(causal_offset, "causal_offset")
+        if causal and not 0 <= off <= NM - T:
+            raise KVSimdValueError("causal_offset must be in 0..N%s-T=%d (row t sees keys up to causal_offset + t), "
+                                   "got %d" % ("+M" if M else "", NM - T, off))
         if window is not None:
             if not causal:
                 raise KVSimdValueError("window needs a causal pass, got causal=False")
@@ -104,14 +116,14 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     cdef float cap = _need_softcap(softcap)
     cdef const float *alibi = NULL
     cdef const int64_t *kpos = NULL
-    cdef int64_t qpos = off if rows else N - 1
+    cdef int64_t qpos = off if rows else NM - 1
     if alibi_slopes is None:
         if key_positions is not None or query_position is not None:
             raise KVSimdValueError("key_positions and query_position only apply with alibi_slopes")
     else:
         alibi = <const float *>_ptr(_need_slopes(alibi_slopes, H))
         if key_positions is not None:
-            kpos = <const int64_t *>_ptr(_need_positions(key_positions, "key_positions", N))
+            kpos = <const int64_t *>_ptr(_need_positions(key_positions, "key_positions", NM, "N+M" if M else "N"))
         if query_position is not None:
             qpos = _need_pos(query_position, "query_position")
             if rows and abs(qpos + T) > _MAX_EXACT_POS:
@@ -124,7 +136,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         _need_array(out, "out", (_F32,), q.ndim, "(q's shape)", writeable=True, shape=q.shape)
         _need_no_overlap(out, "out", (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                                       ("key_positions", key_positions), ("q_alt", q_alt), ("k_scale", k_scale),
-                                      ("v_scale", v_scale)))
+                                      ("v_scale", v_scale), ("recent[0]", kr), ("recent[1]", vr)))
     if ranges is not None:
         rng = _np.array(_key_ranges(ranges, N, qpos, False), dtype=_np.int64).reshape(-1, 4)
         if q_alt is None and rng[:, 0].any():
@@ -136,7 +148,9 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     if rows and cend:           # every row must see a key of the ranges
         hi = off + 1 + _np.arange(T, dtype=_np.int64)
         lo = hi - win if win else _np.zeros(T, dtype=_np.int64)
-        bounds = ((0, N),) if ranges is None else rng[:, 1:3]
+        bounds = [(0, N)] if ranges is None else [tuple(b) for b in rng[:, 1:3]]
+        if M:
+            bounds.append((N, NM))
         seen = _np.zeros(T, dtype=bool)
         for t0, t1 in bounds:
             seen |= (_np.maximum(lo, t0) < _np.minimum(hi, t1))
@@ -157,13 +171,37 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             q_alt = q_alt.copy()
             kv_hadamard_rows(<float *>_ptr(q_alt), D, T * H, D)
     cdef int nt = _threads_now()
-    ws = _workspace(H, Hkv, D, nt)
+    ws = _workspace(H, Hkv, D, nt, T, 2 if M else 1)
     cdef void *wsp = _aligned64(ws)
+    cdef kv_attn_params src[2]
+    cdef int64_t tail[4]                 # the recent rows: one range, scored with q
+    tail[0], tail[1], tail[2], tail[3] = 0, 0, M, qpos
+    if M and alibi != NULL and kpos == NULL:   # their positions N..N+M-1 (k/v's default to 0..N-1)
+        key_positions = _np.arange(N, NM, dtype=_np.int64)
+    elif M and kpos != NULL:
+        key_positions = key_positions[N:]
+    if M and hd:
+        kr, vr = kr.astype(_np.float32), vr.astype(_np.float32)
+        kr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # H x / 32 over whole blocks, as quantized rows hold
+        vr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # them (kvsimd.reference.quantize_kv)
+        kv_hadamard_rows(<float *>_ptr(kr), D, Hkv * M, D)
+        kv_hadamard_rows(<float *>_ptr(vr), D, Hkv * M, D)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
                <const float *>_ptr(k_scale) if k_scale is not None else NULL,
                <const float *>_ptr(v_scale) if v_scale is not None else NULL, _kv_code(v))
     cdef float *op = <float *>_ptr(out)
+    if M:
+        src[0] = p
+        _attn_init(&src[1], <const float *>_ptr(q), NULL, _ptr(kr), _ptr(vr), op, alibi,
+                   <const int64_t *>_ptr(key_positions) if alibi != NULL else NULL, tail, 1, H, Hkv, D, M, sc, cap,
+                   _kv_code(kr), T, H * D, H * D, cend, win)
+        src[1].key_base = N
+        with nogil:
+            kv_attend_sources(src, 2, wsp, nt)
+            if hd:
+                kv_hadamard_rows(op, D, T * H, D)
+        return out
     with nogil:
         kv_attend(&p, wsp, nt)
         if hd:  # and the output turned back

@@ -291,14 +291,36 @@ def _key_ranges(ranges, int64_t N, qpos, bint alt_first):
     return rows
 
 
+def _need_recent(recent, k, int64_t D):
+    """ops.attend's ``recent``: None, or (k_recent, v_recent) float16/float32 [Hkv, M, D] of one
+    dtype, M >= 1 (k: the cache's keys, for Hkv).  Returns the pair, or (None, None)."""
+    if recent is None:
+        return None, None
+    if not isinstance(recent, (tuple, list)) or len(recent) != 2:
+        raise KVSimdTypeError("recent must be a pair (k_recent, v_recent), got %s" % (type(recent).__name__,))
+    kr, vr = recent
+    _need_array(kr, "recent[0]", (_F16, _F32), 3, "[Hkv, M, D]")
+    _need_array(vr, "recent[1]", (_F16, _F32), 3, "[Hkv, M, D]")
+    if kr.dtype != vr.dtype or kr.shape != vr.shape:
+        raise KVSimdValueError("recent K and V must have one dtype and shape, got %s %s and %s %s"
+                               % (kr.dtype, kr.shape, vr.dtype, vr.shape))
+    if kr.shape[0] != k.shape[0] or kr.shape[2] != D:
+        raise KVSimdValueError("recent rows must be [Hkv=%d, M, D=%d], got shape %s" % (k.shape[0], D, kr.shape))
+    if kr.shape[1] < 1:
+        raise KVSimdValueError("recent holds no rows (M=0): pass recent=None")
+    return kr, vr
+
+
 def _threads_now():
     """The kernel thread count for one call, read once (see kv_attend in kvsimd.h)."""
     return kv_get_num_threads()
 
 
-def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt):
-    """Scratch for one kv_attend call with ``nt`` threads (plus 64 bytes to align it)."""
-    cdef size_t n = kv_attend_workspace_bytes(H, Hkv, D, nt)
+def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt, int64_t T=1, int64_t sources=1):
+    """Scratch for one kv_attend call with ``nt`` threads (plus 64 bytes to align it), or with
+    ``sources`` > 1 for a kv_attend_sources call over T query rows."""
+    cdef size_t n = kv_attend_workspace_bytes(H, Hkv, D, nt) if sources == 1 else \
+        kv_attend_sources_workspace_bytes(H, Hkv, D, T, sources, nt)
     if n == 0:
         raise KVSimdValueError("attention with H=%d query heads, Hkv=%d KV heads, head_dim=%d: sizes out of range"
                                % (H, Hkv, D))

@@ -145,6 +145,10 @@ static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : K
  *   first key is 0); with part_ml != NULL it writes each vector's unnormalized weighted sum to
  *   out and its softmax (max, sum) to part_ml[(t * H + h) * 2 + 0, 1] (a piece with no key:
  *   -inf, 0 and zeros), for the caller to merge.
+ *   key_base: the keys of this call stand at key_base + t in the causal order, so that a row
+ *   reads key t when key_base + t < causal_end + row (and the window's cut the same); 0 but for
+ *   a source that follows another (kv_attend_sources).  A row that sees no key of a piece or a
+ *   source gets -inf, 0 and zeros.
  *
  * Four int64s per range: the layout a KVCache step plan keeps per range. */
 #define KV_ATTN_RANGE_FIELDS(F) \
@@ -181,7 +185,8 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(int64_t, part_hi, 'q') \
     F(float *, part_ml, 'Q') \
     F(const float *, k_scale, 'Q')  /* KV_I8, KV_I4: [Hkv, n_total, kv_i8_blocks(D)] block scales of k; else unused */ \
-    F(const float *, v_scale, 'Q')
+    F(const float *, v_scale, 'Q') \
+    F(int64_t, key_base, 'q')       /* key t stands at key_base + t in the causal order (kv_attend_sources) */
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
@@ -322,6 +327,17 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads);
    testing.use_isa) always runs its own kernels. */
 int kv_attend_isa(const kv_attn_params *p);
 int64_t kv_attend_pieces(const kv_attn_params *p, int threads); /* split-K pieces per KV head (ops.c) */
+/* Attention of the same query rows over n K/V sources under one softmax (a quantized cache and
+   the float rows of its most recent tokens): src[s] is a whole kv_attn_params over source s (its
+   own k, v, dtypes, scales, ranges, n_total, key_pos, q_alt and key_base; q, out, H, Hkv, D, T, the
+   strides, causal_end, window, scale, softcap and alibi the same in every one; part_* 0).  Each
+   source is computed as a split-K piece would be (its (max, sum) and unnormalized weighted sum;
+   one query row: each source split across threads as kv_attend splits one), then one merge
+   writes out.  1 <= n <= KV_MAX_SOURCES; every row must see a key of some source.  Results are
+   identical for a given thread count. */
+#define KV_MAX_SOURCES 4
+size_t kv_attend_sources_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t T, int64_t n, int threads);
+void kv_attend_sources(const kv_attn_params *src, int64_t n, void *workspace, int threads);
 /* RoPE of x [H, N, D] at positions[t]: pair r turns by positions[t] * inv[r] (inv: rotary_dim / 2
    inverse frequencies, from kv_rope_inv_freq or a scaled spec), and is multiplied by `scale`
    (the attention factor of YaRN-style scaling; 1 otherwise). */

@@ -93,32 +93,56 @@ int64_t kv_attend_pieces(const kv_attn_params *p, int threads)
     return range_keys(p) / s >= KV_SPLIT_MIN ? s : 1;
 }
 
-/* floats of the split-K area: per piece (at most `threads`), [H, D] sums and [H, 2] (max, sum) */
-static int split_floats(int64_t H, int64_t D, int threads, size_t *r)
+/* floats of `areas` merge areas of T query rows: per area [T, H, D] sums and [T, H, 2] (max, sum) */
+static int area_floats(int64_t T, int64_t H, int64_t D, int64_t areas, size_t *r)
 {
-    size_t per;
-    return mul_add((size_t)H, (size_t)D + 2, 0, &per) && mul_add(per, (size_t)threads, 0, r);
+    size_t th, per;
+    return mul_add((size_t)T, (size_t)H, 0, &th) && mul_add(th, (size_t)D + 2, 0, &per) &&
+           mul_add(per, (size_t)areas, 0, r);
 }
 
-size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
+/* merge areas: one per split-K piece of a single query row, else one per source */
+static int64_t merge_areas(int64_t T, int64_t n, int threads) { return T == 1 ? n * threads : n; }
+
+size_t kv_attend_sources_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t T, int64_t n, int threads)
 {
     const size_t one = kv_attn_workspace_bytes(H, Hkv, D);
     size_t total, part;
     threads = clamp_threads(threads);
-    if (one == 0 || one > SIZE_MAX - 63 || !split_floats(H, D, threads, &part) ||
+    if (one == 0 || one > SIZE_MAX - 63 || T < 1 || n < 1 || n > KV_MAX_SOURCES ||
+        !area_floats(T, H, D, merge_areas(T, n, threads), &part) ||
         !mul_add((one + 63) / 64 * 64, (size_t)threads, 64, &total) ||
         !mul_add(part, sizeof(float), total, &total))
         return 0;
     return total;
 }
 
-/* Pieces s = 0..S-1 of one query row, then out[h] = sum_s e^(m_s - m) acc_s[h] / sum_s e^(m_s - m) l_s
-   with m the largest max (a piece without keys, l = 0, weighs nothing; NaN propagates). */
-static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *workspace, size_t one, int nt, int64_t S,
-                         int64_t keys)
+size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
 {
-    const int64_t H = p->H, D = p->D, heads = p->Hkv, items = heads * S;
-    float *acc = (float *)(workspace + one * (size_t)nt), *ml = acc + S * H * D;
+    return kv_attend_sources_workspace_bytes(H, Hkv, D, 1, 1, threads);
+}
+
+/* The pieces of sources src[0..n-1] as kv_attend_sources describes them, then the merge:
+   out[t, h] = sum_a e^(m_a - m) acc_a[t, h] / sum_a e^(m_a - m) l_a over the areas a, with m the
+   largest max (an area without keys, l = 0, weighs nothing; NaN propagates).  S[s]: source s's
+   split-K pieces per KV head when T == 1 (areas: one per piece), else 1 (areas: one per source,
+   each computed by tiles of rows). */
+static void attend_merged(const kv_attn_params *src, int64_t n, const int64_t *S, char *workspace, size_t one,
+                          int threads)
+{
+    const kv_attn_params *p = src;
+    const int64_t H = p->H, D = p->D, T = p->T, heads = p->Hkv, tile = kv_attn_row_tile(H / heads);
+    const int64_t tiles = T == 1 ? 1 : (T + tile - 1) / tile;
+    int64_t first[KV_MAX_SOURCES + 1], area0[KV_MAX_SOURCES + 1], keys[KV_MAX_SOURCES];
+    first[0] = area0[0] = 0;
+    for (int64_t s = 0; s < n; s++) {
+        keys[s] = range_keys(&src[s]);
+        first[s + 1] = first[s] + heads * S[s] * tiles;     /* work items of sources before s + 1 */
+        area0[s + 1] = area0[s] + (T == 1 ? S[s] : 1);
+    }
+    const int64_t items = first[n], areas = area0[n], per = T * H;
+    float *acc = (float *)(workspace + one * (size_t)threads), *ml = acc + areas * per * D;
+    const int nt = (int)(items < threads ? items : threads);
     if (nt > 1)
         kv_mark_threads_started();
 #if defined(_OPENMP)
@@ -126,34 +150,53 @@ static void attend_split(const kv_kernels *row, const kv_attn_params *p, char *w
 #endif
     for (int64_t i = 0; i < items; i++) {
         const int tid = thread_id();
-        const int64_t g = i / S, s = i % S;
-        kv_attn_params piece = *p;
-        piece.part_lo = s == 0 ? 0 : (keys / S * s + keys % S * s / S) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
-        piece.part_hi = s == S - 1 ? keys : (keys / S * (s + 1) + keys % S * (s + 1) / S) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
-        piece.out = acc + s * H * D;
+        int64_t s = 0;
+        while (i >= first[s + 1])
+            s++;
+        const int64_t j = i - first[s], Ss = S[s];
+        kv_attn_params piece = src[s];
+        int64_t g, r0 = 0, r1 = T, a = area0[s];
+        if (T == 1) {
+            const int64_t k = keys[s], c = j % Ss;
+            g = j / Ss;
+            if (Ss > 1) {
+                piece.part_lo = c == 0 ? 0 : (k / Ss * c + k % Ss * c / Ss) / KV_SPLIT_ALIGN * KV_SPLIT_ALIGN;
+                piece.part_hi = c == Ss - 1 ? k : (k / Ss * (c + 1) + k % Ss * (c + 1) / Ss) / KV_SPLIT_ALIGN *
+                                                  KV_SPLIT_ALIGN;
+            }
+            a += c;
+        } else {    /* the last tiles of a causal pass read the most keys: they go first */
+            g = j % heads;
+            r0 = (tiles - 1 - j / heads) * tile;
+            r1 = r0 + tile < T ? r0 + tile : T;
+        }
+        piece.out = acc + a * per * D;
         piece.out_stride = H * D;
-        piece.part_ml = ml + s * H * 2;
-        row->attn(&piece, g, g + 1, 0, 1, workspace + (size_t)tid * one);
+        piece.part_ml = ml + a * per * 2;
+        kv_isa_row(kv_attend_isa(&piece))->attn(&piece, g, g + 1, r0, r1, workspace + (size_t)tid * one);
     }
-    for (int64_t h = 0; h < H; h++) {
-        float m = -FLT_MAX;
-        for (int64_t s = 0; s < S; s++)
-            if (ml[(s * H + h) * 2 + 1] != 0.0f && ml[(s * H + h) * 2] > m)
-                m = ml[(s * H + h) * 2];
-        double l = 0.0, w[KV_MAX_THREADS];
-        for (int64_t s = 0; s < S; s++) {
-            const float ms = ml[(s * H + h) * 2], ls = ml[(s * H + h) * 2 + 1];
-            w[s] = ls != 0.0f ? exp((double)ms - (double)m) : 0.0;
-            l += w[s] * ls;
+    double w[KV_MAX_SOURCES * KV_MAX_THREADS];   /* areas <= sum of S[s] <= n x threads */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t at = t * H + h;
+            float m = -FLT_MAX;
+            for (int64_t b = 0; b < areas; b++)
+                if (ml[(b * per + at) * 2 + 1] != 0.0f && ml[(b * per + at) * 2] > m)
+                    m = ml[(b * per + at) * 2];
+            double l = 0.0;
+            for (int64_t b = 0; b < areas; b++) {
+                const float mb = ml[(b * per + at) * 2], lb = ml[(b * per + at) * 2 + 1];
+                w[b] = lb != 0.0f ? exp((double)mb - (double)m) : 0.0;
+                l += w[b] * lb;
+            }
+            float *o = p->out + t * p->out_stride + h * D;
+            for (int64_t d = 0; d < D; d++) {
+                double x = 0.0;
+                for (int64_t b = 0; b < areas; b++)
+                    x += w[b] * acc[(b * per + at) * D + d];
+                o[d] = (float)(x / l);
+            }
         }
-        float *o = p->out + h * D;
-        for (int64_t d = 0; d < D; d++) {
-            double a = 0.0;
-            for (int64_t s = 0; s < S; s++)
-                a += w[s] * acc[(s * H + h) * D + d];
-            o[d] = (float)(a / l);
-        }
-    }
 }
 
 int kv_attend_isa(const kv_attn_params *p)
@@ -180,7 +223,7 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
     const size_t one = (kv_attn_workspace_bytes(p->H, p->Hkv, p->D) + 63) / 64 * 64;
     const int64_t S = kv_attend_pieces(p, threads);
     if (S > 1) {
-        attend_split(row, p, (char *)workspace, one, threads, S, range_keys(p));
+        attend_merged(p, 1, &S, (char *)workspace, one, threads);
         return;
     }
     const int nt = (int)(items < threads ? items : threads);
@@ -199,6 +242,20 @@ void kv_attend(const kv_attn_params *p, void *workspace, int threads)
         const int64_t g = i % heads, r0 = (tiles - 1 - i / heads) * tile;
         row->attn(p, g, g + 1, r0, r0 + tile < T ? r0 + tile : T, (char *)workspace + (size_t)tid * one);
     }
+}
+
+void kv_attend_sources(const kv_attn_params *src, int64_t n, void *workspace, int threads)
+{
+    int64_t S[KV_MAX_SOURCES];
+    threads = clamp_threads(threads);
+    if (n == 1) {
+        kv_attend(src, workspace, threads);
+        return;
+    }
+    for (int64_t s = 0; s < n; s++)
+        S[s] = src->T == 1 ? kv_attend_pieces(&src[s], threads) : 1;
+    attend_merged(src, n, S, (char *)workspace, (kv_attn_workspace_bytes(src->H, src->Hkv, src->D) + 63) / 64 * 64,
+                  threads);
 }
 
 void kv_f32_to_f16(uint16_t *dst, const float *src, size_t n) { kv_active()->f32_to_f16(dst, src, n); }

@@ -750,3 +750,98 @@ def test_restore_rows_checks_every_array_before_storing_any(dtype):
         c._restore_rows(0, 0, 6, rows)
     c._restore_rows(0, 0, 2, tuple(r[:, :2] for r in rows))     # slots 2, 3 take slots 0, 1's rows
     assert np.array_equal(np.asarray(c.keys(0))[:, 2:4].view(np.uint8), np.asarray(rows[0])[:, :2].view(np.uint8))
+
+
+# ---------------------------------------------------------------------------- recent rows as computed
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("dtype,had,rdt", [("int4", True, np.float16), ("int4", False, np.float32),
+                                           ("int8", False, np.float16), ("int8/int4", True, np.float32)])
+@pytest.mark.parametrize("T,H,Hkv,N,M,D", [(None, 9, 3, 700, 32, 64), (None, 32, 1, 1300, 32, 128),
+                                           (None, 4, 2, 5, 1, 80), (6, 8, 2, 40, 32, 64), (40, 9, 3, 50, 16, 64)])
+def test_attend_recent_rows_under_one_softmax(isa, rng, dtype, had, rdt, T, H, Hkv, N, M, D):
+    """ops.attend(..., recent=(k, v)): quantized rows and M float rows after them under one softmax
+    (kv_attend_sources: each part computed on its own, then merged) against float64 attention over
+    all N + M keys (the quantized ones as they stand for, read with the query their rule rounds;
+    the recent ones with q), within attend_bound; with ALiBi, a window, ranges over the quantized
+    rows; 1 and 2 threads (split-K pieces of both parts merged at once), each the same bits on a
+    repeat.  Reading the recent rows as another quantized block is far outside the bound."""
+    kd_, vd_ = sides(dtype)
+    q = rng.standard_normal((H, D) if T is None else (T, H, D)).astype(np.float32)
+    x = rng.standard_normal((2, Hkv, N, D)).astype(np.float32)
+    x[..., :3] *= 8
+    (kq, ks), (vq, vs) = reference.quantize_kv(x[0], kd_, had), reference.quantize_kv(x[1], vd_, had)
+    kr, vr = (rng.standard_normal((Hkv, M, D)) * 2).astype(rdt), rng.standard_normal((Hkv, M, D)).astype(rdt)
+    kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)     # as stored
+    turn = (lambda a: reference.hadamard_rows(a, _back=False)) if had else (lambda a: a)
+    K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)         # stored, as read
+    V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
+    Kf = reference.hadamard_rows(K) if had else K                                        # what they stand for
+    Vf = reference.hadamard_rows(V) if had else V
+    slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
+    if T is None:
+        cases = [{}, dict(alibi_slopes=slopes)]
+        if N > 8:
+            cases.append(dict(ranges=[(N // 2, N), (0, 4)]))
+    else:
+        cases = [{}, dict(window=T + 5), dict(alibi_slopes=slopes, causal_offset=N + M - T - 3)]
+    tol = "float16" if rdt == np.float16 else (dtype if "/" not in dtype else "int8")
+    qr = reference.query_as_read(q, (dtype, had))
+    before = ext._get_kernel_threads()
+    try:
+        for threads in (1, 2):
+            ext._set_kernel_threads(threads)
+            for kw in cases:
+                with use_isa(isa):
+                    got = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
+                    again = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
+                assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
+                # the reference: main keys (their ranges) read with qr, the recent ones with q (as q_alt)
+                main = kw.get("ranges", [(0, N)])
+                rkw = {k: v for k, v in kw.items() if k != "ranges"}
+                rkw["ranges"] = [(a, b, False) for a, b in main] + [(N, N + M, True)]
+                rkw["q_alt"] = q
+                if "alibi_slopes" in kw and T is None:
+                    rkw["ranges"] = [r + (N + M - 1,) for r in rkw["ranges"]]
+                ref = reference.attend(qr, Kf, Vf, **rkw)
+                bound = attend_bound(qr, K, V, dtype=tol, hadamard=had, **rkw)
+                err = np.abs(got.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
+                assert err.max() <= 1, f"{isa} {threads} threads {kw}: error {err.max():.3g} x the bound"
+                if M >= 16:   # the recent rows read as int4 would be far off
+                    rq = reference.quantize_kv(kr.astype(np.float32), "int4", had)
+                    Kq = K.copy()
+                    Kq[:, N:] = turn(reference.dequantize_kv(*rq, D)) if not had else reference.dequantize_kv(*rq, D)
+                    wrong = reference.attend(qr, reference.hadamard_rows(Kq) if had else Kq, Vf, **rkw)
+                    assert (np.abs(wrong - ref) / np.maximum(bound, 1e-300)).max() > 10, (isa, kw)
+    finally:
+        ext._set_kernel_threads(before)
+
+
+def test_attend_recent_bad_input(rng):
+    """recent: a pair of float16/float32 [Hkv, M, D] arrays of one dtype and shape, M >= 1;
+    key_positions then have N + M entries and causal_offset reaches N + M - T; out may not
+    overlap them.  A KVSimdError naming the argument, nothing written."""
+    H, Hkv, N, M, D = 4, 2, 10, 3, 32
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    kq, ks = ops.quantize_kv(rng.standard_normal((Hkv, N, D)).astype(np.float32), "int8")
+    kr = rng.standard_normal((Hkv, M, D)).astype(np.float32)
+    base = dict(k_scale=ks, v_scale=ks)
+    for recent, err, words in [((kr,), KVSimdTypeError, "pair"), (kr, KVSimdTypeError, "pair"),
+                               ((kr, kr.astype(np.float16)), KVSimdValueError, "one dtype"),
+                               ((kr[:1], kr[:1]), KVSimdValueError, "Hkv=2"),
+                               ((kr[..., :16].copy(), kr[..., :16].copy()), KVSimdValueError, "D=32"),
+                               ((kr[:, :0], kr[:, :0]), KVSimdValueError, "M=0"),
+                               ((kr.astype(np.int8), kr.astype(np.int8)), KVSimdTypeError, "recent\\[0\\] must have dtype"),
+                               ((kr[:, ::2], kr[:, ::2]), KVSimdValueError, "C-contiguous")]:
+        with pytest.raises(err, match=words):
+            ops.attend(q, kq, kq, recent=recent, **base)
+    slopes = np.ones(H, np.float32)
+    with pytest.raises(KVSimdValueError, match="N\\+M=13"):
+        ops.attend(q, kq, kq, recent=(kr, kr), alibi_slopes=slopes, key_positions=np.arange(N), **base)
+    qt = rng.standard_normal((2, H, D)).astype(np.float32)
+    with pytest.raises(KVSimdValueError, match="N\\+M-T=11"):
+        ops.attend(qt, kq, kq, recent=(kr, kr), causal_offset=12, **base)
+    buf = np.zeros((Hkv, M, D), np.float32)
+    with pytest.raises(KVSimdValueError, match="recent"):
+        ops.attend(q, kq, kq, recent=(buf, kr), out=buf.reshape(-1, D)[:H], **base)
+    assert not buf.any()

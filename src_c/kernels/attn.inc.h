@@ -716,8 +716,8 @@ KV_AINLINE void KV_FN(attn_bind)(KV_FN(attn_state) *st, int64_t g, int64_t r0, i
 /* Keys row r may read: [*lo, *hi) (the whole int64 range when uncut). */
 KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t *lo, int64_t *hi)
 {
-    *hi = p->causal_end > 0 ? p->causal_end + r : INT64_MAX;
-    *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end + r - p->window : INT64_MIN;
+    *hi = p->causal_end > 0 ? p->causal_end - p->key_base + r : INT64_MAX;
+    *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end - p->key_base + r - p->window : INT64_MIN;
 }
 
 /* The query over int8 keys is rounded as the cache rounds a key row (kv_quantize_rows: per block
