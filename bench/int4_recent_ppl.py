@@ -41,18 +41,26 @@ def run(args):
     from kvsimd import reference
     from kvsimd.bench.quality import _nll, paired_ratio
     model, tokens, text = model_and_tokens(args)
-    stored = reference._as_cached
+    stored, read = reference._as_cached, reference.query_as_read
 
-    def both(kv, x, D, which=0):   # (as stored, as computed): causal_attention picks per key
-        return x if kv == "float" else np.stack([stored(kv, x, D, which), x])
+    def both(kv, x, D, which=0):   # K/V (as stored, as computed): causal_attention picks per key
+        return np.stack([stored(kv, x, D, which), x])
+
+    def query(q, kv):              # q as read over stored keys (rounded over int8 ones), as computed
+        reference._as_cached = stored
+        try:
+            return np.stack([read(q, kv), q])
+        finally:
+            reference._as_cached = both
 
     def nll(kv, recent, sinks):
         reference._attention = causal_attention(recent, sinks)
-        reference._as_cached = both if (recent or sinks) else stored
+        if (recent or sinks) and kv != "float":
+            reference._as_cached, reference.query_as_read = both, query
         try:
             logits = reference.forward(model, tokens[:-1], kv=kv)
         finally:
-            reference._as_cached = stored
+            reference._as_cached, reference.query_as_read = stored, read
         return np.array([_nll(logits[i], tokens[i + 1]) for i in range(len(tokens) - 1)])
 
     t0 = time.time()

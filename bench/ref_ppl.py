@@ -13,18 +13,20 @@ BLOCK = 256
 
 
 def causal_attention(recent=0, sinks=0):
-    """reference._attention's stand-in.  With ``recent`` or ``sinks`` > 0, K and V arrive as pairs
-    ``[2, Hkv, S, D]`` (as a cache stores them, as they were computed): query i reads key j as
-    computed when j is among its last ``recent`` keys (i - recent < j <= i) or among the first
-    ``sinks``, else as stored."""
+    """reference._attention's stand-in.  With ``recent`` or ``sinks`` > 0, q, K and V arrive as pairs
+    ``[2, H or Hkv, S, D]`` (as the cache's attention reads them, as they were computed): query i
+    reads key j as computed, with q as computed, when j is among its last ``recent`` keys
+    (i - recent < j <= i) or among the first ``sinks``, else as stored, with q as read over stored
+    keys (rounded over int8 keys, reference.query_as_read)."""
 
     def attention(q, k, v, positions=None, slopes=None, window=0, scale=None, softcap=None):
         if positions is None or slopes is not None or window or softcap:
             raise NotImplementedError("dense causal attention only (SmolLM2)")
         mixed = recent > 0 or sinks > 0
-        if mixed != (k.ndim == 4):
-            raise ValueError("K/V must come as (stored, computed) pairs exactly when recent or sinks > 0")
-        H, T, D = q.shape
+        if mixed != (k.ndim == 4) or mixed != (q.ndim == 4):
+            raise ValueError("q, K and V must come as (stored, computed) pairs exactly when recent or sinks > 0")
+        qs, qc = (q[0], q[1]) if mixed else (q, q)
+        H, T, D = qs.shape
         G = H // k.shape[-3]
         kr, vr = np.repeat(k, G, -3), np.repeat(v, G, -3)
         sc = 1.0 / math.sqrt(D) if scale is None else scale
@@ -34,10 +36,10 @@ def causal_attention(recent=0, sinks=0):
             i, j = np.arange(t0, t1)[:, None], np.arange(t1)[None, :]
             if mixed:
                 exact = (j > i - recent) | (j < sinks)
-                s = np.where(exact, np.einsum("htd,hsd->hts", q[:, t0:t1], kr[1, :, :t1]),
-                             np.einsum("htd,hsd->hts", q[:, t0:t1], kr[0, :, :t1])) * sc
+                s = np.where(exact, np.einsum("htd,hsd->hts", qc[:, t0:t1], kr[1, :, :t1]),
+                             np.einsum("htd,hsd->hts", qs[:, t0:t1], kr[0, :, :t1])) * sc
             else:
-                s = np.einsum("htd,hsd->hts", q[:, t0:t1], kr[:, :t1]) * sc
+                s = np.einsum("htd,hsd->hts", qs[:, t0:t1], kr[:, :t1]) * sc
             s[:, i < j] = -np.inf
             s -= s.max(-1, keepdims=True)
             p = np.exp(s)

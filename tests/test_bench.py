@@ -1015,8 +1015,8 @@ def test_workers_decode_the_same_tokens_as_the_decoder(tiny_gguf):
 
 def test_int4_recent_ppl_reads_the_recent_tokens_as_computed(tmp_path):
     """bench/int4_recent_ppl.py over 24 tokens: with --recent 64 every key a query reads is among its
-    last 64, so int4 K/V read as computed give float's perplexity exactly; with --recent 0 the int4
-    rows (turned or not) give another; --sinks 24 reads every key as computed too.  Bad arguments
+    last 64, so int4 (or int8/int4) K/V read as computed, with q as computed, give float's
+    perplexity exactly; with --recent 0 the quantized rows give another; --sinks 24 reads every key as computed too.  Bad arguments
     end in one usage line, exit 2."""
     script = os.path.join(ROOT, "bench", "int4_recent_ppl.py")
     env = dict(os.environ, KVSIMD_NUM_THREADS="1", KVSIMD_BENCH_TEXT=TEXT)
@@ -1030,9 +1030,9 @@ def test_int4_recent_ppl_reads_the_recent_tokens_as_computed(tmp_path):
         assert doc["tokens"] == 24 and doc["text"] == "hamlet_gut.txt"
         return doc["rows"]
 
-    r = rows("--kind", "int4", "--kind", "int4-plain", "--recent", "0", "--recent", "64")
+    r = rows("--kind", "int4", "--kind", "int4-plain", "--kind", "int8/int4", "--recent", "0", "--recent", "64")
     base = r["float"]["perplexity"]
-    for kind in ("int4", "int4-plain"):
+    for kind in ("int4", "int4-plain", "int8/int4"):   # int8 keys: q rounded for them, not for the recent ones
         assert r["%s, recent 64, sinks 0" % kind]["perplexity"] == base
         assert r["%s, recent 64, sinks 0" % kind]["vs_float"] == 1.0
         assert abs(r["%s, recent 0, sinks 0" % kind]["perplexity"] / base - 1) > 1e-6
