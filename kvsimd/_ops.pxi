@@ -91,7 +91,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     if N < 1:
         raise KVSimdValueError("the cache is empty (N=0): attention needs at least one key")
     if NM > KV_MAX_TOKENS:
-        raise KVSimdValueError("N=%d tokens exceeds the supported maximum %d" % (NM, KV_MAX_TOKENS))
+        raise KVSimdValueError("N%s=%d tokens exceeds the supported maximum %d" % ("+M" if M else "", NM, KV_MAX_TOKENS))
     cdef int64_t off = 0, cend = 0, win = 0
     causal = _need_flag(causal, "causal")
     if not rows:
