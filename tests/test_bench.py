@@ -1041,3 +1041,17 @@ def test_int4_recent_ppl_reads_the_recent_tokens_as_computed(tmp_path):
                        (["--kind", "int3"], "invalid choice")]:
         p = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 2 and words in p.stderr, p.stderr
+
+
+def test_attend_recent_speed_runs_every_case():
+    """bench/attend_recent_speed.py: one line per shape, key count and turn, each with the three
+    timings and a ratio (speed is not asserted); bad arguments exit 2."""
+    script = os.path.join(ROOT, "bench", "attend_recent_speed.py")
+    p = subprocess.run([sys.executable, script, "--calls", "2", "--recent", "4"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [x for x in p.stdout.splitlines() if "ratio" in x]
+    assert len(lines) == 8 and all("int4 + recent" in x and "recent alone" in x for x in lines), p.stdout
+    assert {x.split("N=")[1].split()[0] for x in lines} == {"8192", "32768"}
+    p = subprocess.run([sys.executable, script, "--recent", "0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "must be >= 1" in p.stderr
