@@ -96,6 +96,12 @@ cdef class _KVStore:
     cdef int64_t _gen             # bumped by every change of what is committed (see _changed)
     cdef int64_t _nplans          # plans made on this store (each plan's serial)
     cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did; -1: nothing yet)
+    # KVCache(recent=R): float16 rows of each sequence's last tokens beside the quantized ones (see
+    # KVCache); here so that the compiled layers (_attend_rows) read them with the storage
+    cdef readonly int64_t recent  # R; 0: none
+    cdef object _tail             # uint16 [n_layers, K|V, batch, n_kv_heads, 2R, head_dim]: float16 bits, a ring
+    cdef object _th, _tn          # int64 [batch]: ring entry of the oldest committed row, committed rows (<= R)
+    cdef object _ttag             # int64 [batch, 2R]: the slot whose token each ring entry holds
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None,
                   **streaming):
@@ -173,10 +179,10 @@ cdef class _KVStore:
                               "prefill it, or copy its keys()/values() views" % type(self).__name__)
 
     def __repr__(self):
-        return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s%s, lengths=%s)"
+        return ("%s(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, batch=%d, dtype=%s%s%s, lengths=%s)"
                 % (type(self).__name__, self.n_layers, self.n_kv_heads, self.head_dim, self.capacity, self.batch,
                    self._dtype_name, ", hadamard=%s" % self.hadamard if kv_dtype_scaled(self._kv_dtype) else "",
-                   self._lengths.tolist()))
+                   ", recent=%d" % self.recent if self.recent else "", self._lengths.tolist()))
 
     cdef int _acquire(self) except -1:
         """Take the one-user claim for the calling thread (re-entrant).  With the GIL held and no
@@ -221,7 +227,7 @@ cdef class _KVStore:
 
     @property
     def nbytes(self):
-        return self.c.nbytes
+        return self.c.nbytes + (self._tail.nbytes if self._tail is not None else 0)
 
     @property
     def lengths(self):
@@ -407,15 +413,28 @@ cdef class _KVStore:
                 d[:, t:t + n] = r
 
     def commit(self, n, seq=0):
-        """Make ``n`` written tokens of sequence ``seq`` part of the cache."""
+        """Make ``n`` written tokens of sequence ``seq`` part of the cache.  A cache with ``recent``
+        float rows has none of these tokens' (write() stores the quantized rows only): its
+        queries read them, and the tokens before, quantized until a step or prefill plan commits
+        tokens again (KVCache)."""
         with self._claim():
             s = self._seq(seq)
-            n = _need_int(n, "n")
-            if n < 0 or n > self.capacity - int(self._lengths[s]):
-                raise KVSimdCapacityError("cannot commit %d tokens: sequence %d holds %d of %d"
-                                          % (n, s, self._lengths[s], self.capacity))
-            self._lengths[s] += n
-            self._changed()
+            self._commit(s, _need_int(n, "n"))
+            self._recent_lost(s)
+
+    cdef int _commit(self, int64_t s, int64_t n) except -1:
+        if n < 0 or n > self.capacity - int(self._lengths[s]):
+            raise KVSimdCapacityError("cannot commit %d tokens: sequence %d holds %d of %d"
+                                      % (n, s, self._lengths[s], self.capacity))
+        self._lengths[s] += n
+        self._changed()
+        return 0
+
+    cdef int _recent_lost(self, int64_t s) except -1:
+        """The float rows of sequence s no longer are its last tokens': none are read."""
+        if self.recent:
+            self._tn[s] = 0
+        return 0
 
     def _forget(self, seq, n):
         """Drop n tokens from the count of sequence seq (the ring policies free their slots)."""
@@ -425,6 +444,7 @@ cdef class _KVStore:
             if not 0 <= n <= self._lengths[s]:
                 raise KVSimdValueError("cannot forget %d of %d tokens" % (n, self._lengths[s]))
             self._lengths[s] -= n
+            self._recent_lost(s)
             self._changed()
 
     def reset(self, seq=None):
@@ -432,8 +452,11 @@ cdef class _KVStore:
         with self._claim():
             if seq is None:
                 self._lengths[:] = 0
+                if self.recent:
+                    self._tn[:] = 0
             else:
                 self._lengths[self._seq(seq)] = 0
+                self._recent_lost(self._seq(seq))
             self._changed()
 
     cdef tuple _storage(self):
@@ -453,7 +476,8 @@ cdef class _KVStore:
     def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None,
                softcap=None):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
-        ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place.
+        ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place
+        as stored (a quantized cache's quantized rows, also where it keeps float rows: ``recent``).
         ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``;
         ``softcap`` as in ops.attend (None or 0: off)."""
         cdef kv_attn_params p
@@ -561,6 +585,21 @@ cdef class KVCache(_KVStore):
     (which read and write the cache through the plan), then ``cache.end_step(plan)``, inside
     ``with cache.transaction():`` so that any failure or interrupt puts the cache back as it was.
 
+    ``recent`` = R > 0 (quantized caches only): the cache also keeps the float16 K/V rows of each
+    sequence's last R tokens (a ring of 2R rows per layer, sequence and KV head: R committed, R for
+    a pass's new ones; turned by H as the quantized rows are when ``hadamard``), and every query of
+    a step or prefill plan reads its last R keys, itself included, from them and older keys
+    quantized, all under one softmax (kvsimd.h kv_attend_sources).  4-bit keys cost most where a
+    query looks hardest, at its last tokens: R = 32 takes SmolLM2's int4 perplexity cost from
+    about 4% to a fraction of one (README).  The quantized rows of every token are stored as
+    well, so where float rows are missing the quantized ones are read: after :meth:`commit` or
+    :meth:`append` of rows stored with write() (no float rows: none are read until a plan
+    commits tokens again), for tokens a :meth:`truncate` leaves behind the dropped ones, for the
+    sinks of a ring that wrapped (its float rows cover window tokens only), and by explicit plans
+    (:meth:`step_plan`, :meth:`step_attend`) and :meth:`attend`, which read the quantized rows
+    only.  ``shift`` rotates the float rows' keys with the others (in float32, one float16
+    rounding); transactions restore them bit for bit.  :meth:`recent_rows` copies them.
+
     Read-only bookkeeping: ``positions`` [batch, capacity] (the position each slot's key was
     rotated to; ALiBi distances use it), ``head`` (ring slot of each sequence's oldest window
     token), ``seen`` (tokens ever appended), ``rotations`` [batch, capacity] (shifts each slot's
@@ -573,8 +612,12 @@ cdef class KVCache(_KVStore):
     cdef _Tx _tx                             # the open transaction, or None
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None, n_keep=0,
-                  policy="fixed", n_discard=None):
+                  policy="fixed", n_discard=None, recent=0):
         n_keep = _need_int(n_keep, "n_keep")
+        cdef int64_t rn = _need_int(recent, "recent", 0, self.capacity)
+        if rn and not kv_dtype_scaled(self._kv_dtype):
+            raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
+                                   "\"int8/int4\"), got recent=%d with dtype=%s" % (rn, self._dtype_name))
         if not isinstance(policy, str) or policy not in POLICIES:
             raise KVSimdValueError("policy must be one of %s, got %r" % (", ".join(POLICIES), policy))
         if not 0 <= n_keep < self.capacity:
@@ -597,6 +640,20 @@ cdef class KVCache(_KVStore):
         self._rot = _np.zeros((self.batch, self.capacity), dtype=_np.int32)
         self._tokens = [[] for _ in range(self.batch)]
         self._tx = None
+        if rn:
+            shape = (self.n_layers, 2, self.batch, self.n_kv_heads, 2 * rn, self.head_dim)
+            need = 2 * self.n_layers * 2 * self.batch * self.n_kv_heads * 2 * rn * self.head_dim
+            if need > _available_memory():
+                raise KVSimdMemoryError("recent=%d float16 rows (a ring of %d per layer, sequence and KV head) need %d "
+                                        "bytes, more than the memory available now" % (rn, 2 * rn, need))
+            try:
+                self._tail = _np.zeros(shape, dtype=_np.uint16)
+            except MemoryError:
+                raise KVSimdMemoryError("recent=%d float16 rows need %d bytes: cannot allocate them" % (rn, need)) from None
+            self._th = _np.zeros(self.batch, dtype=_np.int64)
+            self._tn = _np.zeros(self.batch, dtype=_np.int64)
+            self._ttag = _np.zeros((self.batch, 2 * rn), dtype=_np.int64)
+        self.recent = rn
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -632,6 +689,7 @@ cdef class KVCache(_KVStore):
                 if self._tx is not None:
                     self._tx.save_row(s)
                 self._lengths[s] = 0
+                self._recent_lost(s)
                 self._head[s] = self.n_keep
                 self._seen[s] = 0
                 self._pos[s] = 0
@@ -678,8 +736,12 @@ cdef class KVCache(_KVStore):
             p.tokens = _readonly(tokens.copy())
             _plan_prefix(p, p.slots + 1, p.slots)
             _plan_tables(p)
+            if self.recent:
+                _plan_recent(p, self, None)
             if self._tx is not None:
                 self._tx.save_row(s)
+                if self.recent:
+                    self._tx.save_recent(s, p.tidx)
             self._pos[s, start:start + T] = p.slots     # invisible until committed; ALiBi reads them
             p.key_pos = self._pos
         return p
@@ -692,10 +754,11 @@ cdef class KVCache(_KVStore):
                 raise KVSimdValueError("end_prefill needs a plan of begin_prefill on this cache")
             self._need_current(p, "end_prefill")
             self._took(p.seq, p.R, p.tokens.tolist())
+            self._recent_took(p)
 
     cdef int _took(self, int64_t s, int64_t T, list ids) except -1:
         """Commit T prefilled tokens of sequence s (their slots and positions already set)."""
-        self.commit(T, seq=s)
+        self._commit(s, T)
         self._seen[s] += T
         self._tokens[s].extend(ids)
         return 0
@@ -730,6 +793,7 @@ cdef class KVCache(_KVStore):
                 self._tx.save_row(s)
             self._pos[s, start:start + k] = _np.arange(start, start + k)
             self._took(s, k, ids)
+            self._recent_lost(s)       # write() stores no float rows
 
     # ------------------------------------------------------------------ decode step
     def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,
@@ -798,6 +862,11 @@ cdef class KVCache(_KVStore):
             p.tokens = _readonly(tokens.copy())
             _plan_ranges(p, per_row, chrono)
             _plan_tables(p)
+            if self.recent:
+                _plan_recent(p, self, chrono)
+                if self._tx is not None:
+                    for b in range(B):
+                        self._tx.save_recent(b, p.tidx[b:b + 1])
             for b in range(B):
                 self._pos[b, p.slots[b]] = p.kpos[b]     # invisible until committed; ALiBi reads it
             p.key_pos = self._pos
@@ -816,7 +885,51 @@ cdef class KVCache(_KVStore):
                 self._seen[b] += 1
                 self._tokens[b].append(int(p.tokens[b]))
                 self._lengths[b] += 1
+            self._recent_took(p)
             self._changed()
+
+    # ------------------------------------------------------------------ recent float rows
+    cdef int _recent_took(self, _Plan p) except -1:
+        """The float rows a committed plan stored (tidx) join its sequences' rings, the oldest
+        beyond ``recent`` leaving; a plan made without them (recent 0 then, or explicit) leaves
+        its sequences none."""
+        cdef int64_t r, s, tot, drop, ring = 2 * self.recent
+        if not self.recent:
+            return 0
+        if p.rn == 0:
+            for r in range(p.R):
+                self._recent_lost(p.seqs[r])
+            return 0
+        for r in range(p.R):
+            if p.tidx[r] < 0:
+                continue
+            s = p.seqs[r]
+            self._ttag[s, p.tidx[r]] = p.slots[r]
+            tot = self._tn[s] + 1
+            drop = max(0, tot - self.recent)
+            self._th[s] = (self._th[s] + drop) % ring
+            self._tn[s] = tot - drop
+        return 0
+
+    cdef int _recent_keep(self, int64_t s, int64_t n) except -1:
+        """At most the newest ``n`` float rows of sequence s stay (a discard left fewer tokens after
+        the sinks; a truncate: see there)."""
+        if self.recent and self._tn[s] > n:
+            self._th[s] = (self._th[s] + self._tn[s] - max(n, 0)) % (2 * self.recent)
+            self._tn[s] = max(n, 0)
+        return 0
+
+    def recent_rows(self, layer, seq=0):
+        """A copy of the float rows a cache with ``recent`` > 0 holds for one layer and sequence,
+        oldest first: ``(k, v)`` float16 ``[n_kv_heads, n, head_dim]``, the last n <= recent
+        committed tokens' K/V as the model computed them (RoPE'd keys), rounded to float16 --
+        with ``hadamard``, turned as the quantized rows are (H x / 32 over whole blocks of 32)."""
+        with self._claim():
+            l, s = self._layer(layer), self._seq(seq)
+            if not self.recent:
+                raise KVSimdValueError("recent_rows: this cache keeps no float rows (recent=0)")
+            idx = (self._th[s] + _np.arange(self._tn[s])) % (2 * self.recent)
+            return tuple(self._tail[l, w, s][:, idx].view(_np.float16) for w in (0, 1))
 
     # ------------------------------------------------------------------ rollback
     def truncate(self, seq, n):
@@ -858,6 +971,8 @@ cdef class KVCache(_KVStore):
                 self._rot[s, t0:t1] = 0
             self._lengths[s] = a
             self._seen[s] -= k
+            if self.recent:                              # the newest float rows go with their tokens
+                self._tn[s] = max(0, self._tn[s] - k)
             if a == 0:                                   # emptied: a fresh sequence, prefill works again
                 self._head[s], self._seen[s] = nk, 0
             del self._tokens[s][a:]
@@ -956,6 +1071,8 @@ cdef class KVCache(_KVStore):
         if self._tx is not None:
             self._tx.save_row(b)
             self._tx.save_kv(b, 0, self.capacity)
+            if self.recent:
+                self._tx.save_recent(b, _np.arange(2 * self.recent))
         keep_start = nk + (self._head[b] - nk + nd) % W
         for t0, t1 in _ring_ranges(keep_start, W - nd, nk, W):
             if rope is not None:
@@ -964,6 +1081,9 @@ cdef class KVCache(_KVStore):
             self._pos[b, t0:t1] -= nd
         self._head[b] = keep_start
         self._lengths[b] -= nd
+        self._recent_keep(b, W - nd)
+        if rope is not None:
+            self._recent_shift(b, -nd, rope)
         del self._tokens[b][nk:nk + nd]
         self._changed()
         return 0
@@ -975,6 +1095,7 @@ cdef class KVCache(_KVStore):
             self._tx.save_row(b)
         self._head[b] = nk + (self._head[b] - nk + 1) % W
         self._lengths[b] -= 1
+        self._recent_keep(b, self._lengths[b] - nk)
         del self._tokens[b][nk]
         self._changed()
         return 0
@@ -991,6 +1112,29 @@ cdef class KVCache(_KVStore):
             a, b = max(a, t0), min(b, t1)
             if a < b:
                 self._tx.save_kv(s, a, b, l)
+        return 0
+
+    cdef int _recent_shift(self, int64_t s, int64_t delta, RopeSpec rope) except -1:
+        """Rotate the keys of sequence s's float rows by ``delta`` positions, as _shift rotates the
+        quantized ones: in float32 and rounded to float16 once (turned rows turned back first and
+        again after)."""
+        cdef int64_t n, D = self.head_dim, Hkv = self.n_kv_heads, l
+        cdef kv_status rc
+        if not self.recent or self._tn[s] == 0:
+            return 0
+        n = self._tn[s]
+        idx = (self._th[s] + _np.arange(n)) % (2 * self.recent)
+        wb = D // KV_I8_BLOCK * KV_I8_BLOCK
+        for l in range(self.n_layers):
+            x = _np.ascontiguousarray(self._tail[l, 0, s][:, idx].view(_np.float16).astype(_np.float32))
+            if self.hadamard:            # H (H x / 32) = x
+                kv_hadamard_rows(<float *>_ptr(x), D, Hkv * n, D)
+            rc = kv_shift_keys(_ptr(x), NULL, KV_F32, 0, Hkv, n, D, delta, rope.inv, rope.st, rope.rotary_dim, 0, n)
+            _check_status(rc, "shift of the float rows")
+            if self.hadamard:
+                x[..., :wb] *= _np.float32(1.0 / KV_I8_BLOCK)
+                kv_hadamard_rows(<float *>_ptr(x), D, Hkv * n, D)
+            self._tail[l, 0, s][:, idx] = x.astype(_np.float16).view(_np.uint16)
         return 0
 
     cdef int _shift(self, int64_t s, int64_t t0, int64_t t1, int64_t delta, RopeSpec rope) except -1:
@@ -1021,6 +1165,7 @@ cdef class KVCache(_KVStore):
             if self._tx is not None:   # undone with the transaction, bit for bit
                 self._tx.save_kv(s, c0, c1)
             self._shift(s, c0, c1, d, spec)
+            self._recent_lost(s)       # its float rows no longer hold the keys of their slots
             self._changed()
 
 
@@ -1051,7 +1196,8 @@ cdef class _Tx:
     cdef bint outer
     cdef int state                  # 0 not entered yet, 1 open, 2 exited: one use per object
     cdef object lengths, head, seen
-    cdef list ntok, cells, kv
+    cdef object th, tn, ttag        # recent float rows: ring bookkeeping
+    cdef list ntok, cells, kv, tail
     cdef readonly dict rows
 
     def __enter__(self):
@@ -1065,7 +1211,9 @@ cdef class _Tx:
         if self.outer:
             self.lengths, self.head, self.seen = c._lengths.copy(), c._head.copy(), c._seen.copy()
             self.ntok = [len(t) for t in c._tokens]
-            self.rows, self.cells, self.kv = {}, [], []
+            self.rows, self.cells, self.kv, self.tail = {}, [], [], []
+            if c.recent:
+                self.th, self.tn, self.ttag = c._th.copy(), c._tn.copy(), c._ttag.copy()
             c._tx = self
         return self
 
@@ -1093,6 +1241,14 @@ cdef class _Tx:
     cdef save_cell(self, int64_t b, int64_t slot):
         k = self.cache
         self.cells.append((b, slot, int(k._pos[b, slot]), int(k._rot[b, slot])))
+
+    cdef save_recent(self, int64_t b, idx):
+        """The float rows (every layer, K and V) in ring entries ``idx`` of sequence b, which a
+        plan stores into or a shift rotates."""
+        k = self.cache
+        idx = _np.asarray(idx)[_np.asarray(idx) >= 0]
+        if len(idx):
+            self.tail.append((b, idx, k._tail[:, :, b][..., idx, :].copy()))
 
     cdef save_kv(self, int64_t b, int64_t t0, int64_t t1, int64_t layer=-1):
         """The K/V (and scales) of slots t0..t1-1 of sequence b: of every layer, or of ``layer``."""
@@ -1127,6 +1283,10 @@ cdef class _Tx:
         c = self.cache
         for l, b, t0, rows in reversed(self.kv):      # as stored: bit for bit
             c._restore_rows(l, b, t0, rows)
+        for b, idx, rows in reversed(self.tail):
+            c._tail[:, :, b][..., idx, :] = rows
+        if c.recent:
+            c._th[:], c._tn[:], c._ttag[:] = self.th, self.tn, self.ttag
         # newest record first, so the oldest value of each slot is the one left (a row may be
         # saved after a step changed a slot of it: a truncate in the transaction)
         for b, slot, p, r in reversed(self.cells):

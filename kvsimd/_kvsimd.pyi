@@ -88,6 +88,7 @@ class _KVStore:
     capacity: int
     batch: int
     hadamard: bool
+    recent: int
     def __new__(cls, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, batch: int = ...,
                  dtype: Any = ..., hadamard: Optional[bool] = ..., **streaming: Any) -> Self: ...
     @property
@@ -120,9 +121,10 @@ class KVCache(_KVStore):
     n_discard: int
     def __new__(cls, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, batch: int = ...,
                  dtype: Any = ..., hadamard: Optional[bool] = ..., n_keep: int = ..., policy: str = ...,
-                 n_discard: Optional[int] = ...) -> Self: ...
+                 n_discard: Optional[int] = ..., recent: int = ...) -> Self: ...
     @property
     def policy(self) -> str: ...
+    def recent_rows(self, layer: int, seq: int = ...) -> Tuple[_Array, _Array]: ...
     @property
     def positions(self) -> _Array: ...
     @property

@@ -38,13 +38,23 @@ cdef class _Plan:
     cdef bint band                      # rows of one sequence in one multi-row kernel call (_plan_prefix):
     cdef int64_t band_rng[4]            #   keys 0..(last row's end) at row 0's query position,
     cdef int64_t band_end               #   row r reads keys < band_end + r (0: all of them)
+    # a cache with recent float rows (KVCache(recent=R); made by _plan_recent): row r's float16 K/V
+    # go to entry tidx[r] of its sequence's ring (-1: none), and it reads its last R keys (itself
+    # included) as float16 rows gathered into tscr -- tcom[r] committed ring entries from tfrom[r],
+    # then its own (a prefill band: every row of the chunk) -- and the older keys quantized
+    cdef int64_t rn                     # R; 0: quantized rows only
+    cdef object tidx, tfrom, tcom, tnf  # int64 [R]; tnf: float keys a row reads (per-row calls)
+    cdef list wtnf                      # per attention window: its tnf
+    cdef object tscr, tkp, tf, tws      # uint16 [K|V, Hkv, G, D] float16 bits, their positions [rows, G],
+                                        #   float32 [Hkv * D] scratch, the two-source workspace
 
 
     def row(self, r):
         """Row ``r`` as ``(sequence, slot, key position, sink-query position, ranges)``, ranges the
         ``(use_sink_query, t0, t1, query_position)`` key ranges it reads under one softmax: what the
         compiled layers read, for callers that attend with ops.attend over the cache's storage
-        (the transformers integration)."""
+        (the transformers integration).  A plan of a cache with ``recent`` float rows lists the
+        ranges it reads quantized: its last keys it reads from the float rows (KVCache)."""
         cdef int64_t i = _need_int(r, "r")
         if not 0 <= i < self.R:
             raise KVSimdValueError("r must be in 0..%d, got %d" % (self.R - 1, i))
@@ -171,6 +181,90 @@ cdef list _last_keys(list ranges, int64_t W):
     return out
 
 
+cdef tuple _drop_last(list ranges, int64_t m, bint alt):
+    """(``ranges`` (oldest key first) without their last ``m`` keys, how many were dropped): stops
+    at a range read with the sink query when the row has one (``alt``), whose keys the float rows
+    never hold (a ring that wrapped keeps no float rows of its sinks)."""
+    cdef int64_t left = m, t0, t1
+    out = list(ranges)
+    while left > 0 and out:
+        use_s, t0, t1, qpos = out[len(out) - 1]
+        if use_s and alt:
+            break
+        if t1 - t0 > left:
+            out[len(out) - 1] = (use_s, t0, t1 - left, qpos)
+            left = 0
+        else:
+            out.pop()
+            left -= t1 - t0
+    return out, m - left
+
+
+cdef int _plan_recent(_Plan p, KVCache c, list chrono) except -1:
+    """The float rows of a plan of a cache with ``recent`` = R > 0 (KVCache): where each row's
+    float16 K/V go and which keys it reads as float16 (the _Plan fields above).  A decode plan
+    (``chrono``: per row its key ranges, oldest key first): each row reads its last min(R, keys)
+    keys from the float rows and the older ones through range tables built here without them.  A
+    prefill band (``chrono`` None): one kernel call per source, the quantized keys read below
+    causal_end - R + r and the float rows (committed ones, then the chunk) at or above it."""
+    cdef int64_t R = p.R, rn = c.recent, ring = 2 * c.recent, r, s, tn, th, com, k, first, G
+    cdef int64_t Hkv = c.n_kv_heads, D = c.head_dim
+    p.rn = rn
+    p.tidx = _np.full(R, -1, dtype=_np.int64)
+    p.tfrom = _np.zeros(R, dtype=_np.int64)
+    p.tcom = _np.zeros(R, dtype=_np.int64)
+    p.tnf = _np.zeros(R, dtype=_np.int64)
+    p.wtnf = []
+    tag, pos = c._ttag, c._pos
+    if chrono is None:                   # a prefill chunk of sequence p.seq
+        s = p.seq
+        tn, th = c._tn[s], c._th[s]
+        com = min(tn, rn - 1)
+        p.tcom[:], p.tfrom[:] = com, (th + tn - com) % ring
+        first = max(0, R - rn)           # the chunk's last R rows are kept
+        p.tidx[first:] = (th + tn + _np.arange(R - first)) % ring
+        G = com + R
+        p.tkp = _np.empty((1, G), dtype=_np.int64)
+        for k in range(com):
+            p.tkp[0, k] = pos[s, tag[s, (p.tfrom[0] + k) % ring]]
+        p.tkp[0, com:] = p.kpos
+    else:
+        G = rn
+        p.tkp = _np.zeros((R, G), dtype=_np.int64)
+        alt = [bool(p.do_rope and p.spos[r] != p.kpos[r]) for r in range(R)]
+        rows = []
+        for r in range(R):
+            s = p.seqs[r]
+            tn, th = c._tn[s], c._th[s]
+            com = min(tn, rn - 1)
+            p.tcom[r], p.tfrom[r], p.tidx[r] = com, (th + tn - com) % ring, (th + tn) % ring
+            for k in range(com):
+                p.tkp[r, k] = pos[s, tag[s, (p.tfrom[r] + k) % ring]]
+            p.tkp[r, com] = p.kpos[r]
+            kept, p.tnf[r] = _drop_last(chrono[r], com + 1, alt[r])
+            rows.append(kept)
+        p.rng, p.nr, p.nrmax = _range_table(p, [_slot_order(x) for x in rows])
+        p.wtab = []
+        for W in p.windows:
+            nfs = _np.zeros(R, dtype=_np.int64)
+            rows = []
+            for r in range(R):
+                kept, nfs[r] = _drop_last(_last_keys(chrono[r], W), p.tcom[r] + 1, alt[r])
+                rows.append(_slot_order(kept))
+            p.wtab.append(_range_table(p, rows))
+            p.wtnf.append(nfs)
+    p.tscr = _np.zeros((2, Hkv, G, D), dtype=_np.uint16)
+    p.tf = _np.empty(Hkv * D, dtype=_np.float32)
+    p.tws = _workspace(p.H, Hkv, D, p.nt, R if chrono is None else 1, 2)
+    return 0
+
+
+cdef list _slot_order(list ranges):
+    """Key ranges oldest first -> as a step reads them: the sink ranges, then the others in slot
+    order (their keys carry their own positions, so ranges that touch become one kernel range)."""
+    return [x for x in ranges if x[0]] + sorted(x for x in ranges if not x[0])
+
+
 cdef int _plan_prefix(_Plan p, object t1, object qpos) except -1:
     """Row r reads keys 0..t1[r]-1 as one range at query position qpos[r] (a prefill chunk, a
     local pass): the table _plan_ranges would build, without a Python object per row."""
@@ -210,6 +304,33 @@ cdef int _plan_tables(_Plan p) except -1:
     p.qs = _np.empty((<object>p.R, <object>p.HD) if p.two.any() else (1, 1), dtype=_np.float32)
     p.ws = (<_KVStore>p.owner)._scratch(p.H, p.nt)     # the store's workspace, reused step after step
     return 0
+
+
+cdef void _f16_heads(uint16_t *dst, int64_t dstride, const float *x, float *tmp, int64_t n, int64_t D,
+                     bint turned) noexcept nogil:
+    """n rows of D floats (contiguous) as float16 bits at dst + i * dstride; ``turned``: as a
+    quantized row of the cache is stored, H x / 32 over every whole block of 32 (kv_hadamard_rows)."""
+    cdef int64_t i, d, wb = D // KV_I8_BLOCK * KV_I8_BLOCK
+    if turned:
+        memcpy(tmp, x, n * D * sizeof(float))
+        for i in range(n):
+            for d in range(wb):
+                tmp[i * D + d] *= 0.03125
+        kv_hadamard_rows(tmp, D, n, D)
+        x = tmp
+    for i in range(n):
+        kv_f32_to_f16(dst + i * dstride, x + i * D, D)
+
+
+cdef void _gather_ring(uint16_t *dst, int64_t G, const uint16_t *ring_rows, int64_t ring, int64_t first, int64_t n,
+                       int64_t Hkv, int64_t D) noexcept nogil:
+    """n entries of a ring [Hkv, ring, D] from entry ``first`` (wrapping) into rows 0..n-1 of
+    dst [Hkv, G, D] (float16 bits)."""
+    cdef int64_t h, a = n if n < ring - first else ring - first
+    for h in range(Hkv):
+        memcpy(dst + h * G * D, ring_rows + (h * ring + first) * D, a * D * sizeof(uint16_t))
+        if n > a:
+            memcpy(dst + (h * G + a) * D, ring_rows + h * ring * D, (n - a) * D * sizeof(uint16_t))
 
 
 cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t width, float *out,
@@ -258,6 +379,31 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef bint quantized = kv_dtype_scaled(dt), hd = store.hadamard
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
+    # the float rows of the most recent keys (plan.rn > 0: _plan_recent)
+    cdef kv_attn_params src[2]
+    cdef int64_t rn = plan.rn, ring = 2 * plan.rn, G = 0, ti, com, m, nf, ns, B = store.batch, start
+    cdef int64_t srng[4]
+    cdef uint16_t *tail = NULL
+    cdef uint16_t *scr = NULL
+    cdef uint16_t *sv = NULL
+    cdef float *tfp = NULL
+    cdef const int64_t *tip = NULL
+    cdef const int64_t *tcp = NULL
+    cdef const int64_t *tfr = NULL
+    cdef const int64_t *tnfp = NULL
+    cdef const int64_t *tkpp = NULL
+    cdef const int64_t *kpp = <const int64_t *>_ptr(plan.kpos)
+    cdef void *twsp = NULL
+    cdef bint band = plan.band and (R > 1 or rn > 0)
+    if rn:
+        tail, scr, tfp = <uint16_t *>_ptr(store._tail), <uint16_t *>_ptr(plan.tscr), <float *>_ptr(plan.tf)
+        G = plan.tscr.shape[2]
+        sv = scr + Hkv * G * D
+        tip, tcp, tfr = <const int64_t *>_ptr(plan.tidx), <const int64_t *>_ptr(plan.tcom), \
+            <const int64_t *>_ptr(plan.tfrom)
+        tnfp = <const int64_t *>_ptr(plan.wtnf[plan.windows.index(window)] if window and not band else plan.tnf)
+        tkpp = <const int64_t *>_ptr(plan.tkp)
+        twsp = _aligned64(plan.tws)
     store._acquire()
     try:
         store._need_current(plan)     # checked under the claim: no thread can change the cache now
@@ -292,6 +438,16 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                     else:
                         memcpy(kc + ((h * C + slot) * D) * es, krow + h * D, D * es)
                         memcpy(vc + ((h * C + slot) * D) * es, vrow + h * D, D * es)
+                if rn:    # the float16 rows: the ring keeps them, a prefill band reads them
+                    ti = tip[r]
+                    if ti >= 0:
+                        _f16_heads(tail + (((lb * 2) * B + sqp[r]) * Hkv * ring + ti) * D, ring * D, krow, tfp, Hkv,
+                                   D, hd)
+                        _f16_heads(tail + (((lb * 2 + 1) * B + sqp[r]) * Hkv * ring + ti) * D, ring * D, vrow, tfp,
+                                   Hkv, D, hd)
+                    if band:
+                        _f16_heads(scr + (tcp[0] + r) * D, G * D, krow, tfp, Hkv, D, hd)
+                        _f16_heads(sv + (tcp[0] + r) * D, G * D, vrow, tfp, Hkv, D, hd)
                 if hd:   # rows stored turned by H: the queries turned too (_KVStore's docstring)
                     kv_hadamard_rows(qrow, D, H, D)
                     if twp[r]:
@@ -299,14 +455,36 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
             # 2. every row's key ranges under one softmax: the rows of one sequence (a prefill
             #    chunk, a local pass) in one multi-row call that reads each K/V row once per tile
             #    of rows; decode steps one call per row
-            if plan.band and R > 1:
+            if band and rn:
+                # the quantized keys below causal_end + r - R (key_base R), then the float rows:
+                # the committed ones and the chunk's, the last R keys of each row (the window)
+                sq = sqp[0]
+                start = slp[0]
+                _gather_ring(scr, G, tail + ((lb * 2) * B + sq) * Hkv * ring * D, ring, tfr[0], tcp[0], Hkv, D)
+                _gather_ring(sv, G, tail + ((lb * 2 + 1) * B + sq) * Hkv * ring * D, ring, tfr[0], tcp[0], Hkv, D)
+                ns = 0
+                if window == 0 or window > rn:
+                    _attn_init(&src[0], qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
+                               out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
+                               H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
+                               window - rn if window else 0, kv_cache_scales(&store.c, lb, 0, sq),
+                               kv_cache_scales(&store.c, lb, 1, sq), vdt)
+                    src[0].key_base = rn
+                    ns = 1
+                srng[0], srng[1], srng[2], srng[3] = 0, 0, G, plan.band_rng[3]
+                _attn_init(&src[ns], qkv, NULL, scr, sv, out, alibi, tkpp if alibi != NULL else NULL, srng, 1,
+                           H, Hkv, D, G, plan.scale, plan.softcap, KV_F16, R, width, HD, plan.band_end,
+                           window if 0 < window < rn else rn)
+                src[ns].key_base = start - tcp[0]
+                kv_attend_sources(src, ns + 1, twsp, nt)
+            elif band:
                 sq = sqp[0]
                 _attn_init(&p, qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
                            out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
                            H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
                            window, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq), vdt)
                 kv_attend(&p, wsp, nt)
-            for r in range(R if not (plan.band and R > 1) else 0):
+            for r in range(R if not band else 0):
                 sq = sqp[r]
                 _attn_init(&p, qkv + r * width, qsp + r * HD if twp[r] else NULL,
                            kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq), out + r * HD,
@@ -314,7 +492,27 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
                            rg + r * nrm * 4, nrp[r], H, Hkv, D, C, plan.scale, plan.softcap, dt,
                            1, 0, 0, 0, 0, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq),
                            vdt)
-                kv_attend(&p, wsp, nt)
+                if not rn:
+                    kv_attend(&p, wsp, nt)
+                    continue
+                # the row's last keys as float16 rows: its committed ring entries, then its own
+                com, nf = tcp[r], tnfp[r]
+                m = com + 1
+                _gather_ring(scr, G, tail + ((lb * 2) * B + sq) * Hkv * ring * D, ring, tfr[r], com, Hkv, D)
+                _gather_ring(sv, G, tail + ((lb * 2 + 1) * B + sq) * Hkv * ring * D, ring, tfr[r], com, Hkv, D)
+                _gather_ring(scr + com * D, G, tail + ((lb * 2) * B + sq) * Hkv * ring * D, ring, tip[r], 1, Hkv, D)
+                _gather_ring(sv + com * D, G, tail + ((lb * 2 + 1) * B + sq) * Hkv * ring * D, ring, tip[r], 1, Hkv, D)
+                ns = 0
+                if nrp[r] > 0:
+                    src[0] = p
+                    ns = 1
+                if nf > 0:
+                    srng[0], srng[1], srng[2], srng[3] = 0, m - nf, m, kpp[r]
+                    _attn_init(&src[ns], qkv + r * width, NULL, scr, sv, out + r * HD, alibi,
+                               tkpp + r * G if alibi != NULL else NULL, srng, 1, H, Hkv, D, G, plan.scale,
+                               plan.softcap, KV_F16)
+                    ns += 1
+                kv_attend_sources(src, ns, twsp, nt)
             if hd:       # and the outputs turned back
                 kv_hadamard_rows(out, D, R * H, D)
         if lb == plan.done:
@@ -385,3 +583,18 @@ def _local_plan(int64_t T, int64_t H, int64_t Hkv, int64_t D, RopeSpec rope, ali
     p.key_pos = None          # ALiBi: a key's position is its slot
     _plan_tables(p)
     return p
+
+
+def _attend_plan(plan, layer, qkv, out, window=0):
+    """Testing hook: the self-attention of every row of ``plan`` for ``layer``, as the compiled
+    layers run it (_attend_rows): ``qkv`` float32 [rows, (H + 2 Hkv) * head_dim] (rotated and
+    turned in place), ``out`` float32 [rows, H * head_dim]; ``window`` the layer's attention window."""
+    cdef _Plan p = _need_plan(plan)
+    cdef _KVStore store = p.owner
+    _need_array(qkv, "qkv", (_F32,), 2, "", writeable=True,
+                shape=(p.R, p.HD + 2 * store.n_kv_heads * store.head_dim))
+    _need_array(out, "out", (_F32,), 2, "", writeable=True, shape=(p.R, p.HD))
+    _need_no_overlap(out, "out", (("qkv", qkv), ("the cache storage", store._storage())))
+    _attend_rows(p, store, _need_int(layer, "layer"), <float *>_ptr(qkv), qkv.shape[1], <float *>_ptr(out),
+                 _need_int(window, "window", 0))
+    return out

@@ -313,7 +313,7 @@ def hadamard_rows(x, _back=True):
     x = np.array(x)
     D = x.shape[-1]
     w = D // KV_I8_BLOCK * KV_I8_BLOCK
-    b = x[..., :w].reshape(x.shape[:-1] + (-1, KV_I8_BLOCK))
+    b = x[..., :w].reshape(x.shape[:-1] + (w // KV_I8_BLOCK, KV_I8_BLOCK))
     b *= x.dtype.type(1.0 / KV_I8_BLOCK)
     h = 1
     while h < KV_I8_BLOCK:

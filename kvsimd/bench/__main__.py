@@ -167,7 +167,8 @@ def run_decode(args, roof):
                                  prefill_repeat=2 if args.quick else 5, load_repeat=1 if args.quick else 3,
                                  fill=args.fill, flash_attn=args.llama_flash_attn,
                                  peers=decode.GGUF_PEERS + (decode.KV_INT8_PEERS if args.kv_int8 else ()) +
-                                       (decode.KV_INT4_PEERS if args.kv_int4 else ()))
+                                       (decode.KV_INT4_PEERS if args.kv_int4 else ()) +
+                                       tuple("kvsimd-int4+%d" % r for r in args.kv_recent or ()))
     rows = decode.run([128] if args.quick else [128, 2048, 8192], threads, steps, show,
                       models=("smollm2-shaped",) if args.quick else None)
     ratios = {}
@@ -315,9 +316,12 @@ def main(argv=None):
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
                     help="decode of a GGUF model: kvsimd's context, the prompt prefilled (default) or random K/V "
                          "of the same length (llama.cpp and transformers always prefill)")
-    ap.add_argument("--kv-dtype", action="append", choices=("float16", "float32", "int8", "int4", "int8/int4", "int4-plain"),
-                    help="quality: the KV-cache dtype(s) every configuration runs with (default float16; the "
-                         "first one also runs the oracle)")
+    from kvsimd.bench.quality import _kind_arg
+    ap.add_argument("--kv-dtype", action="append", type=_kind_arg, metavar="KIND",
+                    help="quality: the KV-cache kind(s) every configuration runs with (default float16; the "
+                         "first one also runs the oracle): float16, float32, int8, int4, int8/int4, int4-plain "
+                         "(int4 without the Hadamard turn), or a quantized one with +R (its last R tokens' "
+                         "float16 rows kept and read as well, e.g. int4+32)")
     ap.add_argument("--kv-int8", action="store_true",
                     help="decode of a GGUF model: also kvsimd with an int8 KV cache and llama.cpp with q8_0 K/V "
                          "(flash attention), side by side with the float16 caches")
@@ -325,6 +329,10 @@ def main(argv=None):
                     help="decode of a GGUF model: also kvsimd with an int4 KV cache and one of int8 keys with int4 "
                          "values (both turned by the Hadamard matrix), "
                          "side by side with the float16 caches")
+    ap.add_argument("--kv-recent", type=int, action="append", metavar="R",
+                    help="decode of a GGUF model: also kvsimd with an int4 KV cache that keeps its last R "
+                         "tokens' float16 rows (KVCache(recent=R), read for each query's last R keys), "
+                         "repeatable")
     ap.add_argument("--llama-flash-attn", action="store_true",
                     help="decode of a GGUF model: llama.cpp with flash attention (default: off, "
                          "llama-cpp-python's default)")
@@ -375,8 +383,12 @@ def main(argv=None):
         ap.error("--depth and --prefill-tokens must be >= 0, --steps >= 1")
     if args.kv_dtype and args.what != "quality":     # decode would silently time float16 caches only
         ap.error("--kv-dtype goes with the quality subcommand (decode of a GGUF model takes --kv-int8 and --kv-int4)")
-    if (args.kv_int8 or args.kv_int4) and (args.what != "decode" or args.model == "shapes" or args.contention):
-        ap.error("--kv-int8 and --kv-int4 go with decode of a GGUF model (--model smollm2, llama3-8b or a path)")
+    if (args.kv_int8 or args.kv_int4 or args.kv_recent) and (args.what != "decode" or args.model == "shapes" or
+                                                             args.contention):
+        ap.error("--kv-int8, --kv-int4 and --kv-recent go with decode of a GGUF model (--model smollm2, llama3-8b or "
+                 "a path)")
+    if any(r < 1 for r in args.kv_recent or ()):
+        ap.error("--kv-recent must be >= 1")
     if args.contention and args.what != "decode":
         ap.error("--contention goes with the decode subcommand: python -m kvsimd.bench decode --contention")
     wants_text = args.what in ("quality", "hf") or (args.what == "decode" and args.model != "shapes"

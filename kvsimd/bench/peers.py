@@ -36,6 +36,19 @@ import numpy as np
 IMPLS = ("kvsimd", "kvsimd-int8", "kvsimd-int4", "kvsimd-int8/int4", "llama.cpp", "llama.cpp-q8_0", "transformers")
 
 
+def _impl(name):
+    """argparse type of the worker's impl: one of IMPLS, or "kvsimd-KIND" with a KV-cache kind of
+    the quality runs (kvsimd.bench.quality.parse_kind: e.g. "kvsimd-int4+32")."""
+    if name in IMPLS:
+        return name
+    if name.startswith("kvsimd-"):
+        from kvsimd.bench.quality import _kind_arg
+        _kind_arg(name[len("kvsimd-"):])
+        return name
+    raise argparse.ArgumentTypeError("impl must be one of %s, or kvsimd-KIND (e.g. kvsimd-int4+32), got %r"
+                                     % (", ".join(IMPLS), name))
+
+
 def rss_mib():
     """Resident set of this process in MiB: total, anonymous, file-backed (``/proc/self/status``)."""
     out = {}
@@ -51,7 +64,9 @@ def rss_mib():
 class KVSimdRunner:
     def __init__(self, path, n_ctx, fill="prefill", dtype="float16"):
         import kvsimd
+        from kvsimd.bench.quality import cache_args
         self.kvsimd = kvsimd
+        self.cache_args = cache_args(dtype)     # dtype: a KV-cache kind (e.g. "int4+32")
         self.m = kvsimd.Decoder.from_gguf(path)
         self.n_ctx, self.fill_mode, self.dtype = n_ctx, fill, dtype
         self.cache, self.fill_cache, self.saved, self.context, self.depth, self.next = None, None, None, [], 0, None
@@ -64,7 +79,7 @@ class KVSimdRunner:
         self.kvsimd.set_num_threads(n)
 
     def prefill(self, tokens):
-        cache = self.m.new_cache(capacity=len(tokens) + 8, dtype=self.dtype)
+        cache = self.m.new_cache(capacity=len(tokens) + 8, **self.cache_args)
         t0 = time.perf_counter()
         logits = self.m.prefill(tokens, cache=cache)
         dt = time.perf_counter() - t0
@@ -85,7 +100,7 @@ class KVSimdRunner:
             dt, new = time.perf_counter() - t0, []          # nothing prefilled: not a prefill figure
         else:
             if self.fill_cache is None or not self.context or tokens[:len(self.context)] != self.context:
-                self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx, dtype=self.dtype), []
+                self.fill_cache, self.context = self.m.new_cache(capacity=self.n_ctx, **self.cache_args), []
             new = tokens[len(self.context):]
             t0 = time.perf_counter()
             for i in range(0, len(new), chunk):
@@ -95,19 +110,27 @@ class KVSimdRunner:
             self.saved = [c._saved_rows(layer, 0, 0, len(tokens)) for layer in range(cfg.n_layers)]
         self.context, self.depth = tokens, len(tokens)
         if self.cache is None:
-            self.cache = self.m.new_cache(capacity=self.n_ctx, dtype=self.dtype)
+            self.cache = self.m.new_cache(capacity=self.n_ctx, **self.cache_args)
         return {"seconds": dt, "tokens": len(new)}
 
     def start(self, first):
         c = self.cache
         c.reset()
-        if self.depth:
+        # a cache that keeps its last tokens' float rows (recent > 0) gets them by a prefill of
+        # those tokens after the others' stored rows: decode then reads as many as it always will
+        n0 = self.depth - min(c.recent, self.depth)
+        if n0:
             for layer, rows in enumerate(self.saved):
                 if self.fill_mode == "random":
-                    c.write(layer, *rows)
+                    c.write(layer, *(np.ascontiguousarray(r[:, :n0]) for r in rows))
                 else:                               # as stored, bit for bit
-                    c._restore_rows(layer, 0, 0, rows)
-            c.commit(self.depth)
+                    c._restore_rows(layer, 0, 0, tuple(r[:, :n0] for r in rows))
+            if c.recent:
+                c.append(0, n0)
+            else:
+                c.commit(n0)
+        if n0 < self.depth:
+            self.m.prefill(self.context[n0:], cache=c)
         self.next = int(first)
         return {"length": c.length()}
 
@@ -318,7 +341,7 @@ def serve(impl, path, n_ctx, fill="prefill", flash_attn=False, limit_memory=True
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvsimd.bench.peers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("impl", choices=IMPLS)
+    ap.add_argument("impl", type=_impl)
     ap.add_argument("path")
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill")

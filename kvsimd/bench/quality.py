@@ -77,9 +77,34 @@ def check_text(text_path, n_tokens):
 CACHE_KINDS = ("float16", "float32", "int8", "int4", "int8/int4", "int4-plain")
 
 
+def parse_kind(kind):
+    """(a kind of CACHE_KINDS, recent) of ``kind``: one of CACHE_KINDS, or a quantized one with
+    "+R" (e.g. "int4+32": the cache also keeps its last 32 tokens' float16 rows, KVCache(recent=32),
+    and every query reads its last 32 keys from them).  ValueError for anything else."""
+    base, plus, r = str(kind).partition("+")
+    if base not in CACHE_KINDS or (plus and (base in ("float16", "float32") or not r.isdigit() or int(r) < 1)):
+        raise ValueError("a KV-cache kind is one of %s, or a quantized one with +R (R >= 1 recent tokens kept as "
+                         "float16 rows, e.g. int4+32), got %r" % (", ".join(CACHE_KINDS), kind))
+    return base, int(r) if plus else 0
+
+
 def cache_args(kind):
-    """new_cache keywords of a cache kind (CACHE_KINDS)."""
-    return dict(dtype="int4", hadamard=False) if kind == "int4-plain" else dict(dtype=kind)
+    """new_cache keywords of a cache kind (parse_kind)."""
+    base, recent = parse_kind(kind)
+    args = dict(dtype="int4", hadamard=False) if base == "int4-plain" else dict(dtype=base)
+    if recent:
+        args["recent"] = recent
+    return args
+
+
+def _kind_arg(kind):
+    """argparse type of --kv-dtype."""
+    import argparse
+    try:
+        parse_kind(kind)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return kind
 
 
 def run(model, tokens, windows=(256, 512), n_keep=4, oracle_every=8, progress=None, oracle=True, dense=True,
@@ -174,6 +199,14 @@ def paired_ratio(nll, base, block=PAIRED_BLOCK, n_boot=2000, seed=0):
             float(np.exp(np.percentile(boot, 97.5))))
 
 
+def _is_kind(kind):
+    try:
+        parse_kind(kind)
+    except ValueError:
+        return False
+    return True
+
+
 def summarize(curves, oracle_every):
     """PPL per configuration, on all positions and on the oracle's positions; a configuration run
     with another cache dtype ("<config> <dtype>", see :func:`run`) also gets its PPL over float16's
@@ -184,8 +217,8 @@ def summarize(curves, oracle_every):
         row = {"config": name, "scored": int(np.isfinite(c).sum()),
                "ppl_all": float(np.exp(np.nanmean(c))) if np.isfinite(c).all() else float("nan"),
                "ppl_oracle_positions": float(np.exp(np.nanmean(sub)))}
-        base = next((name[:-len(" " + k)] for k in CACHE_KINDS
-                     if k != "float16" and name.endswith(" " + k) and name[:-len(" " + k)] in curves), None)
+        head, _, kind = name.rpartition(" ")
+        base = head if head in curves and kind != "float16" and _is_kind(kind) else None
         if base is not None:
             if len(c) != len(curves[base]):
                 raise ValueError("%r has %d positions and %r %d: runs over different --tokens cannot be paired"
@@ -250,9 +283,10 @@ def _cli(argv=None):
     ap.add_argument("inputs", nargs="*")
     ap.add_argument("--window", type=int, action="append", help="window(s) (default 256 and 512)")
     ap.add_argument("--no-dense", action="store_true")
-    ap.add_argument("--kv-dtype", action="append", choices=CACHE_KINDS,
-                    help="KV-cache dtype(s) of the policies run (default float16; int4-plain: int4 without "
-                         "the Hadamard turn)")
+    ap.add_argument("--kv-dtype", action="append", type=_kind_arg, metavar="KIND",
+                    help="KV-cache dtype(s) of the policies run: %s, or a quantized one with +R, its last R "
+                         "tokens' float16 rows kept and read as well (e.g. int4+32) (default float16; "
+                         "int4-plain: int4 without the Hadamard turn)" % ", ".join(CACHE_KINDS))
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--tokens", type=int, default=2304)
     ap.add_argument("--out")
@@ -262,9 +296,9 @@ def _cli(argv=None):
                                                    "$KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     a = ap.parse_args(argv)
     if a.what == "greedy":        # greedy tokens of the real-model prompts, each cache dtype beside float16
-        if "int4-plain" in (a.kv_dtype or ()):
-            ap.error("greedy runs generate(cache_dtype=...), which takes a KVCache dtype: int4-plain is for "
-                     "the perplexity runs")
+        if any(parse_kind(k)[0] == "int4-plain" or "+" in k for k in (a.kv_dtype or ())):
+            ap.error("greedy runs generate(cache_dtype=...), which takes a KVCache dtype: int4-plain and +R are "
+                     "for the perplexity runs")
         from kvsimd.loaders import registry as models
         model = kvsimd.Decoder.from_gguf(models.smollm2_path())
         for r in greedy_divergence(model, tuple(d for d in (a.kv_dtype or ["int8"]) if d != "float16")):

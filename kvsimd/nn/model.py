@@ -304,7 +304,7 @@ class _Stack:
         return policy
 
     def new_cache(self, batch=1, capacity=2048, dtype="float16", *, n_keep=0, policy="fixed", n_discard=None,
-                  hadamard=None):
+                  hadamard=None, recent=0):
         """A self-attention cache sized for this model.  With ``policy`` other than "fixed" the
         cache never fills (StreamingLLM): ``n_keep`` sink tokens stay, and when the window is
         full "reevaluate" drops the ``n_discard`` oldest window tokens and recomputes the rest,
@@ -312,7 +312,10 @@ class _Stack:
         oldest token each step and rewrites nothing (the query is rotated twice instead),
         "auto" picks "shift" where positions can shift and "reevaluate" elsewhere.  ``dtype``
         "float16", "float32", "int8", "int4" or "int8/int4" (int8 keys, int4 values); ``hadamard`` as
-        :class:`kvsimd.KVCache` (default: on when K or V is int4)."""
+        :class:`kvsimd.KVCache` (default: on when K or V is int4); ``recent``: a quantized cache also
+        keeps the float16 rows of each sequence's last ``recent`` tokens, and every query reads its
+        last ``recent`` keys from them (:class:`kvsimd.KVCache`)."""
         self._ensure_valid()
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity, batch=batch, dtype=dtype,
-                       hadamard=hadamard, n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard)
+                       hadamard=hadamard, n_keep=n_keep, policy=self._policy(policy), n_discard=n_discard,
+                       recent=recent)

@@ -1,0 +1,280 @@
+"""KVCache(recent=R): a quantized cache that also keeps the float16 rows of each sequence's last R
+tokens, every query reading its last R keys (itself included) from them and older keys quantized.
+
+The references are independent of the cache's bookkeeping: the tests keep their own list of the
+tokens each sequence holds, and which of them have float rows, from the documented rules, and
+compare the compiled layers' attention (kvsimd._kvsimd._attend_plan, what Layers.run calls) with
+float64 attention over those keys -- the old ones quantized by the cache's rule
+(reference.quantize_kv), the recent ones rounded to float16 as stored (turned by H when the cache
+turns its rows) -- within kvsimd.bounds.attend_bound.  A decoder over a cache whose float rows
+cover every token must match the float16 cache's logits."""
+import numpy as np
+import pytest
+
+from kvsimd import KVCache, KVSimdValueError, reference
+from kvsimd._kvsimd import _attend_plan
+from kvsimd.bounds import attend_bound
+from kvsimd.testing import random_decoder
+
+KINDS = [("int4", True), ("int4", False), ("int8/int4", True), ("int8", False)]
+
+
+def _sides(dtype):
+    return dtype.split("/") if "/" in dtype else (dtype, dtype)
+
+
+def _turn(x, had):
+    """float32 rows as a cache that turns its rows stores them (H x / 32 over whole blocks)."""
+    return reference.hadamard_rows(np.asarray(x, np.float32), _back=False) if had else np.asarray(x, np.float32)
+
+
+def as_stored_float(x, had):
+    """float32 [.., D] as the float rows hold them, read back (float32, turned domain)."""
+    return _turn(x, had).astype(np.float16).astype(np.float32)
+
+
+def as_stored_quant(x, dtype, had):
+    if x.shape[1] == 0:
+        return np.zeros(x.shape, np.float32)
+    q, s = reference.quantize_kv(np.ascontiguousarray(x, np.float32), dtype, had)
+    return reference.dequantize_kv(q, s, x.shape[-1])
+
+
+class Seq:
+    """One sequence as the test sees it: the K/V rows of the tokens the cache holds, oldest first,
+    and how many of the newest have float rows (the documented rules, not the cache's state)."""
+
+    def __init__(self, R):
+        self.R, self.k, self.v, self.nf, self.wrapped = R, [], [], 0, False
+
+    def add(self, k, v):
+        self.k.append(k)
+        self.v.append(v)
+        self.nf = min(self.nf + 1, self.R)
+
+    def drop_oldest_window(self, n_keep, n):
+        del self.k[n_keep:n_keep + n], self.v[n_keep:n_keep + n]
+        self.nf = min(self.nf, len(self.k) - n_keep)
+        self.wrapped = True
+
+    def truncate(self, n):
+        del self.k[len(self.k) - n:], self.v[len(self.v) - n:]
+        self.nf = max(0, self.nf - n)
+
+    def expect(self, q, k, v, dtype, had, n_keep, scale, window=0):
+        """Float64 attention of q [H, D] after the token (k, v) [Hkv, D] joins the keys, within
+        attend_bound: (reference, bound)."""
+        kd, vd = _sides(dtype)
+        K = np.stack(self.k + [k], 1)
+        V = np.stack(self.v + [v], 1)
+        n = K.shape[1]
+        if window:
+            keep = list(range(max(0, n - window), n))
+        else:
+            keep = list(range(n))
+        # its last R keys as float rows: the committed ones that have them, then its own; never the
+        # sinks of a ring that wrapped
+        nf = min(self.nf, self.R - 1) + 1
+        if self.wrapped:
+            nf = min(nf, n - n_keep)
+        fl = set(range(n - nf, n))
+        old = [t for t in keep if t not in fl]
+        new = [t for t in keep if t in fl]
+        Ks = np.concatenate([as_stored_quant(K[:, old], kd, had), as_stored_float(K[:, new], had)], 1)
+        Vs = np.concatenate([as_stored_quant(V[:, old], vd, had), as_stored_float(V[:, new], had)], 1)
+        Ks64, Vs64 = Ks.astype(np.float64), Vs.astype(np.float64)
+        Kf, Vf = (reference.hadamard_rows(Ks64), reference.hadamard_rows(Vs64)) if had else (Ks64, Vs64)
+        qr = reference.query_as_read(q, (dtype, had))
+        ranges = ([(0, len(old), False)] if old else []) + [(len(old), len(keep), True)]
+        kw = dict(ranges=ranges, q_alt=q, scale=scale)
+        ref = reference.attend(qr, Kf, Vf, **kw)
+        bound = attend_bound(qr, Ks64, Vs64, dtype="float16", hadamard=had, **kw)
+        # and the same keys all read quantized: what the float rows change
+        Kq = as_stored_quant(K[:, keep], kd, had).astype(np.float64)
+        Vq = as_stored_quant(V[:, keep], vd, had).astype(np.float64)
+        wrong = reference.attend(qr, reference.hadamard_rows(Kq) if had else Kq,
+                                 reference.hadamard_rows(Vq) if had else Vq, scale=scale)
+        return ref, bound, wrong
+
+
+def _rows(rng, T, H, Hkv, D):
+    x = rng.standard_normal((T, (H + 2 * Hkv) * D)).astype(np.float32)
+    x[:, H * D:] *= 2
+    return x
+
+
+def _split(qkv, H, Hkv, D):
+    q = qkv[:, :H * D].reshape(-1, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(-1, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].reshape(-1, Hkv, D)
+    return q.astype(np.float64), k.copy(), v.copy()
+
+
+def _check(got, ref, bound, wrong, what):
+    err = np.abs(got.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
+    assert err.max() <= 1, "%s: error %.3g x the bound" % (what, err.max())
+    return float((np.abs(wrong - ref) / np.maximum(bound, 1e-300)).max())
+
+
+def _prefill(c, seqs, s, qkv, H, Hkv, D, dtype, had, n_keep, window=0):
+    T = qkv.shape[0]
+    p = c.begin_prefill(s, np.arange(T, dtype=np.int64), n_heads=H, windows=(window,) if window else None)
+    q, k, v = _split(qkv, H, Hkv, D)
+    out = np.empty((T, H * D), np.float32)
+    _attend_plan(p, 0, qkv.copy(), out, window)
+    seq = seqs[s]
+    far = 0.0
+    for t in range(T):     # row t reads the chunk's rows 0..t as float rows (the last R of them)
+        ref, bound, wrong = seq.expect(q[t], k[t], v[t], dtype, had, n_keep, 1 / np.sqrt(D), window)
+        far = max(far, _check(out[t].reshape(H, D), ref, bound, wrong, "prefill row %d" % t))
+        seq.add(k[t], v[t])
+    c.end_prefill(p)
+    return far
+
+
+def _step(c, seqs, rng, H, Hkv, D, dtype, had, n_keep, window=0):
+    B = c.batch
+    W = c.capacity - n_keep
+    for s in range(B):         # the policy's discard, as the test's bookkeeping sees it
+        if len(seqs[s].k) == c.capacity:
+            seqs[s].drop_oldest_window(n_keep, 1)
+    p = c.begin_step(np.zeros(B, np.int64), n_heads=H, windows=(window,) if window else None)
+    qkv = _rows(rng, B, H, Hkv, D)
+    q, k, v = _split(qkv, H, Hkv, D)
+    out = np.empty((B, H * D), np.float32)
+    _attend_plan(p, 0, qkv.copy(), out, window)
+    far = 0.0
+    for s in range(B):
+        ref, bound, wrong = seqs[s].expect(q[s], k[s], v[s], dtype, had, n_keep, 1 / np.sqrt(D), window)
+        far = max(far, _check(out[s].reshape(H, D), ref, bound, wrong, "step, sequence %d" % s))
+    c.end_step(p)
+    for s in range(B):
+        seqs[s].add(k[s], v[s])
+    assert W > 0
+    return far
+
+
+@pytest.mark.parametrize("dtype,had", KINDS)
+@pytest.mark.parametrize("D", [64, 40])
+@pytest.mark.parametrize("T0", [1, 3, 9])
+def test_prefill_and_steps_read_the_last_R_keys_as_float_rows(rng, dtype, had, D, T0):
+    """A prefill chunk shorter than, equal to and longer than R, then decode steps: every row's
+    last R keys from the float16 rows, older ones quantized; reading them all quantized instead
+    is far outside the bound (so the float rows are what the kernel read)."""
+    H, Hkv, R = 4, 2, 4
+    c = KVCache(1, Hkv, D, 32, dtype=dtype, hadamard=had, recent=R)
+    seqs = [Seq(R)]
+    far = _prefill(c, seqs, 0, _rows(rng, T0, H, Hkv, D), H, Hkv, D, dtype, had, 0)
+    far = max(far, _prefill(c, seqs, 0, _rows(rng, 2, H, Hkv, D), H, Hkv, D, dtype, had, 0))   # a second chunk
+    for _ in range(8):
+        far = max(far, _step(c, seqs, rng, H, Hkv, D, dtype, had, 0))
+    assert far > 20, far
+    # the float rows the cache holds: the last R tokens', rounded to float16 as stored
+    k, v = c.recent_rows(0)
+    assert k.shape == (Hkv, R, D) and k.dtype == np.float16
+    assert np.array_equal(k, _turn(np.stack(seqs[0].k[-R:], 1), had).astype(np.float16))
+    assert np.array_equal(v, _turn(np.stack(seqs[0].v[-R:], 1), had).astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype,had", KINDS[:2])
+@pytest.mark.parametrize("R", [3, 10])
+def test_sink_query_ring_keeps_float_rows_of_its_window_only(rng, dtype, had, R):
+    """A sink_query ring past its window, two sequences of different lengths: after a wrap the
+    float rows cover the window's newest tokens, never the sinks (R = 10 is more than the window
+    of 8: the rows of discarded tokens leave)."""
+    H, Hkv, D, nk, C = 4, 2, 64, 2, 10
+    c = KVCache(1, Hkv, D, C, batch=2, dtype=dtype, hadamard=had, recent=R, policy="sink_query", n_keep=nk)
+    seqs = [Seq(R), Seq(R)]
+    _prefill(c, seqs, 0, _rows(rng, 5, H, Hkv, D), H, Hkv, D, dtype, had, nk)
+    _prefill(c, seqs, 1, _rows(rng, 2, H, Hkv, D), H, Hkv, D, dtype, had, nk)
+    for _ in range(20):
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, nk)
+    assert seqs[0].wrapped and seqs[1].wrapped
+    assert c.recent_rows(0, 1)[0].shape[1] == min(R, C - nk)
+
+
+@pytest.mark.parametrize("dtype,had", KINDS[:2])
+def test_attention_windows_cut_float_and_quantized_keys(rng, dtype, had):
+    """A layer's attention window (the last W keys) over both parts: W below R (float rows only)
+    and above it (both), in prefill bands and decode steps."""
+    H, Hkv, D, R = 4, 2, 64, 4
+    for W in (3, 7):
+        c = KVCache(1, Hkv, D, 40, dtype=dtype, hadamard=had, recent=R)
+        seqs = [Seq(R)]
+        _prefill(c, seqs, 0, _rows(rng, 11, H, Hkv, D), H, Hkv, D, dtype, had, 0, window=W)
+        for _ in range(6):
+            _step(c, seqs, rng, H, Hkv, D, dtype, had, 0, window=W)
+
+
+def test_truncate_and_transactions_keep_the_float_rows_right(rng):
+    """truncate drops the newest float rows with their tokens (the kept tokens' older float rows
+    are gone: read quantized until new tokens come); a failed step inside a transaction leaves
+    the float rows and their bookkeeping bit for bit as they were."""
+    H, Hkv, D, R, dtype, had = 4, 2, 64, 4, "int4", True
+    c = KVCache(1, Hkv, D, 32, dtype=dtype, hadamard=had, recent=R)
+    seqs = [Seq(R)]
+    _prefill(c, seqs, 0, _rows(rng, 6, H, Hkv, D), H, Hkv, D, dtype, had, 0)
+    for _ in range(3):
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+    c.truncate(0, 2)
+    seqs[0].truncate(2)
+    assert c.recent_rows(0)[0].shape[1] == 2
+    for _ in range(4):
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+    before = [a.copy() for a in c.recent_rows(0)] + [c.keys(0).copy()]
+    for _ in range(2 * R + 1):           # every ring entry written by failed steps
+        with pytest.raises(RuntimeError):
+            with c.transaction():
+                p = c.begin_step(np.zeros(1, np.int64), n_heads=H)
+                _attend_plan(p, 0, _rows(rng, 1, H, Hkv, D), np.empty((1, H * D), np.float32))
+                c.end_step(p)
+                raise RuntimeError("the step fails after its commit")
+    after = list(c.recent_rows(0)) + [c.keys(0)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    for _ in range(3):                    # and steps go on as if the failed ones never ran
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+    # write() + commit() store no float rows: the sequence has none until a plan commits again
+    c.write(0, *np.zeros((2, Hkv, 1, D), np.float32))
+    c.commit(1)
+    assert c.recent_rows(0)[0].shape[1] == 0
+
+
+def test_recent_argument_checks():
+    with pytest.raises(KVSimdValueError, match="recent keeps float16 rows of a quantized cache"):
+        KVCache(1, 2, 64, 16, dtype="float16", recent=4)
+    with pytest.raises(KVSimdValueError, match="recent"):
+        KVCache(1, 2, 64, 16, dtype="int4", recent=17)
+    with pytest.raises(KVSimdValueError, match="recent"):
+        KVCache(1, 2, 64, 16, dtype="int4", recent=-1)
+    with pytest.raises(KVSimdValueError, match="no float rows"):
+        KVCache(1, 2, 64, 16, dtype="int4").recent_rows(0)
+    c = KVCache(1, 2, 64, 16, dtype="int4", recent=4)
+    assert "recent=4" in repr(c) and c.recent == 4
+    assert c.nbytes == KVCache(1, 2, 64, 16, dtype="int4").nbytes + 1 * 2 * 1 * 2 * 8 * 64 * 2   # [L, K|V, B, Hkv, 2R, D]
+
+
+@pytest.mark.parametrize("policy,n_keep", [("fixed", 0), ("sink_query", 0), ("shift", 0), ("reevaluate", 0),
+                                           ("reevaluate", 4)])
+def test_decoder_with_float_rows_of_every_token_is_the_float16_cache(policy, n_keep):
+    """A decoder (RoPE, GQA) over an unturned int4 cache whose float rows hold every token it can
+    read as float (recent = capacity: every key but the sinks of a wrapped ring, and those are
+    re-prefilled under reevaluate) computes what it computes over a float16 cache: the same
+    float16 rows, read through two sources merged instead of one.  The same run without the
+    float rows is far off."""
+    m = random_decoder(64, 64, 2, 4, 2, 32, 96, seed=0, position="rope")
+    toks = [int(t) for t in np.random.default_rng(1).integers(1, 50, 60)]
+    C = 64 if policy == "fixed" else 24
+    kw = dict(capacity=C, n_keep=n_keep, policy=policy)
+    caches = [m.new_cache(dtype="int4", hadamard=False, recent=C, **kw), m.new_cache(dtype="float16", **kw),
+              m.new_cache(dtype="int4", hadamard=False, **kw)]
+    outs = [m.prefill(toks[:10], cache=c) for c in caches]
+    worst, plain = 0.0, 0.0
+    for t in toks[10:]:
+        outs = [m.step([t], cache=c) for c in caches]
+        scale = np.abs(outs[1]).max()
+        worst = max(worst, np.abs(outs[0] - outs[1]).max() / scale)
+        plain = max(plain, np.abs(outs[2] - outs[1]).max() / scale)
+    # shift on the avx512fp16 row rotates the float16 cache's keys in float16 arithmetic (measured
+    # 2.2e-4 there, 2.6e-6 on avx2); the float rows are rotated in float32
+    assert worst < (1e-3 if policy == "shift" else 5e-5), worst
+    assert plain > 1e-2, plain
