@@ -61,6 +61,9 @@ def parser():
                    help="threads (at most the cores this process may use; more are capped with a warning)")
     g.add_argument("--cache-dtype", choices=["float16", "float32", "int8", "int4", "int8/int4", "int4/int8"],
                    default="float16", help="KV-cache storage (int8/int4: int8 keys, int4 values)")
+    g.add_argument("--cache-recent", type=_integer(0), default=0, metavar="R",
+                   help="with a quantized --cache-dtype: also keep the last R tokens' float16 K/V rows, each "
+                        "token reading its last R keys from them (int4 loses most of its perplexity cost with 32)")
     g.add_argument("--policy", choices=["fixed", "reevaluate", "shift", "sink_query", "auto"], default="fixed",
                    help="when the cache is full: stop with an error (fixed), or keep --n-keep sink tokens and slide "
                         "the window (StreamingLLM) by recomputing, shifting the cached keys, or rotating the query")
@@ -141,14 +144,15 @@ def _generate(args, stats):
     D, nb = cfg.head_dim, -(-cfg.head_dim // 32)   # bytes of one cached row: int8 / int4 add a float32 scale per 32 values
     row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * nb, "int4": 16 * nb + 4 * nb}
     kv_bytes = sum(row_bytes[d] for d in (args.cache_dtype.split("/") * 2)[:2])    # a K row and a V row
+    recent_mib = cfg.n_layers * cfg.n_kv_heads * 2 * min(args.cache_recent, capacity) * 2 * 2 * D / 2**20  # 2R float16 K/V rows
     stream = tok.stream()
     out = sys.stdout
     # generate() checks its arguments now and prefills at the first next(): statistics from here on
     gen = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=[] if tok.eos_id is None else [tok.eos_id],
                          cache_dtype=args.cache_dtype, capacity=capacity, n_keep=n_keep, policy=args.policy,
-                         lookup=args.lookup)
-    stats.update(prompt=len(ids), cache_mib=cfg.n_layers * cfg.n_kv_heads * capacity * kv_bytes / 2**20,
+                         lookup=args.lookup, cache_recent=args.cache_recent)
+    stats.update(prompt=len(ids), cache_mib=cfg.n_layers * cfg.n_kv_heads * capacity * kv_bytes / 2**20 + recent_mib,
                  started=time.perf_counter())
     try:
         for t in gen:

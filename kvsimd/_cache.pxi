@@ -585,7 +585,8 @@ cdef class KVCache(_KVStore):
     (which read and write the cache through the plan), then ``cache.end_step(plan)``, inside
     ``with cache.transaction():`` so that any failure or interrupt puts the cache back as it was.
 
-    ``recent`` = R > 0 (quantized caches only): the cache also keeps the float16 K/V rows of each
+    ``recent`` = R > 0 (quantized caches only; at most ``capacity``, a larger one taken as that):
+    the cache also keeps the float16 K/V rows of each
     sequence's last R tokens (a ring of 2R rows per layer, sequence and KV head: R committed, R for
     a pass's new ones; turned by H as the quantized rows are when ``hadamard``), and every query of
     a step or prefill plan reads its last R keys, itself included, from them and older keys
@@ -614,7 +615,8 @@ cdef class KVCache(_KVStore):
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None, n_keep=0,
                   policy="fixed", n_discard=None, recent=0):
         n_keep = _need_int(n_keep, "n_keep")
-        cdef int64_t rn = _need_int(recent, "recent", 0, self.capacity)
+        # more than the capacity keeps every token's: as many as it holds
+        cdef int64_t rn = min(_need_int(recent, "recent", 0, KV_MAX_TOKENS), self.capacity)
         if rn and not kv_dtype_scaled(self._kv_dtype):
             raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
                                    "\"int8/int4\"), got recent=%d with dtype=%s" % (rn, self._dtype_name))

@@ -1,5 +1,6 @@
 """python -m kvsimd.bench: every subcommand in --quick mode writes JSON that follows the
 documented schema (kvsimd.bench.schema) with positive, finite figures.  Speed is never asserted."""
+import argparse
 import copy
 import json
 import os
@@ -187,12 +188,13 @@ def test_quality_summary_pairs_each_dtype_with_float16():
     from kvsimd.bench import quality
     rng = np.random.default_rng(4)
     base = rng.gamma(2.0, 1.5, 512)
-    curves = {"dense": base, "dense int8": base + 0.003, "dense int8/int4": base + 0.02,
+    curves = {"dense": base, "dense int8": base + 0.003, "dense int8/int4": base + 0.02, "dense int4+32": base + 0.001,
               "W=64 4 sinks + shift": base + 0.1, "W=64 4 sinks + shift int4": base + 0.15,
               "W=64 oracle (re-prefill)": np.where(np.arange(512) % 8 == 0, base, np.nan)}
     rows = {r["config"]: r for r in quality.summarize(curves, 8)}
     assert rows["dense int8"]["vs_float16"] == pytest.approx(np.exp(0.003), rel=1e-12)
     assert rows["dense int8/int4"]["vs_float16"] == pytest.approx(np.exp(0.02), rel=1e-12)
+    assert rows["dense int4+32"]["vs_float16"] == pytest.approx(np.exp(0.001), rel=1e-12)
     assert rows["W=64 4 sinks + shift int4"]["vs_float16"] == pytest.approx(np.exp(0.05), rel=1e-12)
     assert [c for c, r in rows.items() if "vs_float16" not in r] == ["dense", "W=64 4 sinks + shift",
                                                                      "W=64 oracle (re-prefill)"]
@@ -258,8 +260,13 @@ def test_contention_flag_needs_decode():
 @pytest.mark.parametrize("args, message", [
     (["decode", "--model", "smollm2", "--kv-dtype", "int8"], "--kv-dtype goes with the quality subcommand"),
     (["attention", "--kv-dtype", "int4"], "--kv-dtype goes with the quality subcommand"),
-    (["decode", "--kv-int8"], "--kv-int8 and --kv-int4 go with decode of a GGUF model"),
-    (["quality", "--kv-int4"], "--kv-int8 and --kv-int4 go with decode of a GGUF model")])
+    (["decode", "--kv-int8"], "--kv-int8, --kv-int4 and --kv-recent go with decode of a GGUF model"),
+    (["quality", "--kv-int4"], "--kv-int8, --kv-int4 and --kv-recent go with decode of a GGUF model"),
+    (["quality", "--kv-recent", "32"], "--kv-int8, --kv-int4 and --kv-recent go with decode of a GGUF model"),
+    (["decode", "--model", "smollm2", "--kv-recent", "0"], "--kv-recent must be >= 1"),
+    (["quality", "--kv-dtype", "int4+0"], "a quantized one with +R"),
+    (["quality", "--kv-dtype", "float16+8"], "a quantized one with +R"),
+    (["quality", "--kv-dtype", "int3"], "a quantized one with +R")])
 def test_cache_dtype_flags_name_their_subcommand(args, message):
     """A cache-dtype flag given to a subcommand that does not read it is one error line and exit 2,
     before anything runs (decode --kv-dtype int8 timed float16 caches only, saying nothing)."""
@@ -1055,3 +1062,19 @@ def test_attend_recent_speed_runs_every_case():
     assert {x.split("N=")[1].split()[0] for x in lines} == {"8192", "32768"}
     p = subprocess.run([sys.executable, script, "--recent", "0"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "must be >= 1" in p.stderr
+
+
+def test_cache_kinds_with_recent_rows():
+    """A quality / decode cache kind "int4+32": KVCache(dtype="int4", recent=32) (and int4-plain+8
+    unturned); float ones and R < 1 refused; the decode worker takes kvsimd-<kind>."""
+    from kvsimd.bench import peers, quality
+    assert quality.cache_args("int4+32") == dict(dtype="int4", recent=32)
+    assert quality.cache_args("int4-plain+8") == dict(dtype="int4", hadamard=False, recent=8)
+    assert quality.cache_args("int8/int4") == dict(dtype="int8/int4")
+    for bad in ("float32+4", "int4+", "int4+x", "int4+-1", "int5"):
+        with pytest.raises(ValueError, match="a quantized one with"):
+            quality.parse_kind(bad)
+    assert peers._impl("kvsimd-int4+32") == "kvsimd-int4+32" and peers._impl("llama.cpp") == "llama.cpp"
+    for bad in ("kvsimd-int4+0", "llama.cpp-q4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peers._impl(bad)

@@ -79,7 +79,7 @@ class Decoder(_Stack):
 
     def generate(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                  stop_tokens=(), cache_dtype="float16", capacity=None, n_keep=0, policy="fixed",
-                 n_discard=None, lookup=None) -> Iterator:
+                 n_discard=None, lookup=None, cache_recent=0) -> Iterator:
         """Stream generated tokens.  ``prompt``: a list of ids (yields ints) or a list of lists
         (a batch: yields, per step, one id per sequence, ``None`` once a sequence has stopped).
 
@@ -94,7 +94,8 @@ class Decoder(_Stack):
         on, and the generator returns once every sequence has stopped).
 
         ``capacity`` (default: longest prompt + ``max_new_tokens``), ``n_keep``, ``policy``,
-        ``n_discard`` and ``cache_dtype`` are those of :meth:`new_cache`.  With ``policy="fixed"``,
+        ``n_discard`` and ``cache_dtype`` are those of :meth:`new_cache`, ``cache_recent`` its
+        ``recent`` (a quantized cache also keeps its last tokens' float16 rows).  With ``policy="fixed"``,
         a sequence whose cache fills before ``max_new_tokens`` makes the generator raise
         :class:`kvsimd.KVSimdCapacityError` (naming the sequence and the capacity) at the
         ``next()`` after its last token; the tokens already yielded stay yielded.  The other
@@ -110,5 +111,6 @@ class Decoder(_Stack):
         self._ensure_valid()
         prompts, batched = _prompts(prompt, self.cfg.vocab_size, "prompt")
         return _generate(self, prompts, batched, None, max_new_tokens, temperature, top_k, top_p, seed,
-                         stop_tokens, cache_dtype, capacity, dict(n_keep=n_keep, policy=policy, n_discard=n_discard),
+                         stop_tokens, cache_dtype, capacity,
+                         dict(n_keep=n_keep, policy=policy, n_discard=n_discard, recent=cache_recent),
                          lookup)
