@@ -893,12 +893,13 @@ cdef class KVCache(_KVStore):
     # ------------------------------------------------------------------ recent float rows
     cdef int _recent_took(self, _Plan p) except -1:
         """The float rows a committed plan stored (tidx) join its sequences' rings, the oldest
-        beyond ``recent`` leaving; a plan made without them (recent 0 then, or explicit) leaves
-        its sequences none."""
+        beyond ``recent`` leaving.  A plan whose K/V write() stored (the low-level prefill:
+        begin_prefill, write, end_prefill), or overwrote after the layers ran, stored no float
+        rows of them: its sequences keep none."""
         cdef int64_t r, s, tot, drop, ring = 2 * self.recent
         if not self.recent:
             return 0
-        if p.rn == 0:
+        if p.rn == 0 or self._writer != p.serial:
             for r in range(p.R):
                 self._recent_lost(p.seqs[r])
             return 0
@@ -1103,17 +1104,25 @@ cdef class KVCache(_KVStore):
         return 0
 
     cdef int _before_write(self, int64_t l, int64_t s, int64_t t0, int64_t t1) except -1:
-        """In a transaction, the K/V of the tokens sequence s holds (sinks, then its ring) in slots
-        t0..t1-1 of layer l are saved first: a write over committed tokens is undone with it."""
+        """A write over committed tokens of sequence s (slots t0..t1-1 of layer l): in a
+        transaction their K/V are saved first, to be undone with it; their float rows
+        (``recent``) no longer hold them, so the sequence keeps none (and plans made before are
+        stale: they would read them)."""
         cdef int64_t nk = self.n_keep, L = self._lengths[s], a, b
-        if self._tx is None:
+        if self._tx is None and not self.recent:
             return 0
         held = ([(0, min(nk, L))] if nk else []) + \
             _ring_ranges(self._head[s], L - nk, nk, self.capacity - nk)
+        over = False
         for a, b in held:
             a, b = max(a, t0), min(b, t1)
             if a < b:
-                self._tx.save_kv(s, a, b, l)
+                over = True
+                if self._tx is not None:
+                    self._tx.save_kv(s, a, b, l)
+        if over and self.recent:
+            self._recent_lost(s)
+            self._changed()
         return 0
 
     cdef int _recent_shift(self, int64_t s, int64_t delta, RopeSpec rope) except -1:

@@ -205,7 +205,8 @@ cdef int _plan_recent(_Plan p, KVCache c, list chrono) except -1:
     float16 K/V go and which keys it reads as float16 (the _Plan fields above).  A decode plan
     (``chrono``: per row its key ranges, oldest key first): each row reads its last min(R, keys)
     keys from the float rows and the older ones through range tables built here without them.  A
-    prefill band (``chrono`` None): one kernel call per source, the quantized keys read below
+    prefill band (``chrono`` None): one kernel call over three sources (_attend_rows), the
+    quantized keys before the committed float rows, the others' quantized rows below
     causal_end - R + r and the float rows (committed ones, then the chunk) at or above it."""
     cdef int64_t R = p.R, rn = c.recent, ring = 2 * c.recent, r, s, tn, th, com, k, first, G
     cdef int64_t Hkv = c.n_kv_heads, D = c.head_dim
@@ -253,9 +254,13 @@ cdef int _plan_recent(_Plan p, KVCache c, list chrono) except -1:
                 rows.append(_slot_order(kept))
             p.wtab.append(_range_table(p, rows))
             p.wtnf.append(nfs)
-    p.tscr = _np.zeros((2, Hkv, G, D), dtype=_np.uint16)
-    p.tf = _np.empty(Hkv * D, dtype=_np.float32)
-    p.tws = _workspace(p.H, Hkv, D, p.nt, R if chrono is None else 1, 2)
+    try:
+        p.tscr = _np.zeros((2, Hkv, G, D), dtype=_np.uint16)
+        p.tf = _np.empty(Hkv * D, dtype=_np.float32)
+    except MemoryError:
+        raise KVSimdMemoryError("a pass of %d rows over a cache with recent=%d float rows: %d bytes of float16 rows "
+                                "cannot be allocated" % (R, rn, 4 * Hkv * G * D)) from None
+    p.tws = _workspace(p.H, Hkv, D, p.nt, R if chrono is None else 1, 3 if chrono is None else 2)
     return 0
 
 
@@ -380,9 +385,11 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef int nt = plan.nt, rd = plan.rd
     cdef kv_rope_style st = plan.st
     # the float rows of the most recent keys (plan.rn > 0: _plan_recent)
-    cdef kv_attn_params src[2]
+    cdef kv_attn_params src[3]
     cdef int64_t rn = plan.rn, ring = 2 * plan.rn, G = 0, ti, com, m, nf, ns, B = store.batch, start
     cdef int64_t srng[4]
+    cdef int64_t qa[4]
+    cdef int64_t qb[4]
     cdef uint16_t *tail = NULL
     cdef uint16_t *scr = NULL
     cdef uint16_t *sv = NULL
@@ -456,21 +463,33 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
             #    chunk, a local pass) in one multi-row call that reads each K/V row once per tile
             #    of rows; decode steps one call per row
             if band and rn:
-                # the quantized keys below causal_end + r - R (key_base R), then the float rows:
-                # the committed ones and the chunk's, the last R keys of each row (the window)
+                # three sources (each with its own cut, kvsimd.h kv_attend_sources): the tokens
+                # before the committed float rows, all quantized (slots 0..start-com-1); the
+                # committed and the chunk's tokens, read quantized below causal_end + r - R
+                # (key_base R); their float rows, the last R keys of each row (the window R)
                 sq = sqp[0]
                 start = slp[0]
-                _gather_ring(scr, G, tail + ((lb * 2) * B + sq) * Hkv * ring * D, ring, tfr[0], tcp[0], Hkv, D)
-                _gather_ring(sv, G, tail + ((lb * 2 + 1) * B + sq) * Hkv * ring * D, ring, tfr[0], tcp[0], Hkv, D)
+                com = tcp[0]
+                _gather_ring(scr, G, tail + ((lb * 2) * B + sq) * Hkv * ring * D, ring, tfr[0], com, Hkv, D)
+                _gather_ring(sv, G, tail + ((lb * 2 + 1) * B + sq) * Hkv * ring * D, ring, tfr[0], com, Hkv, D)
                 ns = 0
-                if window == 0 or window > rn:
+                if start - com > 0:
+                    qa[0], qa[1], qa[2], qa[3] = 0, 0, start - com, plan.band_rng[3]
                     _attn_init(&src[0], qkv, NULL, kv_cache_block(&store.c, lb, 0, sq), kv_cache_block(&store.c, lb, 1, sq),
-                               out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, plan.band_rng, 1,
+                               out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, qa, 1,
+                               H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
+                               window, kv_cache_scales(&store.c, lb, 0, sq), kv_cache_scales(&store.c, lb, 1, sq), vdt)
+                    ns = 1
+                if window == 0 or window > rn:
+                    qb[0], qb[1], qb[2], qb[3] = 0, start - com, plan.band_rng[2], plan.band_rng[3]
+                    _attn_init(&src[ns], qkv, NULL, kv_cache_block(&store.c, lb, 0, sq),
+                               kv_cache_block(&store.c, lb, 1, sq),
+                               out, alibi, kpos_all + sq * C if kpos_all != NULL else NULL, qb, 1,
                                H, Hkv, D, C, plan.scale, plan.softcap, dt, R, width, HD, plan.band_end,
                                window - rn if window else 0, kv_cache_scales(&store.c, lb, 0, sq),
                                kv_cache_scales(&store.c, lb, 1, sq), vdt)
-                    src[0].key_base = rn
-                    ns = 1
+                    src[ns].key_base = rn
+                    ns += 1
                 srng[0], srng[1], srng[2], srng[3] = 0, 0, G, plan.band_rng[3]
                 _attn_init(&src[ns], qkv, NULL, scr, sv, out, alibi, tkpp if alibi != NULL else NULL, srng, 1,
                            H, Hkv, D, G, plan.scale, plan.softcap, KV_F16, R, width, HD, plan.band_end,

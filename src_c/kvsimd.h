@@ -329,8 +329,10 @@ int kv_attend_isa(const kv_attn_params *p);
 int64_t kv_attend_pieces(const kv_attn_params *p, int threads); /* split-K pieces per KV head (ops.c) */
 /* Attention of the same query rows over n K/V sources under one softmax (a quantized cache and
    the float rows of its most recent tokens): src[s] is a whole kv_attn_params over source s (its
-   own k, v, dtypes, scales, ranges, n_total, key_pos, q_alt and key_base; q, out, H, Hkv, D, T, the
-   strides, causal_end, window, scale, softcap and alibi the same in every one; part_* 0).  Each
+   own k, v, dtypes, scales, ranges, n_total, key_pos, q_alt, key_base, causal_end and window: a
+   source's cut is its own, so that one row reads a key of one source and not of another, e.g.
+   its last R keys from float rows and the older ones quantized; q, out, H, Hkv, D, T, the
+   strides, scale, softcap and alibi the same in every one; part_* 0).  Each
    source is computed as a split-K piece would be (its (max, sum) and unnormalized weighted sum;
    one query row: each source split across threads as kv_attend splits one), then one merge
    writes out.  1 <= n <= KV_MAX_SOURCES; every row must see a key of some source.  Results are

@@ -632,12 +632,13 @@ def test_greedy_divergence_finds_the_first_differing_token(tiny_gguf, monkeypatc
     import kvsimd
     from kvsimd.bench import quality
     m = kvsimd.Decoder.from_gguf(tiny_gguf)
-    rows = quality.greedy_divergence(m, ("float16", "int8"), n=12, prompts=["abc abc", "hello"])
-    assert [(r["prompt"], r["dtype"]) for r in rows] == [(0, "float16"), (0, "int8"), (1, "float16"), (1, "int8")]
+    rows = quality.greedy_divergence(m, ("float16", "int8", "int4+4"), n=12, prompts=["abc abc", "hello"])
+    assert [(r["prompt"], r["dtype"]) for r in rows] == [(p, d) for p in (0, 1) for d in ("float16", "int8", "int4+4")]
     for r in rows:
         ids = m.tokenizer.encode(["abc abc", "hello"][r["prompt"]])
         a = list(m.generate(ids, max_new_tokens=12, cache_dtype="float16"))
-        b = list(m.generate(ids, max_new_tokens=12, cache_dtype=r["dtype"]))
+        dt, _, recent = r["dtype"].partition("+")
+        b = list(m.generate(ids, max_new_tokens=12, cache_dtype=dt, cache_recent=int(recent or 0)))
         want = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert r["first_divergence"] == want
     assert all(r["first_divergence"] is None for r in rows if r["dtype"] == "float16")

@@ -240,6 +240,63 @@ def test_truncate_and_transactions_keep_the_float_rows_right(rng):
     assert c.recent_rows(0)[0].shape[1] == 0
 
 
+@pytest.mark.parametrize("dtype,had", KINDS[:2])
+def test_prefill_after_truncate_or_append_reads_every_key(isa, rng, dtype, had):
+    """A prefill chunk after a truncate (prompt-lookup decoding's rollback, then its next pass) or
+    after append() of rows stored with write() (the sequence has fewer float rows than R - 1):
+    the keys before its float rows are read quantized, none skipped."""
+    H, Hkv, D, R = 4, 2, 64, 4
+    c = KVCache(1, Hkv, D, 40, dtype=dtype, hadamard=had, recent=R)
+    seqs = [Seq(R)]
+    _prefill(c, seqs, 0, _rows(rng, 10, H, Hkv, D), H, Hkv, D, dtype, had, 0)
+    c.truncate(0, 3)
+    seqs[0].truncate(3)
+    for T in (2, 1, 6):
+        _prefill(c, seqs, 0, _rows(rng, T, H, Hkv, D), H, Hkv, D, dtype, had, 0)
+        c.truncate(0, T - 1 if T > 1 else 1)
+        seqs[0].truncate(T - 1 if T > 1 else 1)
+    x = _rows(rng, 5, H, Hkv, D)
+    _, k, v = _split(x, H, Hkv, D)
+    c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
+    c.append(0, 5)
+    for t in range(5):
+        seqs[0].add(k[t], v[t])
+    seqs[0].nf = 0                      # append stores no float rows: the sequence has none
+    for T in (1, 3):
+        _prefill(c, seqs, 0, _rows(rng, T, H, Hkv, D), H, Hkv, D, dtype, had, 0)
+
+
+def test_write_paths_leave_no_stale_float_rows(rng):
+    """begin_prefill + write() + end_prefill (the low-level prefill) stores no float rows, so none
+    are read; write() over committed tokens drops the sequence's float rows (they no longer hold
+    those tokens) and makes plans made before it stale."""
+    H, Hkv, D, R, dtype, had = 4, 2, 64, 4, "int4", True
+    c = KVCache(1, Hkv, D, 32, dtype=dtype, hadamard=had, recent=R)
+    seqs = [Seq(R)]
+    x = _rows(rng, 6, H, Hkv, D)
+    _, k, v = _split(x, H, Hkv, D)
+    p = c.begin_prefill(0, np.arange(6, dtype=np.int64), n_heads=H)
+    c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
+    c.end_prefill(p)
+    for t in range(6):
+        seqs[0].add(k[t], v[t])
+    seqs[0].nf = 0
+    assert c.recent_rows(0)[0].shape[1] == 0
+    for _ in range(3):
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+    assert c.recent_rows(0)[0].shape[1] == 3
+    p = c.begin_step(np.zeros(1, np.int64), n_heads=H)
+    new = rng.standard_normal((2, Hkv, 1, D)).astype(np.float32)
+    c.write(0, new[0], new[1], start=5)            # over committed token 5
+    seqs[0].k[5], seqs[0].v[5] = new[0][:, 0], new[1][:, 0]
+    seqs[0].nf = 0
+    assert c.recent_rows(0)[0].shape[1] == 0
+    with pytest.raises(KVSimdValueError, match="stale plan"):
+        _attend_plan(p, 0, _rows(rng, 1, H, Hkv, D), np.empty((1, H * D), np.float32))
+    for _ in range(2):
+        _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+
+
 def test_recent_argument_checks():
     with pytest.raises(KVSimdValueError, match="recent keeps float16 rows of a quantized cache"):
         KVCache(1, 2, 64, 16, dtype="float16", recent=4)

@@ -168,7 +168,9 @@ def greedy_divergence(model, dtypes=("int8",), n=64, prompts=GREEDY_PROMPTS):
         ids = tok.encode(tok.apply_chat_template(p) if isinstance(p, list) else p)
         base = list(model.generate(ids, max_new_tokens=n, cache_dtype="float16"))
         for dt in dtypes:
-            got = list(model.generate(ids, max_new_tokens=n, cache_dtype=dt))
+            args = cache_args(dt)
+            got = list(model.generate(ids, max_new_tokens=n, cache_dtype=args["dtype"],
+                                      cache_recent=args.get("recent", 0)))
             first = next((j for j, (a, b) in enumerate(zip(base, got)) if a != b), None)
             rows.append({"prompt": i, "dtype": dt, "tokens": n, "first_divergence": first,
                          "float16_text": tok.decode(base[first or 0:]) if first is not None else "",
@@ -296,9 +298,9 @@ def _cli(argv=None):
                                                    "$KVSIMD_SHARED_DIR/data/hamlet_gut.txt)")
     a = ap.parse_args(argv)
     if a.what == "greedy":        # greedy tokens of the real-model prompts, each cache dtype beside float16
-        if any(parse_kind(k)[0] == "int4-plain" or "+" in k for k in (a.kv_dtype or ())):
-            ap.error("greedy runs generate(cache_dtype=...), which takes a KVCache dtype: int4-plain and +R are "
-                     "for the perplexity runs")
+        if any(parse_kind(k)[0] == "int4-plain" for k in (a.kv_dtype or ())):
+            ap.error("greedy runs generate(cache_dtype=..., cache_recent=...), which takes a KVCache dtype: "
+                     "int4-plain is for the perplexity runs")
         from kvsimd.loaders import registry as models
         model = kvsimd.Decoder.from_gguf(models.smollm2_path())
         for r in greedy_divergence(model, tuple(d for d in (a.kv_dtype or ["int8"]) if d != "float16")):
