@@ -340,3 +340,57 @@ def test_decoder_with_float_rows_of_every_token_is_the_float16_cache(policy, n_k
     tol = 2e-3 if had else 1e-3 if (policy == "shift" and position == "rope") else 5e-5
     assert worst < tol, worst
     assert plain > 3e-2, plain
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_random_sequences_of_operations(seed, trial):
+    """Random runs mixing prefill chunks (while a sequence has not wrapped), decode steps,
+    truncates, steps that fail inside a transaction and write() + append(), over batches of 1-2,
+    R from 1 to 12, the fixed and sink_query policies (with and without sinks), attention windows
+    and three cache kinds: every row of every pass against the test's own model of the rules."""
+    rng = np.random.default_rng([seed, trial])
+    H, Hkv, D = 4, 2, 64
+    R = int(rng.choice([1, 2, 3, 5, 12]))
+    policy, nk = [("fixed", 0), ("sink_query", 0), ("sink_query", 2)][trial % 3]
+    C = 40 if policy == "fixed" else 12
+    B = int(rng.integers(1, 3))
+    dtype, had = [("int4", True), ("int8", False), ("int8/int4", True), ("int4", False)][trial % 4]
+    window = int(rng.choice([0, 0, 2, 5, 9]))
+    c = KVCache(1, Hkv, D, C, batch=B, dtype=dtype, hadamard=had, recent=R, policy=policy, n_keep=nk)
+    seqs = [Seq(R) for _ in range(B)]
+    for s in range(B):
+        _prefill(c, seqs, s, _rows(rng, int(rng.integers(1, 6)), H, Hkv, D), H, Hkv, D, dtype, had, nk, window)
+    ran = 0
+    for _ in range(30):
+        s = int(rng.integers(B))
+        L = c.length(s)
+        wrapped = c.seen[s] != L or c.head[s] != nk
+        full = max(c.length(b) for b in range(B)) >= C
+        x = rng.random()
+        if x < 0.15:
+            limit = max(L - nk, 0) if (wrapped and policy == "sink_query") else L
+            k = min(int(rng.integers(1, 5)), limit, L - 1)
+            if k > 0:
+                c.truncate(s, k)
+                seqs[s].truncate(k)
+        elif x < 0.25 and not wrapped and L + 3 <= C:
+            _prefill(c, seqs, s, _rows(rng, int(rng.integers(1, 4)), H, Hkv, D), H, Hkv, D, dtype, had, nk, window)
+        elif x < 0.32 and not wrapped and L + 2 <= C:
+            _, k, v = _split(_rows(rng, 2, H, Hkv, D), H, Hkv, D)
+            c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)),
+                    seq=s)
+            c.append(s, 2)
+            for t in range(2):
+                seqs[s].add(k[t], v[t])
+            seqs[s].nf = 0
+        elif x < 0.42 and not (policy == "fixed" and full):
+            with pytest.raises(RuntimeError):
+                with c.transaction():
+                    p = c.begin_step(np.zeros(B, np.int64), n_heads=H, windows=(window,) if window else None)
+                    _attend_plan(p, 0, _rows(rng, B, H, Hkv, D), np.empty((B, H * D), np.float32), window)
+                    c.end_step(p)
+                    raise RuntimeError("a failed step")
+        elif not (policy == "fixed" and full):
+            _step(c, seqs, rng, H, Hkv, D, dtype, had, nk, window)
+            ran += 1
+    assert ran >= 10, ran
