@@ -274,6 +274,28 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
                 if (c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
                     continue;
                 const int both = c + KV_I4_BLOCK_BYTES < c1;
+                /* More heads than key vectors: the R key pairs stay in registers and each query pair
+                   is loaded for its R FMA pairs (8 heads on the AVX-512 rows pinned 16 query
+                   vectors beside 16 accumulators, and spilled: 0.88x the time for G = 8 on Zen 5,
+                   the same sums in the same order); else the NH query pairs stay. */
+                if (NH > R) {
+                    vf kl[KV_B], kh[KV_B];
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) {
+                        kv_load_keys_i4_pair(kb, ks, ksc, j0 + r * KP, c, KP, &kl[r], &kh[r]);
+                        kl[r] = vf_pin(kl[r]);
+                        kh[r] = vf_pin(kh[r]);
+                    }
+#pragma GCC unroll 8
+                    for (int i = 0; i < NH; i++) {
+                        const vf l = vf_pin(kv_load_query(q + i * KV_KP * Dp, c, KP));
+                        const vf h = both ? vf_pin(kv_load_query(q + i * KV_KP * Dp, c + KV_I4_BLOCK_BYTES, KP)) : vf_zero();
+#pragma GCC unroll 16
+                        for (int r = 0; r < R; r++)
+                            a[r * NH + i] = vf_fmadd(h, kh[r], vf_fmadd(l, kl[r], a[r * NH + i]));
+                    }
+                    continue;
+                }
                 vf ql[KV_GS], qh[KV_GS];
 #pragma GCC unroll 8
                 for (int i = 0; i < NH; i++) {
