@@ -13,10 +13,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ``v_scale`` ``[Hkv, N, ceil(D / 32)]``: value d of row t stands for its integer times
     ``k_scale[g, t, d // 32]``, see :func:`quantize_kv`); H a multiple of
     Hkv (GQA/MQA: query head h uses KV head ``h // (H // Hkv)``).  ``scale`` defaults to
-    ``1/sqrt(D)``.  Over int8 keys each query vector (and ``q_alt``) is read rounded by the keys'
-    own rule, 32 values per step (:func:`quantize_kv`; turned first with ``hadamard``), and the
-    scale applies after: full blocks of keys are then scored with exact integer dot products
-    (VPDPBUSD on the AVX-512 rows), and every path reads that same query
+    ``1/sqrt(D)``.  Over int8 and int4 keys each query vector (and ``q_alt``) is read rounded by the
+    int8 keys' rule, 32 values per step (:func:`quantize_kv`; turned first with ``hadamard``), and
+    the scale applies after: full blocks of keys are then scored with exact integer dot products
+    (VPDPBUSD on the AVX-512 rows; 4-bit keys read as int8 ones), and every path reads that same query
     (``kvsimd.reference.query_as_read``).  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
     ``[N]``) defaults to ``0..N-1`` and ``query_position`` to ``N-1``.  One pass over K/V, online

@@ -122,7 +122,7 @@ def score_chain(D: int) -> int:
     """The most float32 roundings on the way to one score ``scale * q . k_j`` in the kernels
     (kernels/attn.inc.h), for head dim D: the scalar row sums each segment of 64 products in one
     chain and then the segments (64 + ceil(D / 64)); the SIMD rows' lanes hold shorter chains
-    before their add trees (D / 8 + 4), the lanes path 16 + D / 16, int8 keys D / 32 block sums
+    before their add trees (D / 8 + 4), the lanes path 16 + D / 16, int8 and int4 keys D / 32 block sums
     of exact integer dot products; plus the query's product with the scale and the products of
     a sum by the query's and the keys' steps, counted as 3."""
     D = _kvsimd._need_int(D, "D", 1)

@@ -436,14 +436,15 @@ def _as_cached(kv, x, D, which=0):
 
 def query_as_read(q, kv):
     """The query rows ``q [..., D]`` as attention over K of kind ``kv`` (:func:`_as_cached`'s
-    kinds) reads them, float64: over int8 keys each query vector is rounded by the keys' own rule
-    (:func:`quantize_kv`, in float32; turned with them when they are turned), so that the kernel
-    scores full blocks of keys with exact integer dot products (attn.inc.h round_query); else ``q``
-    as it is.  The softmax scale applies after the rounding."""
-    name = _kv_kind(kv)[0]
-    if name.split("/")[0] != "int8":
+    kinds) reads them, float64: over int8 or int4 keys each query vector is rounded by the int8
+    keys' rule (:func:`quantize_kv` to int8, in float32; turned with the keys when they are turned),
+    so that the kernel scores full blocks of keys with exact integer dot products (attn.inc.h
+    round_query; int4 keys read as int8 ones); else ``q`` as it is.  The softmax scale applies after
+    the rounding."""
+    name, had = _kv_kind(kv)
+    if name.split("/")[0] not in ("int8", "int4"):
         return q
-    return _as_cached(kv, np.asarray(q, np.float32), np.shape(q)[-1], 0)
+    return _as_cached(("int8", had), np.asarray(q, np.float32), np.shape(q)[-1], 0)
 
 
 def _linear(x, w, b=None):

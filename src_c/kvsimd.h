@@ -52,7 +52,7 @@ typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3 } kv_dtype;
 #define KV_I8_BLOCK 32
 #define KV_I4_BLOCK_BYTES (KV_I8_BLOCK / 2)
 static inline int64_t kv_i8_blocks(int64_t D) { return (D + KV_I8_BLOCK - 1) / KV_I8_BLOCK; }  /* scales per row */
-/* Floats of one query vector rounded for int8 keys in the attention workspace (attn.inc.h
+/* Floats of one query vector rounded for int8 or int4 keys in the attention workspace (attn.inc.h
    round_query): per 32-value block of Dp values its step and int32 offset, then Dp int8 values. */
 static inline int64_t kv_qint_floats(int64_t Dp) { return 2 * kv_i8_blocks(Dp) + (Dp + 3) / 4; }
 static inline int kv_dtype_scaled(kv_dtype d) { return d == KV_I8 || d == KV_I4; }   /* has block scales */
@@ -127,8 +127,8 @@ static inline int64_t kv_attn_row_tile(int64_t G) { return G >= KV_QVECS ? 1 : K
  *   else s: the scaled dot product is capped first, then the ALiBi bias is subtracted.
  *   q, q_alt, out [H, D] float32; k [Hkv, n_total, D] (dtype), v the same (v_dtype), rows of kv_row_bytes;
  *   KV_I8, KV_I4: block scales k_scale, v_scale [Hkv, n_total, kv_i8_blocks(D)], see kv_dtype; int8 keys
- *   may go with int4 values and the other way round; over KV_I8 keys q' is each query vector
- *   rounded by the keys' rule, kv_quantize_rows, before the scale); ranges: n_ranges >= 1
+ *   may go with int4 values and the other way round; over KV_I8 and KV_I4 keys q' is each query
+ *   vector rounded by the int8 keys' rule, kv_quantize_rows, before the scale); ranges: n_ranges >= 1
  *   non-empty ranges t0..t1-1 inside 0..n_total.  Query heads h in [g*G, (g+1)*G) use KV
  *   head g, G = H / Hkv; each K/V row is read once per group, every KV head reads its ranges
  *   in order.  The kernel computes KV heads g0..g1-1 and query rows r0..r1-1 (its arguments:

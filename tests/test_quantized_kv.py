@@ -43,7 +43,7 @@ def values(q, D):
 
 def read_query(kind, q, kw):
     """q and the keywords (q_alt) as attention over K of this kind reads them
-    (reference.query_as_read: rounded over int8 keys)."""
+    (reference.query_as_read: rounded over int8 and int4 keys)."""
     if kw.get("q_alt") is not None:
         kw = dict(kw, q_alt=reference.query_as_read(kw["q_alt"], kind))
     return reference.query_as_read(q, kind), kw
@@ -56,8 +56,8 @@ def check(row, q, kq, ks, vq, vs, what="", **kw):
     kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)
     name = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "int4"}
     dt = name[kq.dtype] if kq.dtype == vq.dtype else "int8/int4"   # the float32 tolerance either way
-    # over int8 keys the query is read rounded by their rule (and so is q_alt)
-    qr, kw = read_query(name[kq.dtype], q, kw)
+    # over int8 and int4 keys the query is read rounded by the int8 rule (and so is q_alt); rows unturned
+    qr, kw = read_query((name[kq.dtype], False), q, kw)
     ref = reference.attend(qr, kd, vd, **kw)
     err = np.abs(out.astype(np.float64) - ref) / np.maximum(attend_bound(qr, kd, vd, dtype=dt, **kw), 1e-300)
     worst = np.unravel_index(np.argmax(err), err.shape)

@@ -18,11 +18,12 @@
  * loops have no tails.  fp16 rows are widened to fp32 as they are loaded, int8 rows (KV_I8)
  * widened and multiplied by the scale of their 32-value block (in registers for a full block,
  * into the workspace block otherwise and on the lanes path); all arithmetic and accumulation
- * is fp32 -- but for int8 keys: each query vector is rounded to int8 by the keys' own rule
- * (round_query) and, on the KV_INT_DOT rows, full blocks of keys (head dims a multiple of 32) are
- * scored with exact integer dot products per 32-value block, then scaled in fp32 (kv_scores_i8:
- * keys on the lanes; kv_lane_scores_i8: query vectors on the lanes).  Other blocks read the same
- * rounded query in fp32.
+ * is fp32 -- but for int8 and int4 keys: each query vector is rounded to int8 by the int8 keys'
+ * rule (round_query) and, on the KV_INT_DOT rows, full blocks of keys (head dims a multiple of 32)
+ * are scored with exact integer dot products per 32-value block, then scaled in fp32 (kv_scores_i8:
+ * keys on the lanes; kv_lane_scores_i8: query vectors on the lanes; int4 keys unpacked to int8
+ * rows in the workspace block first, kv_i4_rows_i8, where a KV head has 2 or more query vectors).
+ * Other blocks read the same rounded query in fp32.
  */
 #include "kvsimd.h"
 
@@ -556,6 +557,26 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
     }
 }
 
+/* Rows of int4 keys (kvsimd.h KV_I4, D a multiple of 32: whole blocks, rows back to back) as the
+   int8 rows kv_scores_i8 and kv_lane_scores_i8 read: n rows at src into n rows of D values q in
+   -8..7 at dst, the same block scales.  A 4-bit key is an int8 key with a narrower range, so both
+   score it with the same exact integer dot products. */
+#ifndef KV_HAVE_I4_UNPACK
+static inline void kv_i4_unpack(int8_t *dst, const uint8_t *src, int64_t bytes)
+{
+    for (int64_t o = 0; o < bytes; o += KV_I4_BLOCK_BYTES)
+        for (int e = 0; e < KV_I4_BLOCK_BYTES; e++) {
+            dst[2 * o + e] = (int8_t)((src[o + e] & 15) - 8);
+            dst[2 * o + KV_I4_BLOCK_BYTES + e] = (int8_t)((src[o + e] >> 4) - 8);
+        }
+}
+#endif
+KV_AINLINE const int8_t *kv_i4_rows_i8(int8_t *dst, const void *src, int64_t n, int64_t D)
+{
+    kv_i4_unpack(dst, (const uint8_t *)src, n * D / 2);
+    return dst;
+}
+
 #define KV_CASE_SI(n) case n: kv_scores_i8(qi, QF, kb, ksc, D, n, pf, pf_row, s, ss); break;
 static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, const float *ksc, int64_t D, int nh,
                                const char *pf, size_t pf_row, float *s, int64_t ss)
@@ -668,7 +689,7 @@ typedef struct KV_FN(attn_state) {
     float *rowv, *slope;    /* lanes path [MP]: each vector's row (r0 + i / G) and ALiBi slope */
     float *qi, *qia;        /* [MQp, QF] the queries of qbuf / qalt rounded for int8 keys (round_query) */
     int64_t QF;             /* kv_qint_floats(Dp) */
-    int qround;             /* int8 keys: queries are rounded (round_query) */
+    int qround;             /* int8 or int4 keys: queries are rounded (round_query) */
     int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
@@ -716,7 +737,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->QF = kv_qint_floats(Dp);
     st->qi = st->slope + MQp;
     st->qia = st->qi + MQp * st->QF;
-    st->qround = p->dtype == KV_I8;
+    st->qround = p->dtype == KV_I8 || p->dtype == KV_I4;
     st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;   /* so rows are read in place */
     st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
 }
@@ -742,7 +763,7 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
     *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end - p->key_base + r - p->window : INT64_MIN;
 }
 
-/* The query over int8 keys is rounded as the cache rounds a key row (kv_quantize_rows: per block
+/* The query over int8 (or int4) keys is rounded as the cache rounds an int8 key row (kv_quantize_rows: per block
  * of 32 values, step = max |x| / 127, q = x / step to nearest, ties to even; step NaN and q 0 when
  * a value is NaN or infinite), so that full blocks of keys are scored with exact integer dot
  * products (kv_scores_i8); every path then reads that same query.  x: Dp floats (0 past D), in
@@ -847,6 +868,13 @@ KV_AINLINE void KV_FN(attn_score_chunk)(KV_FN(attn_state) *st, const float *qs, 
         const float *ksc;
         const void *kb = KV_FN(block_rows)(st->kbase, st->kscale, st->kblk, p->dtype, t, nb, D, Dp, st->aligned, &ks, &rmode,
                                            &ksc);
+#if KV_INT_DOT
+        if (rmode == KV_ROWS_I4 && st->qint && M >= KV_INT_MIN_NH) {   /* as int8 rows (the buffer is free) */
+            kb = kv_i4_rows_i8((int8_t *)st->kblk, kb, KV_B, D);
+            rmode = KV_ROWS_I8;
+            ks = D;
+        }
+#endif
         for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
             const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
 #if KV_INT_DOT
@@ -1364,11 +1392,13 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
         tn = kv_grid_end(t, KV_B, c1);
         kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, KV_LANE_SCORE_STEPS(nqv, D));
 #if KV_INT_DOT
-        if (st->lqint) {   /* int8 keys read in place, every lane the softmax reads scored */
+        if (st->lqint) {   /* int8 keys read in place (int4 ones as int8 rows), every lane the softmax reads scored */
             kv_pf_finish(&pf);
-            KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, (const int8_t *)st->kbase + t * D,
-                                        st->kscale + t * (D / KV_I8_BLOCK), D, st->sc + (t - c0) * MP,
-                                        nqv * KV_W / 8, tn - t);
+            const int8_t *kb = st->p->dtype == KV_I4
+                ? kv_i4_rows_i8((int8_t *)st->kblk, st->kbase + (size_t)t * st->krb, tn - t, D)
+                : (const int8_t *)st->kbase + t * D;
+            KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, kb, st->kscale + t * (D / KV_I8_BLOCK), D,
+                                        st->sc + (t - c0) * MP, nqv * KV_W / 8, tn - t);
             continue;
         }
 #endif
