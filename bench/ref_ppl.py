@@ -17,7 +17,7 @@ def causal_attention(recent=0, sinks=0):
     ``[2, H or Hkv, S, D]`` (as the cache's attention reads them, as they were computed): query i
     reads key j as computed, with q as computed, when j is among its last ``recent`` keys
     (i - recent < j <= i) or among the first ``sinks``, else as stored, with q as read over stored
-    keys (rounded over int8 keys, reference.query_as_read)."""
+    keys (rounded over int8 and int4 keys, reference.query_as_read)."""
 
     def attention(q, k, v, positions=None, slopes=None, window=0, scale=None, softcap=None):
         if positions is None or slopes is not None or window or softcap:

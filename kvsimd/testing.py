@@ -43,8 +43,10 @@ def use_isa(name):
 #: differ by 2.8e-5 to 1.9e-2: the quantization itself.)
 # int4 (KVCache(dtype="int4"): 4-bit K/V turned by the Hadamard matrix) against the reference that
 # quantizes the same way: measured at most 7e-7 on the tiny models of the tests (scalar, avx2, avx512:
-# no 4-bit step rounded the other way); a float reference is 1.2e-2 .. 2.3e-1 away (bloom's ALiBi
-# model 5e-4).  The bound leaves room for one flipped step, as the int8 one does.
+# no 4-bit step rounded the other way) before the query over int4 keys was rounded by the int8
+# rule (as over int8 keys, where a query step may flip as well: see the int8 figures); a float
+# reference is 1.2e-2 .. 2.3e-1 away (bloom's ALiBi model 5e-4).  The bound leaves room for one
+# flipped step, as the int8 one does.
 # int8/int4 (KVCache(dtype="int8/int4"): int8 keys, int4 values, both turned) against the reference
 # that stores them the same way: measured at most 6.0e-7 (scalar, avx2, avx512; the families above,
 # seeds 0-1), where a float reference is 7e-4 .. 2.0e-1 away.  The int4 bound: room for a flipped

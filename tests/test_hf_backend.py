@@ -68,7 +68,7 @@ def stored_eager(kind):
     eager attention (its family's ``eager_attention_forward``: scaling, soft cap, masks) over K/V
     read as a kvsimd cache of ``kind`` = (dtype, hadamard) stores them -- each row quantized by
     kvsimd.reference's NumPy rule (turned by H first when ``hadamard``), the values it stands for
-    (turned back), in float64 then float32, and over int8 keys the query rounded by the same rule
+    (turned back), in float64 then float32, and over int8 or int4 keys the query rounded by the int8 rule
     (reference.query_as_read, as kvsimd's attention reads it).  DynamicCache keeps the float K/V:
     every call quantizes the rows again, the same rows the same way."""
     name = "stored-%s-%s" % (kind[0].replace("/", "-"), "turned" if kind[1] else "plain")

@@ -405,7 +405,7 @@ def test_attend_hadamard_over_the_unturned_values(isa, rng, T, H, Hkv, N, D, dty
                                                         **dict(kw, **alt)))
         assert got is out and all(np.array_equal(a, b) for a, b in zip(before, [q, kw.get("q_alt")]))
         assert np.array_equal(got, turned), (isa, kw)
-        qr, rkw = read_query((dtype, True), q, kw)   # over int8 keys: rounded, turned as they are
+        qr, rkw = read_query((dtype, True), q, kw)   # over int8 / int4 keys: rounded, turned as they are
         ref = reference.attend(qr, kh, vh, **rkw)
         bound = np.maximum(attend_bound(qr, kd, vd, dtype=dtype, hadamard=True, **rkw), 1e-300)
         err = np.abs(got.astype(np.float64) - ref) / bound

@@ -687,10 +687,10 @@ typedef struct KV_FN(attn_state) {
     float *m, *l;           /* [MQp] running max and sum of exp of the softmax */
     float *lo, *hi;         /* lanes path [MP]: each vector's first and end key (floats) */
     float *rowv, *slope;    /* lanes path [MP]: each vector's row (r0 + i / G) and ALiBi slope */
-    float *qi, *qia;        /* [MQp, QF] the queries of qbuf / qalt rounded for int8 keys (round_query) */
+    float *qi, *qia;        /* [MQp, QF] the queries of qbuf / qalt rounded for int8 / int4 keys (round_query) */
     int64_t QF;             /* kv_qint_floats(Dp) */
     int qround;             /* int8 or int4 keys: queries are rounded (round_query) */
-    int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
+    int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8; int4 rows unpacked first) */
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
