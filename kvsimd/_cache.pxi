@@ -60,8 +60,8 @@ cdef class _KVStore:
     and of V, one float32 scale per block of 32 values (value d stands for its integer times scale
     d // 32: :func:`kvsimd.ops.quantize_kv` quantizes, once, as K/V are written; :meth:`key_scales`
     / :meth:`value_scales` view the scales; over int8 and int4 keys attention reads each query
-    rounded by the int8 rule, :func:`kvsimd.ops.attend`).  An int4 cache stores two values per byte, 16 bytes
-    per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
+    rounded by the int8 rule, :func:`kvsimd.ops.attend`).  An int4 cache stores two values per
+    byte, 16 bytes per block of 32 (the last block of a row padded): its :meth:`keys` / :meth:`values` views are
     those bytes, uint8 ``[..., 16 * ceil(head_dim / 32)]`` (:func:`kvsimd.reference.unpack_int4`
     reads them).  ``dtype="int8/int4"`` (any "K/V" pair of int8 and int4): keys of the first width and
     values of the second; int8 keys with int4 values cost 0.44x float16's bytes and keep most of

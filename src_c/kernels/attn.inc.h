@@ -690,7 +690,7 @@ typedef struct KV_FN(attn_state) {
     float *qi, *qia;        /* [MQp, QF] the queries of qbuf / qalt rounded for int8 / int4 keys (round_query) */
     int64_t QF;             /* kv_qint_floats(Dp) */
     int qround;             /* int8 or int4 keys: queries are rounded (round_query) */
-    int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8; int4 rows unpacked first) */
+    int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
@@ -738,7 +738,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->qi = st->slope + MQp;
     st->qia = st->qi + MQp * st->QF;
     st->qround = p->dtype == KV_I8 || p->dtype == KV_I4;
-    st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;   /* so rows are read in place */
+    /* whole blocks: int8 rows are read in place, int4 ones unpacked to int8 rows (kv_i4_rows_i8) */
+    st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;
     st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
 }
 
@@ -763,9 +764,9 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
     *lo = p->causal_end > 0 && p->window > 0 ? p->causal_end - p->key_base + r - p->window : INT64_MIN;
 }
 
-/* The query over int8 (or int4) keys is rounded as the cache rounds an int8 key row (kv_quantize_rows: per block
- * of 32 values, step = max |x| / 127, q = x / step to nearest, ties to even; step NaN and q 0 when
- * a value is NaN or infinite), so that full blocks of keys are scored with exact integer dot
+/* The query over int8 (or int4) keys is rounded as the cache rounds an int8 key row
+ * (kv_quantize_rows: per block of 32 values, step = max |x| / 127, q = x / step to nearest, ties
+ * to even; step NaN and q 0 when a value is NaN or infinite), so that full blocks of keys are scored with exact integer dot
  * products (kv_scores_i8); every path then reads that same query.  x: Dp floats (0 past D), in
  * place: x <- q * (step * scale); qi (kv_qint_floats(Dp) floats): per block step * scale and
  * -KV_KDOT_OFF * sum(q) (what the unsigned keys of kv_scores_i8 add), then the Dp int8 q. */
@@ -1392,7 +1393,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
         tn = kv_grid_end(t, KV_B, c1);
         kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, KV_LANE_SCORE_STEPS(nqv, D));
 #if KV_INT_DOT
-        if (st->lqint) {   /* int8 keys read in place (int4 ones as int8 rows), every lane the softmax reads scored */
+        if (st->lqint) {   /* int8 keys read in place, int4 ones as int8 rows; every lane the softmax reads scored */
             kv_pf_finish(&pf);
             const int8_t *kb = st->p->dtype == KV_I4
                 ? kv_i4_rows_i8((int8_t *)st->kblk, st->kbase + (size_t)t * st->krb, tn - t, D)

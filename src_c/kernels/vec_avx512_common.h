@@ -302,9 +302,9 @@ static inline void kv_i4_unpack(int8_t *dst, const uint8_t *src, int64_t bytes)
         _mm512_storeu_si512((void *)(dst + 2 * o), _mm512_permutex2var_epi64(lo, a, hi));
         _mm512_storeu_si512((void *)(dst + 2 * o + 64), _mm512_permutex2var_epi64(lo, b, hi));
     }
+    const __m128i m4 = _mm512_castsi512_si128(m), s8 = _mm512_castsi512_si128(e8);
     for (; o < bytes; o += 16) {   /* bytes: whole blocks of 16 */
         const __m128i x = _mm_loadu_si128((const __m128i *)(src + o));
-        const __m128i m4 = _mm512_castsi512_si128(m), s8 = _mm512_castsi512_si128(e8);
         _mm_storeu_si128((__m128i *)(dst + 2 * o), _mm_sub_epi8(_mm_and_si128(x, m4), s8));
         _mm_storeu_si128((__m128i *)(dst + 2 * o + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), s8));
     }
