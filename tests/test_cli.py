@@ -246,3 +246,25 @@ def test_cli_reads_stdin_and_chat(model_dir):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "<|im_end|>" not in r.stdout       # generate() does not yield the stop token: the answer ends
+
+
+def test_cli_activations_flag_picks_the_matrices_arithmetic(tmp_path):
+    """--activations int8 (the default) / float32: the CLI prints the tokens of the library's model
+    loaded with the same choice (Decoder.from_gguf(activations=...)), sampled with the same seed, and
+    says which it used.  The model is Q8_0, where the two arithmetics differ slightly: sampled over 48
+    tokens their texts part (asserted first), so a flag that were ignored fails a comparison."""
+    path = str(tmp_path / "q8.gguf")
+    write_llama_gguf(path, qtype="Q8_0", meta={"tokenizer.ggml.eos_token_id": None})
+    lib = {a: kvsimd.Decoder.from_gguf(path, activations=a) for a in ("int8", "float32")}
+    tok = lib["int8"].tokenizer
+    want = {a: tok.decode(list(m.generate(tok.encode("hi"), max_new_tokens=48, temperature=1.0, seed=5,
+                                          cache_dtype="float32", stop_tokens=[]))) for a, m in lib.items()}
+    assert want["int8"] != want["float32"]
+    for a in ("int8", "float32", None):
+        r = cli(["generate", "--model", path, "--max-new-tokens", "48", "--temperature", "1", "--seed", "5",
+                 "--cache-dtype", "float32", "hi"] + ([] if a is None else ["--activations", a]))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want[a or "int8"] + "\n", a
+        assert "activations %s" % (a or "int8") in r.stderr
+    r = cli(["generate", "--model", path, "--activations", "int4", "hi"])
+    assert r.returncode == 2 and "--activations" in one_error_line(r) and "int4" in one_error_line(r)
