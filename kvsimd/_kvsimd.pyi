@@ -33,7 +33,8 @@ def attend(q: _Array, k: _Array, v: _Array, *, scale: Optional[float] = ..., ali
            ranges: Optional[Sequence[_Range]] = ..., q_alt: Optional[_Array] = ...,
            softcap: Optional[float] = ..., causal_offset: Optional[int] = ..., causal: bool = ...,
            window: Optional[int] = ..., k_scale: Optional[_Array] = ..., v_scale: Optional[_Array] = ...,
-           hadamard: bool = ..., recent: Optional[Tuple[_Array, _Array]] = ...) -> _Array: ...
+           hadamard: bool = ..., recent: Optional[Tuple[_Array, _Array]] = ...,
+           recent_window: Optional[int] = ...) -> _Array: ...
 def apply_rope(x: _Array, positions: Any, *, theta: float = ..., style: str = ...,
                rotary_dim: Optional[int] = ..., inv_freq: Optional[Sequence[float]] = ...,
                attn_factor: float = ...) -> _Array: ...

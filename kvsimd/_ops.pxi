@@ -3,7 +3,7 @@
 
 def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_position=None, out=None,
            ranges=None, q_alt=None, softcap=None, causal_offset=None, causal=True, window=None, k_scale=None,
-           v_scale=None, hadamard=False, recent=None):
+           v_scale=None, hadamard=False, recent=None, recent_window=None):
     """Attention over a KV cache: ``out[h] = softmax(scale * k[g] @ q[h] + bias) @ v[g]``.
 
     q: float32 ``[H, D]`` (one query) or ``[T, H, D]`` (T query rows of one sequence, see below);
@@ -57,7 +57,17 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     defaults to N + M - 1; rows cut causally over all N + M (``causal_offset`` default
     N + M - T, and in 0..N + M - T).  With ``hadamard`` the recent rows are given as they are
     (unturned) and turned in a float32 copy.  Each part is computed on its own and merged (kvsimd.h
-    kv_attend_sources): within the attention bound of one softmax over all N + M rows."""
+    kv_attend_sources): within the attention bound of one softmax over all N + M rows.
+
+    ``recent_window=W`` (with ``recent``; a causal pass, no ALiBi, no ``q_alt``): the M recent rows
+    are instead float rows of k/v's own last M keys (N - M..N-1, which k/v hold quantized too), and
+    each query row reads its last W keys (itself included) from them where they hold the key,
+    every older key from k/v -- how a quantized cache with float rows of its newest tokens is read
+    (``KVCache(recent=W)``, the transformers integration's ``KVSimdCache(recent=W)``).  The keys are
+    then N (``causal_offset`` default N - T; one query q ``[H, D]`` is the row at key N - 1); with
+    ``window`` w a row reads its last min(w, W) keys from the float rows.  Three parts merged as
+    above: the keys below N - M, the keys from N - M read from k/v below each row's cut, the float
+    rows at or above it."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
@@ -82,7 +92,20 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     v_scale = _need_block_scales(v, v_scale, "v", "v_scale", D)
     cdef bint hd = _need_flag(hadamard, "hadamard")
     kr, vr = _need_recent(recent, k, D)
-    cdef int64_t M = 0 if kr is None else kr.shape[1], NM = N + M
+    cdef int64_t M = 0 if kr is None else kr.shape[1], Mo = 0, W = 0
+    if recent_window is not None:         # float rows over k/v's last M keys, not after them
+        W = _need_int(recent_window, "recent_window", 1)
+        if kr is None:
+            raise KVSimdValueError("recent_window=%d needs the float rows it reads: recent=(k_recent, v_recent)" % W)
+        if M > N:
+            raise KVSimdValueError("recent_window: recent holds %d rows, more than k/v's %d keys it stands for"
+                                   % (M, N))
+        if alibi_slopes is not None or q_alt is not None or not _need_flag(causal, "causal"):
+            raise KVSimdValueError("recent_window reads a causal pass without ALiBi or q_alt, got %s"
+                                   % ("alibi_slopes" if alibi_slopes is not None else
+                                      "q_alt" if q_alt is not None else "causal=False"))
+        Mo, M = M, 0
+    cdef int64_t NM = N + M
     if hd and k_scale is None:
         raise KVSimdValueError("hadamard=True applies to quantized K/V (int8, or int4 as uint8 rows), got k and v of "
                                "dtype %s" % (k.dtype,))
@@ -171,7 +194,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             q_alt = q_alt.copy()
             kv_hadamard_rows(<float *>_ptr(q_alt), D, T * H, D)
     cdef int nt = _threads_now()
-    ws = _workspace(H, Hkv, D, nt, T, 2 if M else 1)
+    ws = _workspace(H, Hkv, D, nt, T, 3 if Mo else 2 if M else 1)
     cdef void *wsp = _aligned64(ws)
     cdef kv_attn_params src[2]
     cdef int64_t tail[4]                 # the recent rows: one range, scored with q
@@ -180,17 +203,20 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         key_positions = _np.arange(N, NM, dtype=_np.int64)
     elif M and kpos != NULL:
         key_positions = key_positions[N:]
-    if M and hd:
+    if (M or Mo) and hd:
         kr, vr = _f32_copy(kr), _f32_copy(vr)
         kr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # H x / 32 over whole blocks, as quantized rows hold
         vr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # them (kvsimd.reference.quantize_kv)
-        kv_hadamard_rows(<float *>_ptr(kr), D, Hkv * M, D)
-        kv_hadamard_rows(<float *>_ptr(vr), D, Hkv * M, D)
+        kv_hadamard_rows(<float *>_ptr(kr), D, Hkv * (M + Mo), D)
+        kv_hadamard_rows(<float *>_ptr(vr), D, Hkv * (M + Mo), D)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
                <const float *>_ptr(k_scale) if k_scale is not None else NULL,
                <const float *>_ptr(v_scale) if v_scale is not None else NULL, _kv_code(v))
     cdef float *op = <float *>_ptr(out)
+    if Mo:
+        return _attend_over_float_rows(&p, rp, nr, kr, vr, Mo, W, N, T if rows else 1,
+                                       off + 1 if rows else N, win, hd, out, ws, nt)
     if M:
         src[0] = p
         _attn_init(&src[1], <const float *>_ptr(q), NULL, _ptr(kr), _ptr(vr), op, alibi,
@@ -205,6 +231,51 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     with nogil:
         kv_attend(&p, wsp, nt)
         if hd:  # and the output turned back
+            kv_hadamard_rows(op, D, T * H, D)
+    return out
+
+
+cdef object _attend_over_float_rows(kv_attn_params *p, const int64_t *rp, int64_t nr, kr, vr, int64_t M, int64_t W,
+                                    int64_t N, int64_t T, int64_t cend, int64_t win, bint hd, out, ws, int nt):
+    """ops.attend with ``recent_window`` W: ``p`` filled for k/v over ranges ``rp`` (causal_end
+    ``cend``, window ``win``); kr/vr the float rows of keys N - M..N-1 (turned already with
+    ``hd``).  Three sources of kv_attend_sources, each range cut at lo = N - M: k/v below lo; k/v
+    from lo with key_base W (row t reads key j there when j < cend + t - W); the float rows with
+    key_base lo and window W (the row's last W keys)."""
+    cdef int64_t lo = N - M, i, t0, t1, n
+    cdef kv_attn_params src[3]
+    parts = ([], [], [])
+    for i in range(nr):
+        t0, t1 = rp[4 * i + 1], rp[4 * i + 2]
+        if t0 < lo:
+            parts[0].append((rp[4 * i], t0, min(t1, lo), rp[4 * i + 3]))
+        if t1 > lo:
+            parts[1].append((rp[4 * i], max(t0, lo), t1, rp[4 * i + 3]))
+            parts[2].append((rp[4 * i], max(t0, lo) - lo, t1 - lo, rp[4 * i + 3]))
+    tabs = [_np.array(x, dtype=_np.int64).reshape(-1, 4) for x in parts]
+    n = 0
+    if len(parts[0]):
+        src[n] = p[0]
+        src[n].ranges, src[n].n_ranges = <const kv_attn_range *>_ptr(tabs[0]), len(parts[0])
+        src[n].causal_end = cend
+        n += 1
+    if len(parts[1]) and (win == 0 or win > W):
+        src[n] = p[0]
+        src[n].ranges, src[n].n_ranges = <const kv_attn_range *>_ptr(tabs[1]), len(parts[1])
+        src[n].key_base, src[n].window, src[n].causal_end = W, (win - W if win else 0), cend
+        n += 1
+    if len(parts[2]):
+        _attn_init(&src[n], p.q, NULL, _ptr(kr), _ptr(vr), p.out, NULL, NULL, <const int64_t *>_ptr(tabs[2]),
+                   len(parts[2]), p.H, p.Hkv, p.D, M, p.scale, p.softcap, _kv_code(kr), T, p.q_stride, p.out_stride,
+                   cend, min(win, W) if win else W)
+        src[n].key_base = lo
+        n += 1
+    cdef void *wsp = _aligned64(ws)
+    cdef float *op = p.out
+    cdef int64_t D = p.D, H = p.H
+    with nogil:
+        kv_attend_sources(src, n, wsp, nt)
+        if hd:
             kv_hadamard_rows(op, D, T * H, D)
     return out
 

@@ -845,3 +845,116 @@ def test_attend_recent_bad_input(rng):
     with pytest.raises(KVSimdValueError, match="recent"):
         ops.attend(q, kq, kq, recent=(buf, kr), out=buf.reshape(-1, D)[:H], **base)
     assert not buf.any()
+
+
+def _overlay_reference(q, qr, Kq, Vq, Kr, Vr, N, off, W, window, ranges):
+    """Float64 attention of rows q [T, H, D] (qr: as read over the quantized keys) where key j of
+    row t (j <= off + t, in ``ranges``, within ``window``) is read from the float rows Kr/Vr
+    (standing for keys N - M..N-1) when j >= N - M and j > off + t - W, else from Kq/Vq; both
+    given as the values they stand for.  Returns (out [T, H, D], per-row reference.attend kwargs)."""
+    M = Kr.shape[1]
+    lo = N - M
+    K = np.concatenate([Kq, Kr], 1)
+    V = np.concatenate([Vq, Vr], 1)
+    out, kws = [], []
+    for t in range(q.shape[0]):
+        end = off + t + 1
+        first = max(0, end - window) if window else 0
+        cut = max(lo, end - W)           # keys at or above it (and >= lo) read as float
+        rr = []
+        for a, b in ranges:
+            a, b = max(a, first), min(b, end)
+            if a < min(b, cut):
+                rr.append((a, min(b, cut), False))
+            fa, fb = max(a, cut), b
+            if fa < fb:
+                rr.append((N + fa - lo, N + fb - lo, True))
+        kw = dict(ranges=rr, q_alt=q[t])
+        out.append(reference.attend(qr[t], K, V, **kw))
+        kws.append(kw)
+    return np.stack(out), kws
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("dtype,had,rdt", [("int4", True, np.float16), ("int4", False, np.float32),
+                                           ("int8", False, np.float16), ("int8/int4", True, np.float32)])
+@pytest.mark.parametrize("T,H,Hkv,N,M,W,D", [(None, 9, 3, 700, 31, 32, 64), (None, 8, 1, 90, 5, 32, 48),
+                                             (6, 8, 2, 40, 32, 32, 64), (40, 9, 3, 50, 32, 8, 64),
+                                             (12, 4, 2, 30, 20, 32, 80)])
+def test_attend_recent_window_reads_each_rows_last_keys_as_float(isa, rng, dtype, had, rdt, T, H, Hkv, N, M, W, D):
+    """ops.attend(..., recent=(k, v), recent_window=W): the M float rows stand for k/v's own last M
+    keys, each row reading its last W keys from them (where they hold the key) and older ones
+    quantized -- against float64 attention that picks, row by row, the float or the quantized
+    version of each key (float keys read with q, quantized ones with the query their rule
+    rounds), within attend_bound; with ranges, a window shorter and longer than W, rows before
+    the float rows start, 1 and 2 threads, the same bits on a repeat.  Reading every key quantized
+    is far outside the bound where int4 keys are replaced."""
+    kd_, vd_ = sides(dtype)
+    rows = T is not None
+    q = rng.standard_normal((T or 1, H, D)).astype(np.float32)
+    x = rng.standard_normal((2, Hkv, N, D)).astype(np.float32)
+    x[..., :3] *= 8
+    (kq, ks), (vq, vs) = reference.quantize_kv(x[0], kd_, had), reference.quantize_kv(x[1], vd_, had)
+    kr, vr = x[0][:, N - M:].astype(rdt), x[1][:, N - M:].astype(rdt)     # the float rows of the same tokens
+    kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)     # as stored
+    Kq, Vq = (reference.hadamard_rows(a) if had else a for a in (kd.astype(np.float64), vd.astype(np.float64)))
+    Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
+    turn = (lambda a: reference.hadamard_rows(a, _back=False)) if had else (lambda a: a)
+    K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
+    V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
+    if rows:
+        cases = [dict(), dict(window=T + 5), dict(window=max(2, W // 2)), dict(causal_offset=N - T - 3)]
+    else:
+        cases = [dict(), dict(ranges=[(N // 2, N), (0, 4)])]
+    tol = "float16" if rdt == np.float16 else (dtype if "/" not in dtype else "int8")
+    qr = reference.query_as_read(q, (dtype, had))
+    before = ext._get_kernel_threads()
+    try:
+        for threads in (1, 2):
+            ext._set_kernel_threads(threads)
+            for kw in cases:
+                args = dict(k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), recent_window=W, **kw)
+                with use_isa(isa):
+                    got = ops.attend(q if rows else q[0], kq, vq, **args)
+                    again = ops.attend(q if rows else q[0], kq, vq, **args)
+                assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
+                got = got.reshape(q.shape)
+                off = kw.get("causal_offset", N - q.shape[0])
+                ref, rkws = _overlay_reference(q, qr, Kq, Vq, Kr, Vr, N, off, W, kw.get("window", 0),
+                                               kw.get("ranges", [(0, N)]))
+                for t in range(q.shape[0]):
+                    bound = attend_bound(qr[t], K, V, dtype=tol, hadamard=had, **rkws[t])
+                    err = np.abs(got[t].astype(np.float64) - ref[t]) / np.maximum(bound, 1e-300)
+                    assert err.max() <= 1, f"{isa} {threads} threads {kw} row {t}: error {err.max():.3g} x the bound"
+                if kd_ == "int4" and kw == {}:      # the float rows are read: all-quantized is far off
+                    wrong, _ = _overlay_reference(q, qr, Kq, Vq, Kq[:, N - M:], Vq[:, N - M:], N, off, W, 0,
+                                                  [(0, N)])
+                    assert (np.abs(wrong - ref)).max() > 100 * np.abs(got - ref).max(), (isa, kw)
+    finally:
+        ext._set_kernel_threads(before)
+
+
+def test_attend_recent_window_bad_input(rng):
+    """recent_window: an integer >= 1 with recent given, at most N float rows, a causal pass
+    without ALiBi or q_alt; a KVSimdError naming it."""
+    H, Hkv, N, D = 4, 2, 10, 32
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    kq, ks = ops.quantize_kv(rng.standard_normal((Hkv, N, D)).astype(np.float32), "int8")
+    kr = rng.standard_normal((Hkv, 3, D)).astype(np.float32)
+    base = dict(k_scale=ks, v_scale=ks)
+    big = rng.standard_normal((Hkv, N + 1, D)).astype(np.float32)
+    qt = rng.standard_normal((2, H, D)).astype(np.float32)
+    for kw, err, words in [(dict(recent_window=4), KVSimdValueError, "recent=\\(k_recent"),
+                           (dict(recent=(kr, kr), recent_window=0), KVSimdValueError, "recent_window"),
+                           (dict(recent=(kr, kr), recent_window=1.5), KVSimdTypeError, "recent_window"),
+                           (dict(recent=(big, big), recent_window=4), KVSimdValueError, "11 rows"),
+                           (dict(recent=(kr, kr), recent_window=4, alibi_slopes=np.ones(H, np.float32)),
+                            KVSimdValueError, "alibi_slopes"),
+                           (dict(recent=(kr, kr), recent_window=4, q_alt=q, ranges=[(0, N, True)]),
+                            KVSimdValueError, "q_alt")]:
+        with pytest.raises(err, match=words):
+            ops.attend(q, kq, kq, **base, **kw)
+    with pytest.raises(KVSimdValueError, match="causal=False"):
+        ops.attend(qt, kq, kq, recent=(kr, kr), recent_window=4, causal=False, **base)
+    with pytest.raises(KVSimdValueError, match="N-T=8"):
+        ops.attend(qt, kq, kq, recent=(kr, kr), recent_window=4, causal_offset=9, **base)
