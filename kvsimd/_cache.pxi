@@ -102,6 +102,9 @@ cdef class _KVStore:
     cdef object _tail             # uint16 [n_layers, K|V, batch, n_kv_heads, 2R, head_dim]: float16 bits, a ring
     cdef object _th, _tn          # int64 [batch]: ring entry of the oldest committed row, committed rows (<= R)
     cdef object _ttag             # int64 [batch, 2R]: the slot whose token each ring entry holds
+    cdef object _pend             # int64 [batch, 3]: float rows write() stored beyond the committed ones,
+    cdef object _pend_l           #   (first slot, rows m, ring entry of the first), m = 0: none; bool
+                                  #   [batch, n_layers]: the layers that stored them (append takes them)
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None,
                   **streaming):
@@ -354,7 +357,78 @@ cdef class _KVStore:
             self._before_write(l, s, t0, t0 + T)
             for which, src in ((0, k), (1, v)):
                 self._put_rows(l, which, s, t0, src)
+            if self.recent:
+                self._recent_write(l, s, t0, k, v)
             self._writer = 0
+
+    cdef int _recent_write(self, int64_t l, int64_t s, int64_t t0, k, v) except -1:
+        """write()'s float rows (a cache with ``recent`` = R): rows over committed tokens make the
+        sequence's float rows stale (it keeps none); of the rows beyond them the last m <= R go
+        to the ring entries after the committed ones, as float16 rows stored the way a plan
+        stores them (turned by H with ``hadamard``), for :meth:`append` / :meth:`commit` to take
+        when every layer stored the same rows.  A write of other rows starts that count again."""
+        cdef int64_t T = k.shape[1], L = self._lengths[s], R = self.recent, ring = 2 * self.recent
+        cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim, p0, m, e0, j, w
+        if t0 < L:
+            self._recent_lost(s)
+        p0 = max(t0 + T - R, L, t0)
+        m = t0 + T - p0
+        if m <= 0:
+            return 0
+        e0 = (self._th[s] + self._tn[s]) % ring
+        if tuple(self._pend[s]) != (p0, m, e0):
+            self._pend[s] = (p0, m, e0)
+            self._pend_l[s] = False
+        tmp = _np.empty(Hkv * D, dtype=_np.float32)
+        cdef float *tp = <float *>_ptr(tmp)
+        cdef uint16_t *ring_rows
+        for w, x in ((0, k), (1, v)):
+            ring_rows = <uint16_t *>_ptr(self._tail) + ((l * 2 + w) * self.batch + s) * Hkv * ring * D
+            rows = _np.ascontiguousarray(x[:, p0 - t0:].transpose(1, 0, 2))    # [m, Hkv, D]
+            for j in range(m):
+                _f16_heads(ring_rows + ((e0 + j) % ring) * D, ring * D, <const float *>_ptr(rows) + j * Hkv * D,
+                           tp, Hkv, D, self.hadamard)
+        self._pend_l[s, l] = True
+        return 0
+
+    def _float_rows(self, layer, seq, k, v, int64_t n):
+        """For an attention over this pass's rows (the transformers integration): float32 K and V
+        ``[n_kv_heads, c + T, head_dim]``, the last c = min(n, committed) float rows of sequence
+        ``seq`` followed by k, v (float32 ``[n_kv_heads, T, head_dim]``, the pass's rows) rounded as
+        the ring stores them; unturned, as ops.attend(recent=...) takes them."""
+        cdef int64_t l = self._layer(layer), s = self._seq(seq), ring = 2 * self.recent, c, j, T
+        cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim
+        for x, name in ((k, "k"), (v, "v")):
+            _need_array(x, name, (_F32,), 3, "[n_kv_heads, T, head_dim]")
+            if x.shape[0] != Hkv or x.shape[2] != D or x.shape != k.shape:
+                raise KVSimdValueError("k and v must be [%d, T, %d], got %s and %s" % (Hkv, D, k.shape, v.shape))
+        T = k.shape[1]
+        c = min(n, int(self._tn[s]))
+        idx = (self._th[s] + self._tn[s] - c + _np.arange(c)) % ring
+        out = []
+        tmp = _np.empty(Hkv * D, dtype=_np.float32)
+        for w, x in ((0, k), (1, v)):
+            old = self._tail[l, w, s][:, idx].view(_np.float16)
+            new = _np.empty((T, Hkv, D), dtype=_np.uint16)
+            rows = _np.ascontiguousarray(x.transpose(1, 0, 2))
+            for j in range(T):
+                _f16_heads(<uint16_t *>_ptr(new) + j * Hkv * D, D, <const float *>_ptr(rows) + j * Hkv * D,
+                           <float *>_ptr(tmp), Hkv, D, self.hadamard)
+            f = _np.concatenate([old, new.view(_np.float16).transpose(1, 0, 2)], 1).astype(_np.float32)
+            if self.hadamard:      # H (H x / 32) = x: the rows as ops.attend takes them
+                kv_hadamard_rows(<float *>_ptr(f), D, Hkv * (c + T), D)
+            out.append(f)
+        return tuple(out)
+
+    def _copy_recent(self, _KVStore old):
+        """The float rows and their ring of ``old`` (same layers, batch, heads, head_dim and
+        recent; its slots kept), e.g. when a cache grows into a new one."""
+        if (old.recent != self.recent or old.batch != self.batch or old._tail is None or
+                old._tail.shape != self._tail.shape):
+            raise KVSimdValueError("_copy_recent needs a cache of the same shape and recent")
+        self._tail[...] = old._tail
+        self._th[:], self._tn[:], self._ttag[:] = old._th, old._tn, old._ttag
+        self._pend[:] = 0
 
     cdef int _put_rows(self, int64_t l, int which, int64_t s, int64_t t0, src) except -1:
         """float32 rows src [Hkv, T, D] (validated, C-contiguous, not in this storage) into slots
@@ -414,13 +488,15 @@ cdef class _KVStore:
 
     def commit(self, n, seq=0):
         """Make ``n`` written tokens of sequence ``seq`` part of the cache.  A cache with ``recent``
-        float rows has none of these tokens' (write() stores the quantized rows only): its
-        queries read them, and the tokens before, quantized until a step or prefill plan commits
-        tokens again (KVCache)."""
+        float rows takes the float rows write() stored for the last of them when it stored them
+        for every layer; else its queries read these tokens, and the ones before, quantized until
+        tokens are committed again (KVCache)."""
+        cdef int64_t L, k = _need_int(n, "n")
         with self._claim():
             s = self._seq(seq)
-            self._commit(s, _need_int(n, "n"))
-            self._recent_lost(s)
+            L = self._lengths[s]
+            self._commit(s, k)
+            self._recent_append(s, L, k)
 
     cdef int _commit(self, int64_t s, int64_t n) except -1:
         if n < 0 or n > self.capacity - int(self._lengths[s]):
@@ -434,6 +510,28 @@ cdef class _KVStore:
         """The float rows of sequence s no longer are its last tokens': none are read."""
         if self.recent:
             self._tn[s] = 0
+            self._pend[s, 1] = 0
+        return 0
+
+    cdef int _recent_append(self, int64_t s, int64_t L, int64_t n) except -1:
+        """Tokens L..L+n-1 of sequence s were committed after write(): the float rows write()
+        stored for its last of them join the ring when every layer stored them (and they follow
+        the committed ones: a write of more than R rows drops those); else the sequence keeps none."""
+        cdef int64_t p0, m, e0, j, tot, drop, ring = 2 * self.recent
+        if not self.recent:
+            return 0
+        p0, m, e0 = (int(x) for x in self._pend[s])
+        if not (m > 0 and self._pend_l[s].all() and e0 == (self._th[s] + self._tn[s]) % ring and p0 >= L
+                and p0 + m == L + n):
+            self._recent_lost(s)
+            return 0
+        for j in range(m):
+            self._ttag[s, (e0 + j) % ring] = p0 + j
+        tot = self._tn[s] + m
+        drop = max(0, tot - self.recent)
+        self._th[s] = (self._th[s] + drop) % ring
+        self._tn[s] = tot - drop
+        self._pend[s, 1] = 0
         return 0
 
     def _forget(self, seq, n):
@@ -454,6 +552,7 @@ cdef class _KVStore:
                 self._lengths[:] = 0
                 if self.recent:
                     self._tn[:] = 0
+                    self._pend[:, 1] = 0
             else:
                 self._lengths[self._seq(seq)] = 0
                 self._recent_lost(self._seq(seq))
@@ -594,11 +693,13 @@ cdef class KVCache(_KVStore):
     query looks hardest, at its last tokens: R = 32 takes SmolLM2's int4 perplexity cost from
     about 4% to a fraction of one (README).  The quantized rows of every token are stored as
     well, so where float rows are missing the quantized ones are read: after :meth:`commit` or
-    :meth:`append` of rows stored with write() (no float rows: none are read until a plan
-    commits tokens again), for tokens a :meth:`truncate` leaves behind the dropped ones, for the
-    sinks of a ring that wrapped (its float rows cover window tokens only), and by explicit plans
-    (:meth:`step_plan`, :meth:`step_attend`) and :meth:`attend`, which read the quantized rows
-    only.  ``shift`` rotates the float rows' keys with the others (in float32, one float16
+    :meth:`append` of rows that write() stored for some layers only or over committed tokens
+    (write() of every layer stores the float rows of its last R tokens, which the commit takes;
+    else none are read until tokens are committed again), for tokens a :meth:`truncate` leaves
+    behind the dropped ones, for the sinks of a ring that wrapped (its float rows cover window
+    tokens only), and by explicit plans (:meth:`step_plan`, :meth:`step_attend`) and
+    :meth:`attend`, which read the quantized rows only (ops.attend's ``recent_window`` reads
+    both: the transformers integration).  ``shift`` rotates the float rows' keys with the others (in float32, one float16
     rounding); transactions restore them bit for bit.  :meth:`recent_rows` copies them.
 
     Read-only bookkeeping: ``positions`` [batch, capacity] (the position each slot's key was
@@ -655,6 +756,8 @@ cdef class KVCache(_KVStore):
             self._th = _np.zeros(self.batch, dtype=_np.int64)
             self._tn = _np.zeros(self.batch, dtype=_np.int64)
             self._ttag = _np.zeros((self.batch, 2 * rn), dtype=_np.int64)
+            self._pend = _np.zeros((self.batch, 3), dtype=_np.int64)
+            self._pend_l = _np.zeros((self.batch, self.n_layers), dtype=bool)
         self.recent = rn
 
     # ------------------------------------------------------------------ read-only state
@@ -795,7 +898,7 @@ cdef class KVCache(_KVStore):
                 self._tx.save_row(s)
             self._pos[s, start:start + k] = _np.arange(start, start + k)
             self._took(s, k, ids)
-            self._recent_lost(s)       # write() stores no float rows
+            self._recent_append(s, start, k)      # the float rows write() stored, if it stored them all
 
     # ------------------------------------------------------------------ decode step
     def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,
@@ -894,16 +997,24 @@ cdef class KVCache(_KVStore):
     cdef int _recent_took(self, _Plan p) except -1:
         """The float rows a committed plan stored (tidx) join its sequences' rings, the oldest
         beyond ``recent`` leaving.  A plan whose K/V write() stored (the low-level prefill:
-        begin_prefill, write, end_prefill), or overwrote after the layers ran, stored no float
-        rows of them: its sequences keep none."""
+        begin_prefill, write, end_prefill; a step the same way) takes the float rows write()
+        stored when it stored them for every layer (_recent_append); one whose rows a plan wrote
+        for some layers and write() for others keeps none."""
         cdef int64_t r, s, tot, drop, ring = 2 * self.recent
         if not self.recent:
             return 0
         if p.rn == 0 or self._writer != p.serial:
-            for r in range(p.R):
-                self._recent_lost(p.seqs[r])
+            if self._writer == 0 and p.kind == 1:       # write() stored the rows: its float rows, if all
+                self._recent_append(p.seq, p.slots[0], p.R)
+            elif self._writer == 0:
+                for r in range(p.R):
+                    self._recent_append(p.seqs[r], p.slots[r], 1)
+            else:
+                for r in range(p.R):
+                    self._recent_lost(p.seqs[r])
             return 0
         for r in range(p.R):
+            self._pend[p.seqs[r], 1] = 0
             if p.tidx[r] < 0:
                 continue
             s = p.seqs[r]
@@ -917,6 +1028,8 @@ cdef class KVCache(_KVStore):
     cdef int _recent_keep(self, int64_t s, int64_t n) except -1:
         """At most the newest ``n`` float rows of sequence s stay (a discard left fewer tokens after
         the sinks; a truncate: see there)."""
+        if self.recent:
+            self._pend[s, 1] = 0
         if self.recent and self._tn[s] > n:
             self._th[s] = (self._th[s] + self._tn[s] - max(n, 0)) % (2 * self.recent)
             self._tn[s] = max(n, 0)
@@ -976,6 +1089,7 @@ cdef class KVCache(_KVStore):
             self._seen[s] -= k
             if self.recent:                              # the newest float rows go with their tokens
                 self._tn[s] = max(0, self._tn[s] - k)
+                self._pend[s, 1] = 0
             if a == 0:                                   # emptied: a fresh sequence, prefill works again
                 self._head[s], self._seen[s] = nk, 0
             del self._tokens[s][a:]
@@ -1298,6 +1412,7 @@ cdef class _Tx:
             c._tail[:, :, b][..., idx, :] = rows
         if c.recent:
             c._th[:], c._tn[:], c._ttag[:] = self.th, self.tn, self.ttag
+            c._pend[:, 1] = 0
         # newest record first, so the oldest value of each slot is the one left (a row may be
         # saved after a step changed a slot of it: a truncate in the transaction)
         for b, slot, p, r in reversed(self.cells):

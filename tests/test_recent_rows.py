@@ -234,17 +234,19 @@ def test_truncate_and_transactions_keep_the_float_rows_right(rng):
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     for _ in range(3):                    # and steps go on as if the failed ones never ran
         _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
-    # write() + commit() store no float rows: the sequence has none until a plan commits again
-    c.write(0, *np.zeros((2, Hkv, 1, D), np.float32))
+    # write() of every layer + commit(): the new token's float row joins the others
+    c.write(0, *np.ones((2, Hkv, 1, D), np.float32))
     c.commit(1)
-    assert c.recent_rows(0)[0].shape[1] == 0
+    kr, vr = c.recent_rows(0)
+    assert kr.shape[1] == R
+    assert np.array_equal(kr[:, -1].astype(np.float32), as_stored_float(np.ones((Hkv, D), np.float32), had))
 
 
 @pytest.mark.parametrize("dtype,had", KINDS[:2])
 def test_prefill_after_truncate_or_append_reads_every_key(isa, rng, dtype, had):
-    """A prefill chunk after a truncate (prompt-lookup decoding's rollback, then its next pass) or
-    after append() of rows stored with write() (the sequence has fewer float rows than R - 1):
-    the keys before its float rows are read quantized, none skipped."""
+    """A prefill chunk after a truncate (prompt-lookup decoding's rollback, then its next pass,
+    the sequence holding fewer float rows than R - 1) or after append() of rows stored with
+    write(): the keys before its float rows are read quantized, none skipped."""
     H, Hkv, D, R = 4, 2, 64, 4
     c = KVCache(1, Hkv, D, 40, dtype=dtype, hadamard=had, recent=R)
     seqs = [Seq(R)]
@@ -260,16 +262,17 @@ def test_prefill_after_truncate_or_append_reads_every_key(isa, rng, dtype, had):
     c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
     c.append(0, 5)
     for t in range(5):
-        seqs[0].add(k[t], v[t])
-    seqs[0].nf = 0                      # append stores no float rows: the sequence has none
+        seqs[0].add(k[t], v[t])         # write() stored float rows of the last R, append took them
     for T in (1, 3):
         _prefill(c, seqs, 0, _rows(rng, T, H, Hkv, D), H, Hkv, D, dtype, had, 0)
 
 
-def test_write_paths_leave_no_stale_float_rows(rng):
-    """begin_prefill + write() + end_prefill (the low-level prefill) stores no float rows, so none
-    are read; write() over committed tokens drops the sequence's float rows (they no longer hold
-    those tokens) and makes plans made before it stale."""
+def test_write_paths_keep_fresh_float_rows_only(rng):
+    """begin_prefill + write() + end_prefill (the low-level prefill) and write() + append(): the
+    float rows write() stored for the last R tokens are kept when it stored them for every layer
+    (as a plan would, checked by the steps after against the test's model); write() over
+    committed tokens drops the sequence's float rows (they no longer hold those tokens) and makes
+    plans made before it stale."""
     H, Hkv, D, R, dtype, had = 4, 2, 64, 4, "int4", True
     c = KVCache(1, Hkv, D, 32, dtype=dtype, hadamard=had, recent=R)
     seqs = [Seq(R)]
@@ -280,11 +283,13 @@ def test_write_paths_leave_no_stale_float_rows(rng):
     c.end_prefill(p)
     for t in range(6):
         seqs[0].add(k[t], v[t])
-    seqs[0].nf = 0
-    assert c.recent_rows(0)[0].shape[1] == 0
+    kr, vr = c.recent_rows(0)
+    assert kr.shape[1] == R
+    assert np.array_equal(kr.astype(np.float32), as_stored_float(k[2:].transpose(1, 0, 2), had))
+    assert np.array_equal(vr.astype(np.float32), as_stored_float(v[2:].transpose(1, 0, 2), had))
     for _ in range(3):
         _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
-    assert c.recent_rows(0)[0].shape[1] == 3
+    assert c.recent_rows(0)[0].shape[1] == R
     p = c.begin_step(np.zeros(1, np.int64), n_heads=H)
     new = rng.standard_normal((2, Hkv, 1, D)).astype(np.float32)
     c.write(0, new[0], new[1], start=5)            # over committed token 5
@@ -295,6 +300,59 @@ def test_write_paths_leave_no_stale_float_rows(rng):
         _attend_plan(p, 0, _rows(rng, 1, H, Hkv, D), np.empty((1, H * D), np.float32))
     for _ in range(2):
         _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
+
+
+def test_write_append_takes_float_rows_of_every_layer(rng):
+    """A two-layer cache: write() of one layer, then append(), keeps no float rows (the other
+    layer has none of these tokens); write() of both keeps the last min(T, R), following the
+    committed ones; a write of other rows in between starts the count again; a failed append
+    inside a transaction leaves the rows as they were."""
+    Hkv, D, R = 2, 48, 3
+    c = KVCache(2, Hkv, D, 32, dtype="int4", recent=R)
+    x = rng.standard_normal((4, 2, Hkv, 8, D)).astype(np.float32)   # [pass][K|V]
+
+    def put(layer, i, cols):
+        c.write(layer, np.ascontiguousarray(x[i, 0, :, cols]), np.ascontiguousarray(x[i, 1, :, cols]))
+
+    def stored(a):
+        return as_stored_float(np.ascontiguousarray(a), c.hadamard)
+
+    put(0, 0, np.s_[:2])
+    c.append(0, 2)
+    assert c.recent_rows(1)[0].shape[1] == 0 and c.recent_rows(0)[0].shape[1] == 0
+    for l in (0, 1):
+        put(l, 1, np.s_[:2])
+    c.append(0, 2)
+    assert c.recent_rows(1)[0].shape[1] == 2
+    put(0, 2, np.s_[:1])            # one row at slot 4 ...
+    for l in (0, 1):                # ... then two rows there in both layers
+        put(l, 3, np.s_[:2])
+    c.append(0, 2)
+    for l in (0, 1):
+        kr, vr = c.recent_rows(l)
+        want_k = np.concatenate([x[1, 0, :, 1:2], x[3, 0, :, :2]], 1)
+        want_v = np.concatenate([x[1, 1, :, 1:2], x[3, 1, :, :2]], 1)
+        assert np.array_equal(kr.astype(np.float32), stored(want_k))
+        assert np.array_equal(vr.astype(np.float32), stored(want_v))
+    before = [a.copy() for l in (0, 1) for a in c.recent_rows(l)]
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            for l in (0, 1):
+                put(l, 2, np.s_[2:7])
+            c.append(0, 5)
+            assert c.recent_rows(0)[0].shape[1] == R
+            raise RuntimeError("fails after the append")
+    assert all(np.array_equal(a, b) for a, b in zip(before, [a for l in (0, 1) for a in c.recent_rows(l)]))
+    for l in (0, 1):                # more than R rows: the last R, none older
+        put(l, 2, np.s_[2:7])
+    c.append(0, 5)
+    assert np.array_equal(c.recent_rows(1)[0].astype(np.float32), stored(x[2, 0, :, 4:7]))
+    c.reset()
+    for l in (0, 1):
+        put(l, 0, np.s_[:3])
+    c.reset()                       # write, reset, append: nothing taken
+    c.append(0, 3)
+    assert c.recent_rows(0)[0].shape[1] == 0
 
 
 def test_recent_argument_checks():
@@ -380,9 +438,8 @@ def test_random_sequences_of_operations(seed, trial):
             c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)),
                     seq=s)
             c.append(s, 2)
-            for t in range(2):
+            for t in range(2):            # write() stored their float rows (the cache's one layer)
                 seqs[s].add(k[t], v[t])
-            seqs[s].nf = 0
         elif x < 0.42 and not (policy == "fixed" and full):
             with pytest.raises(RuntimeError):
                 with c.transaction():
