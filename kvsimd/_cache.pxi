@@ -414,7 +414,8 @@ cdef class _KVStore:
             for j in range(T):
                 _f16_heads(<uint16_t *>_ptr(new) + j * Hkv * D, D, <const float *>_ptr(rows) + j * Hkv * D,
                            <float *>_ptr(tmp), Hkv, D, self.hadamard)
-            f = _np.concatenate([old, new.view(_np.float16).transpose(1, 0, 2)], 1).astype(_np.float32)
+            f = _np.ascontiguousarray(_np.concatenate([old, new.view(_np.float16).transpose(1, 0, 2)], 1),
+                                      dtype=_np.float32)
             if self.hadamard:      # H (H x / 32) = x: the rows as ops.attend takes them
                 kv_hadamard_rows(<float *>_ptr(f), D, Hkv * (c + T), D)
             out.append(f)
@@ -517,7 +518,7 @@ cdef class _KVStore:
         """Tokens L..L+n-1 of sequence s were committed after write(): the float rows write()
         stored for its last of them join the ring when every layer stored them (and they follow
         the committed ones: a write of more than R rows drops those); else the sequence keeps none."""
-        cdef int64_t p0, m, e0, j, tot, drop, ring = 2 * self.recent
+        cdef int64_t p0, m, e0, ring = 2 * self.recent
         if not self.recent:
             return 0
         p0, m, e0 = (int(x) for x in self._pend[s])
@@ -525,13 +526,20 @@ cdef class _KVStore:
                 and p0 + m == L + n):
             self._recent_lost(s)
             return 0
+        self._recent_join(s, e0, p0, m)
+        self._pend[s, 1] = 0
+        return 0
+
+    cdef int _recent_join(self, int64_t s, int64_t e0, int64_t p0, int64_t m) except -1:
+        """Ring entries e0.. (after the committed ones) hold the float rows of slots p0..p0+m-1 of
+        sequence s, now committed: the oldest beyond ``recent`` leave."""
+        cdef int64_t j, tot, drop, ring = 2 * self.recent
         for j in range(m):
             self._ttag[s, (e0 + j) % ring] = p0 + j
         tot = self._tn[s] + m
         drop = max(0, tot - self.recent)
         self._th[s] = (self._th[s] + drop) % ring
         self._tn[s] = tot - drop
-        self._pend[s, 1] = 0
         return 0
 
     def _forget(self, seq, n):
@@ -1017,12 +1025,7 @@ cdef class KVCache(_KVStore):
             self._pend[p.seqs[r], 1] = 0
             if p.tidx[r] < 0:
                 continue
-            s = p.seqs[r]
-            self._ttag[s, p.tidx[r]] = p.slots[r]
-            tot = self._tn[s] + 1
-            drop = max(0, tot - self.recent)
-            self._th[s] = (self._th[s] + drop) % ring
-            self._tn[s] = tot - drop
+            self._recent_join(p.seqs[r], p.tidx[r], p.slots[r], 1)
         return 0
 
     cdef int _recent_keep(self, int64_t s, int64_t n) except -1:

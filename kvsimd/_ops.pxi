@@ -60,14 +60,14 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     kv_attend_sources): within the attention bound of one softmax over all N + M rows.
 
     ``recent_window=W`` (with ``recent``; a causal pass, no ALiBi, no ``q_alt``): the M recent rows
-    are instead float rows of k/v's own last M keys (N - M..N-1, which k/v hold quantized too), and
-    each query row reads its last W keys (itself included) from them where they hold the key,
-    every older key from k/v -- how a quantized cache with float rows of its newest tokens is read
-    (``KVCache(recent=W)``, the transformers integration's ``KVSimdCache(recent=W)``).  The keys are
-    then N (``causal_offset`` default N - T; one query q ``[H, D]`` is the row at key N - 1); with
-    ``window`` w a row reads its last min(w, W) keys from the float rows.  Three parts merged as
-    above: the keys below N - M, the keys from N - M read from k/v below each row's cut, the float
-    rows at or above it."""
+    are instead float rows of keys k/v hold quantized too, the M keys up to the last row's own
+    (``causal_offset`` + T - M..``causal_offset`` + T - 1; one query q ``[H, D]`` is the row at key
+    N - 1), and each query row reads its last W keys (itself included) from them where they hold
+    the key, every older key from k/v -- how a quantized cache with float rows of its newest
+    tokens is read (``KVCache(recent=W)``, the transformers integration's
+    ``KVSimdCache(recent=W)``).  The keys are then k/v's N; with ``window`` w a row reads its last
+    min(w, W) keys from the float rows.  Three parts merged as above: the keys before the float
+    rows', the later ones read from k/v below each row's cut, the float rows at or above it."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
@@ -135,6 +135,9 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
                 raise KVSimdValueError("window needs a causal pass, got causal=False")
             win = _need_int(window, "window", 1)
         cend = off + 1 if causal else 0
+        if Mo > off + T:
+            raise KVSimdValueError("recent_window: recent holds %d rows, more than the %d keys up to the last row's "
+                                   "(causal_offset + T)" % (Mo, off + T))
     cdef float sc = _need_scale(scale, D)
     cdef float cap = _need_softcap(softcap)
     cdef const float *alibi = NULL
@@ -215,7 +218,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
                <const float *>_ptr(v_scale) if v_scale is not None else NULL, _kv_code(v))
     cdef float *op = <float *>_ptr(out)
     if Mo:
-        return _attend_over_float_rows(&p, rp, nr, kr, vr, Mo, W, N, T if rows else 1,
+        return _attend_over_float_rows(&p, rp, nr, kr, vr, Mo, W, off + T if rows else N, T if rows else 1,
                                        off + 1 if rows else N, win, hd, out, ws, nt)
     if M:
         src[0] = p
@@ -238,8 +241,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
 cdef object _attend_over_float_rows(kv_attn_params *p, const int64_t *rp, int64_t nr, kr, vr, int64_t M, int64_t W,
                                     int64_t N, int64_t T, int64_t cend, int64_t win, bint hd, out, ws, int nt):
     """ops.attend with ``recent_window`` W: ``p`` filled for k/v over ranges ``rp`` (causal_end
-    ``cend``, window ``win``); kr/vr the float rows of keys N - M..N-1 (turned already with
-    ``hd``).  Three sources of kv_attend_sources, each range cut at lo = N - M: k/v below lo; k/v
+    ``cend``, window ``win``); kr/vr the float rows of keys N - M..N-1, N the last row's key + 1
+    (turned already with ``hd``).  Three sources of kv_attend_sources, each range cut at lo = N - M: k/v below lo; k/v
     from lo with key_base W (row t reads key j there when j < cend + t - W); the float rows with
     key_base lo and window W (the row's last W keys)."""
     cdef int64_t lo = N - M, i, t0, t1, n

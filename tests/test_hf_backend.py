@@ -84,6 +84,54 @@ def stored_eager(kind):
     return name
 
 
+def stored_recent(kind, R):
+    """A transformers attention implementation (registered here): float64 attention over K/V read
+    as a kvsimd cache of ``kind`` with ``recent=R`` float rows reads them -- row t (at slot
+    N - T + t) reads key j from its float16 row (turned by H first when ``kind`` turns, as the
+    cache stores it) when j > N - T + t - R, else as quantized (kvsimd.reference's rule, with the
+    query that rule rounds); the keys the family's eager mask lets the row see (causal, padding,
+    sliding window).  Independent of kvsimd's kernels and bookkeeping."""
+    name = "stored-recent-%s-%s-%d" % (kind[0].replace("/", "-"), "turned" if kind[1] else "plain", R)
+    had = kind[1]
+
+    def as_float16(x):
+        if not had:
+            return x.astype(np.float16).astype(np.float64)
+        t = reference.hadamard_rows(x.astype(np.float32), _back=False).astype(np.float16).astype(np.float32)
+        return reference.hadamard_rows(t).astype(np.float64)
+
+    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        q = query.detach().float().numpy().astype(np.float64)
+        k, v = (t.detach().float().numpy() for t in (key, value))
+        B, H, T, D = q.shape
+        N, G = k.shape[2], H // k.shape[1]
+        kq, vq = (reference._as_cached(kind, x, D, which).astype(np.float64) for which, x in enumerate((k, v)))
+        kf, vf = as_float16(k), as_float16(v)
+        qr = np.asarray(reference.query_as_read(q.astype(np.float32), kind), np.float64)
+        m = attention_mask.detach().numpy()
+        see = m if m.dtype == bool else (m == 0)
+        out = np.zeros((B, T, H, D))
+        for b in range(B):
+            for t in range(T):
+                pos = N - T + t
+                vis = see[b, 0, t, :N]
+                fl = np.arange(N) > pos - R
+                for h in range(H):
+                    g = h // G
+                    sc = np.where(fl, kf[b, g] @ q[b, h, t], kq[b, g] @ qr[b, h, t]) * scaling
+                    sc = np.where(vis, sc, -np.inf)
+                    if not vis.any():
+                        continue
+                    w = np.exp(sc - sc.max())
+                    val = np.where(fl[:, None], vf[b, g], vq[b, g])
+                    out[b, t, h] = (w @ val) / w.sum()
+        return torch.from_numpy(out.astype(np.float32)), None
+
+    T.AttentionInterface.register(name, attn)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
 def rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
@@ -148,6 +196,56 @@ def test_int4_cache_padded_batch(family):
     ids = ids * mask
     ref_tok, ref_log = run(m, ids, stored_eager(("int4", True)), attention_mask=mask)
     tok, log = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="int4"), attention_mask=mask)
+    assert torch.equal(tok, ref_tok)
+    assert rel(log, ref_log) <= REFERENCE_BOUNDS["int4"], rel(log, ref_log)
+
+
+@pytest.mark.parametrize("kind,R", [(("int4", True), 4), (("int4", False), 1), (("int8", False), 3),
+                                    (("int8/int4", True), 32)], ids=["int4-4", "int4-plain-1", "int8-3", "int8-int4-32"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window"])
+def test_recent_rows_read_each_rows_last_keys_as_float(family, kind, R):
+    """KVSimdCache(recent=R): the prompt (every row of it) and each decode step read a row's last
+    R keys from float16 rows and older keys quantized -- the greedy tokens of float64 attention
+    that reads K/V so (stored_recent), logits within REFERENCE_BOUNDS; the tokens and logits of
+    kvsimd's own Decoder with the same weights and cache_recent=R (its compiled layers and plans,
+    another path to the same rule); and farther from both without the float rows (int4 keys), so
+    that a cache that did not read them fails."""
+    dtype, had = kind
+    m = tiny(family, attn=STOCK.get(family, "sdpa"), **WIDE)
+    m.generation_config.eos_token_id = None     # the Decoder's generate does not stop at it either
+    ids = prompt(1, n=14)
+    ref_tok, ref_log = run(m, ids, stored_recent(kind, R))
+    cache = kt.KVSimdCache(m, dtype=dtype, hadamard=had, recent=R)
+    tok, log = run(m, ids, kt.NAME, cache)
+    assert cache.kv.recent == R and cache.recent == R
+    assert torch.equal(tok, ref_tok), (family, kind, R)
+    err = rel(log, ref_log)
+    assert err <= REFERENCE_BOUNDS[dtype], (family, kind, R, err)
+    if family != "mistral-window" and had == ("int4" in dtype):   # generate's default turn; its windows:
+        dec = Decoder.from_transformers(m)                          # tests/test_recent_rows.py
+        mine = list(dec.generate(ids[0].tolist(), max_new_tokens=24, cache_dtype=dtype, cache_recent=R))
+        assert tok[0, ids.shape[1]:].tolist() == mine, (family, kind, R)
+        cq = dec.new_cache(capacity=64, dtype=dtype, recent=R, hadamard=had)
+        want = np.array([dec.prefill(ids[0].tolist(), cache=cq)] + [dec.step([t], cache=cq)[0] for t in mine[:-1]])
+        assert rel(log[:, 0], want) <= REFERENCE_BOUNDS[dtype], (family, kind, R, rel(log[:, 0], want))
+    if dtype != "int8":
+        _, plain = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype=dtype, hadamard=had))
+        assert rel(plain, ref_log) > 4 * max(err, REFERENCE_BOUNDS[dtype] / 4), (family, kind, rel(plain, ref_log))
+
+
+def test_recent_rows_padded_batch_and_growth():
+    """A left-padded batch of 2 on KVSimdCache(dtype="int4", recent=6), starting at a capacity of 8
+    so that it grows twice (the float rows move with the tokens): the greedy tokens of stored_recent
+    and logits within the int4 bound."""
+    m = tiny("llama", **WIDE)
+    ids = prompt(5, B=2, n=9)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    ref_tok, ref_log = run(m, ids, stored_recent(("int4", True), 6), attention_mask=mask)
+    cache = kt.KVSimdCache(m, dtype="int4", recent=6, capacity=8)
+    tok, log = run(m, ids, kt.NAME, cache, attention_mask=mask)
+    assert cache.kv.capacity >= 32
     assert torch.equal(tok, ref_tok)
     assert rel(log, ref_log) <= REFERENCE_BOUNDS["int4"], rel(log, ref_log)
 
@@ -329,6 +427,12 @@ def test_refusals():
         kt.KVSimdCache(m, hadamard=True)
     with pytest.raises(KVSimdTypeError, match="hadamard must be a bool, got 'yes'"):
         kt.KVSimdSinkCache(m, 20, 4, dtype="int4", hadamard="yes")
+    with pytest.raises(KVSimdValueError, match="recent=4 with dtype=float16"):
+        kt.KVSimdCache(m, recent=4)
+    with pytest.raises(KVSimdValueError, match="recent must be >= 0.*got -1"):
+        kt.KVSimdCache(m, dtype="int4", recent=-1)
+    with pytest.raises(KVSimdTypeError, match="recent must be an integer, got 'x'"):
+        kt.KVSimdCache(m, dtype="int4", recent="x")
     with pytest.raises(KVSimdValueError, match="s_aux"):        # e.g. gpt-oss's learned attention sinks
         kt.attention(m.model.layers[0].self_attn, torch.ones(1, 4, 1, 16), torch.ones(1, 2, 1, 16),
                      torch.ones(1, 2, 1, 16), None, s_aux=torch.zeros(4))

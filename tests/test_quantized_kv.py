@@ -847,13 +847,14 @@ def test_attend_recent_bad_input(rng):
     assert not buf.any()
 
 
-def _overlay_reference(q, qr, Kq, Vq, Kr, Vr, N, off, W, window, ranges):
+def _overlay_reference(q, qr, Kq, Vq, Kr, Vr, off, W, window, ranges):
     """Float64 attention of rows q [T, H, D] (qr: as read over the quantized keys) where key j of
     row t (j <= off + t, in ``ranges``, within ``window``) is read from the float rows Kr/Vr
-    (standing for keys N - M..N-1) when j >= N - M and j > off + t - W, else from Kq/Vq; both
-    given as the values they stand for.  Returns (out [T, H, D], per-row reference.attend kwargs)."""
-    M = Kr.shape[1]
-    lo = N - M
+    (standing for the keys up to the last row's, off + T - M..off + T - 1) when it is one of them
+    and j > off + t - W, else from Kq/Vq ([Hkv, N, D]); both given as the values they stand for.
+    Returns (out [T, H, D], per-row reference.attend kwargs)."""
+    M, N = Kr.shape[1], Kq.shape[1]
+    lo = off + q.shape[0] - M
     K = np.concatenate([Kq, Kr], 1)
     V = np.concatenate([Vq, Vr], 1)
     out, kws = [], []
@@ -895,13 +896,9 @@ def test_attend_recent_window_reads_each_rows_last_keys_as_float(isa, rng, dtype
     x = rng.standard_normal((2, Hkv, N, D)).astype(np.float32)
     x[..., :3] *= 8
     (kq, ks), (vq, vs) = reference.quantize_kv(x[0], kd_, had), reference.quantize_kv(x[1], vd_, had)
-    kr, vr = x[0][:, N - M:].astype(rdt), x[1][:, N - M:].astype(rdt)     # the float rows of the same tokens
     kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)     # as stored
     Kq, Vq = (reference.hadamard_rows(a) if had else a for a in (kd.astype(np.float64), vd.astype(np.float64)))
-    Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
     turn = (lambda a: reference.hadamard_rows(a, _back=False)) if had else (lambda a: a)
-    K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
-    V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
     if rows:
         cases = [dict(), dict(window=T + 5), dict(window=max(2, W // 2)), dict(causal_offset=N - T - 3)]
     else:
@@ -913,21 +910,26 @@ def test_attend_recent_window_reads_each_rows_last_keys_as_float(isa, rng, dtype
         for threads in (1, 2):
             ext._set_kernel_threads(threads)
             for kw in cases:
+                off = kw.get("causal_offset", N - q.shape[0])
+                hi = off + q.shape[0]          # the float rows of the same tokens: the M keys up to the last row's
+                kr, vr = x[0][:, hi - M:hi].astype(rdt), x[1][:, hi - M:hi].astype(rdt)
+                Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
+                K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
+                V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
                 args = dict(k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), recent_window=W, **kw)
                 with use_isa(isa):
                     got = ops.attend(q if rows else q[0], kq, vq, **args)
                     again = ops.attend(q if rows else q[0], kq, vq, **args)
                 assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
                 got = got.reshape(q.shape)
-                off = kw.get("causal_offset", N - q.shape[0])
-                ref, rkws = _overlay_reference(q, qr, Kq, Vq, Kr, Vr, N, off, W, kw.get("window", 0),
+                ref, rkws = _overlay_reference(q, qr, Kq, Vq, Kr, Vr, off, W, kw.get("window", 0),
                                                kw.get("ranges", [(0, N)]))
                 for t in range(q.shape[0]):
                     bound = attend_bound(qr[t], K, V, dtype=tol, hadamard=had, **rkws[t])
                     err = np.abs(got[t].astype(np.float64) - ref[t]) / np.maximum(bound, 1e-300)
                     assert err.max() <= 1, f"{isa} {threads} threads {kw} row {t}: error {err.max():.3g} x the bound"
                 if kd_ == "int4" and kw == {}:      # the float rows are read: all-quantized is far off
-                    wrong, _ = _overlay_reference(q, qr, Kq, Vq, Kq[:, N - M:], Vq[:, N - M:], N, off, W, 0,
+                    wrong, _ = _overlay_reference(q, qr, Kq, Vq, Kq[:, hi - M:hi], Vq[:, hi - M:hi], off, W, 0,
                                                   [(0, N)])
                     assert (np.abs(wrong - ref)).max() > 100 * np.abs(got - ref).max(), (isa, kw)
     finally:
@@ -948,12 +950,14 @@ def test_attend_recent_window_bad_input(rng):
                            (dict(recent=(kr, kr), recent_window=0), KVSimdValueError, "recent_window"),
                            (dict(recent=(kr, kr), recent_window=1.5), KVSimdTypeError, "recent_window"),
                            (dict(recent=(big, big), recent_window=4), KVSimdValueError, "11 rows"),
+                           (dict(recent=(kr, kr), recent_window=4, q=qt, causal_offset=0), KVSimdValueError,
+                            "the 2 keys up to"),
                            (dict(recent=(kr, kr), recent_window=4, alibi_slopes=np.ones(H, np.float32)),
                             KVSimdValueError, "alibi_slopes"),
                            (dict(recent=(kr, kr), recent_window=4, q_alt=q, ranges=[(0, N, True)]),
                             KVSimdValueError, "q_alt")]:
         with pytest.raises(err, match=words):
-            ops.attend(q, kq, kq, **base, **kw)
+            ops.attend(kw.pop("q", q), kq, kq, **base, **kw)
     with pytest.raises(KVSimdValueError, match="causal=False"):
         ops.attend(qt, kq, kq, recent=(kr, kr), recent_window=4, causal=False, **base)
     with pytest.raises(KVSimdValueError, match="N-T=8"):

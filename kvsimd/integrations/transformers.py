@@ -144,18 +144,25 @@ def _runs(mask, b, N):
     return [(int(a), int(c)) for a, c in zip(edges[::2], edges[1::2])]
 
 
-def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None, None), hadamard=False):
+def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None, None), hadamard=False,
+                recent=None):
     """One sequence: qb ``[H, T, D]`` (its last T tokens are keys N-T..N-1) over the keys of
     ``runs`` in K/V ``[Hkv, >= N, D]`` (int8 / int4 rows: with ``scales``, their block scales, and
     ``hadamard`` when the rows are stored turned, see :func:`kvsimd.ops.attend`); outb
     ``[T, H, D]``.  Rows that see no key (padding before the first real token) get zeros, as no
-    softmax is defined for them."""
+    softmax is defined for them.  ``recent`` = (k, v, R): float rows of keys N - M..N-1, each row
+    reading its last R keys from them (ops.attend's ``recent_window``)."""
     ks, vs = scales
+    ov = {} if recent is None else dict(recent=recent[:2], recent_window=recent[2])
     if T == 1:
         lo = N - window if window else 0
         rr = [(max(a, lo), c) for a, c in runs if c > lo]
         if not rr:
             outb[0] = 0.0
+            return
+        if ov:       # the row at key N - 1, so that the float rows stand for the keys before it
+            ops.attend(np.ascontiguousarray(qb[:, 0, :])[None], K, V, ranges=rr, causal_offset=N - 1, scale=scale,
+                       softcap=softcap, out=outb[:1], k_scale=ks, v_scale=vs, hadamard=hadamard, **ov)
             return
         ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=rr, scale=scale, softcap=softcap, out=outb[0],
                    k_scale=ks, v_scale=vs, hadamard=hadamard)
@@ -169,7 +176,7 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None
     if t0 < T:
         qt = np.ascontiguousarray(qb[:, t0:, :].transpose(1, 0, 2))
         ops.attend(qt, K, V, ranges=runs, causal_offset=N - T + t0, window=window or None, scale=scale,
-                   softcap=softcap, out=outb[t0:], k_scale=ks, v_scale=vs, hadamard=hadamard)
+                   softcap=softcap, out=outb[t0:], k_scale=ks, v_scale=vs, hadamard=hadamard, **ov)
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -253,7 +260,7 @@ class _KVSimdCacheBase(Cache):
 
     _policy = "fixed"
 
-    def __init__(self, model, dtype="float16", hadamard=None):
+    def __init__(self, model, dtype="float16", hadamard=None, recent=0):
         c = _config_of(model)
         self._config = c
         self.n_layers = int(c.num_hidden_layers)
@@ -264,6 +271,10 @@ class _KVSimdCacheBase(Cache):
         # stored turned by H when K or V is int4
         self.dtype, kd, _, self.hadamard = _cache_kind(dtype, hadamard)
         self._quantized = kd in ("int8", "int4")
+        self.recent = _need_int(recent, "recent", 0)
+        if self.recent and not self._quantized:
+            raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
+                                   "\"int8/int4\"), got recent=%d with dtype=%s" % (self.recent, self.dtype))
         super().__init__(layers=[_Layer(self, i) for i in range(self.n_layers)])
         self.kv = None
         self._pending = None          # the forward pass in progress: dict, or None
@@ -337,9 +348,13 @@ class _KVSimdCacheBase(Cache):
             raise KVSimdValueError("%s: layer %d updated out of order (each forward pass updates layers 0..%d once, "
                                    "with the same batch and tokens)" % (type(self).__name__, layer, self.n_layers - 1))
         k, v = _kv_f32(key_states), _kv_f32(value_states)
+        rows = []
         for b in range(B):
-            self.kv.write(layer, np.ascontiguousarray(k[b]), np.ascontiguousarray(v[b]), seq=b,
-                          start=p["slots"][b])
+            kb, vb = np.ascontiguousarray(k[b]), np.ascontiguousarray(v[b])
+            self.kv.write(layer, kb, vb, seq=b, start=p["slots"][b])
+            rows.append((kb, vb))
+        if self.recent:
+            p["computed"] = rows      # this layer's rows as computed: the float rows its attention reads
         p["next"] = layer + 1
         kt, vt = self._views[layer]
         n = p["extent"]
@@ -350,7 +365,7 @@ class _KVSimdCacheBase(Cache):
     def _make(self, B, capacity, old=None):
         """A new KVCache (its contents those of ``old``, if given) and the torch views of it."""
         kv = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, batch=B, dtype=self.dtype,
-                     hadamard=self.hadamard, **self._streaming())
+                     hadamard=self.hadamard, recent=self.recent, **self._streaming())
         if old is not None:
             for b in range(B):
                 L = old.length(b)
@@ -358,6 +373,8 @@ class _KVSimdCacheBase(Cache):
                     kv._restore_rows(l, b, 0, old._saved_rows(l, b, 0, L))
                 if L:
                     kv.append(b, L)
+            if self.recent:
+                kv._copy_recent(old)
         self.kv = kv
         with warnings.catch_warnings():      # read-only storage: transformers' models only read what update returns
             warnings.simplefilter("ignore", UserWarning)
@@ -427,13 +444,18 @@ class KVSimdCache(_KVSimdCacheBase):
     K or V is int4, False otherwise; quantized caches only): every block of 32 values of K and V stored
     turned by the 32 x 32 Hadamard matrix, which spreads an outlier channel over its block before
     the block's scale is taken; attention turns the query and the output (scores and outputs
-    are those of the unturned rows).
+    are those of the unturned rows).  ``recent`` = R > 0 (quantized caches only): the cache also
+    keeps the float16 K/V rows of each sequence's last R tokens (:class:`kvsimd.KVCache`'s
+    ``recent``), and every query row, of the prompt and of each step, reads its last R keys
+    (itself included) from float16 rows and older keys quantized, as kvsimd's own Decoder does
+    with ``cache_recent=R`` (``ops.attend``'s ``recent_window``): 32 takes most of int4's
+    perplexity cost away (README).
 
     Greedy, sampling, batches with (left) padding, assisted / prompt-lookup decoding (``crop``);
     not beam search."""
 
-    def __init__(self, model, dtype="float16", capacity=None, hadamard=None):
-        super().__init__(model, dtype, hadamard)
+    def __init__(self, model, dtype="float16", capacity=None, hadamard=None, recent=0):
+        super().__init__(model, dtype, hadamard, recent)
         self.capacity = None if capacity is None else _need_int(capacity, "capacity", 1)
 
     def _committed(self):
@@ -457,6 +479,12 @@ class KVSimdCache(_KVSimdCacheBase):
     def _attend_rows(self, layer, q, out, mask, scale, softcap, window, p):
         N, T = p["extent"], p["T"]
         for b in range(p["B"]):
+            if self.recent:     # each row's last R keys from float rows: this pass's, the committed ones before
+                K, V = self._blocks[layer][b]
+                kf, vf = self.kv._float_rows(layer, b, *p["computed"][b], self.recent - 1)
+                _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b],
+                            self._scales[layer][b], self.kv.hadamard, recent=(kf, vf, self.recent))
+                continue
             if T == 1 and mask is None and (not window or window >= N):
                 # a decode step over every key: the cache's own single-query call (one range)
                 self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale,
