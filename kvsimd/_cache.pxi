@@ -362,19 +362,20 @@ cdef class _KVStore:
             self._writer = 0
 
     cdef int _recent_write(self, int64_t l, int64_t s, int64_t t0, k, v) except -1:
-        """write()'s float rows (a cache with ``recent`` = R): rows over committed tokens make the
-        sequence's float rows stale (it keeps none); of the rows beyond them the last m <= R go
-        to the ring entries after the committed ones, as float16 rows stored the way a plan
-        stores them (turned by H with ``hadamard``), for :meth:`append` / :meth:`commit` to take
-        when every layer stored the same rows.  A write of other rows starts that count again."""
-        cdef int64_t T = k.shape[1], L = self._lengths[s], R = self.recent, ring = 2 * self.recent
+        """write()'s float rows (a cache with ``recent`` = R): rows over tokens that have float
+        rows make them stale (the sequence keeps none); the last m = min(T, R) rows go to the
+        ring entries after the committed ones, as float16 rows stored the way a plan stores them
+        (turned by H with ``hadamard``), for :meth:`append` / :meth:`commit` / end_step to take
+        when every layer stored the same rows and they are the newly committed tokens.  A write
+        of other rows starts that count again."""
+        cdef int64_t T = k.shape[1], R = self.recent, ring = 2 * self.recent
         cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim, p0, m, e0, j, w
-        if t0 < L:
-            self._recent_lost(s)
-        p0 = max(t0 + T - R, L, t0)
+        if self._tn[s]:
+            tags = self._ttag[s, (self._th[s] + _np.arange(self._tn[s])) % ring]
+            if ((tags >= t0) & (tags < t0 + T)).any():
+                self._recent_lost(s)
+        p0 = max(t0 + T - R, t0)
         m = t0 + T - p0
-        if m <= 0:
-            return 0
         e0 = (self._th[s] + self._tn[s]) % ring
         if tuple(self._pend[s]) != (p0, m, e0):
             self._pend[s] = (p0, m, e0)

@@ -79,6 +79,7 @@ class _Plan:
     explicit: bool
     windows: Tuple[int, ...]
     def row(self, r: int) -> Tuple[int, int, int, int, Tuple[Tuple[int, int, int, int], ...]]: ...
+    def float_keys(self, r: int) -> int: ...
 
 # ---------------------------------------------------------------- caches
 @disjoint_base

@@ -63,6 +63,15 @@ cdef class _Plan:
         ranges = tuple(tuple(int(x) for x in self.rng[i, j]) for j in range(int(self.nr[i])))
         return int(self.seqs[i]), int(self.slots[i]), int(self.kpos[i]), int(self.spos[i]), ranges
 
+    def float_keys(self, r):
+        """How many of row ``r``'s last keys it reads from a cache's float rows (``recent``; 0
+        without): the ones :meth:`row`'s ranges leave out, its own and the committed ones before
+        it (KVCache.recent_rows)."""
+        cdef int64_t i = _need_int(r, "r")
+        if not 0 <= i < self.R:
+            raise KVSimdValueError("r must be in 0..%d, got %d" % (self.R - 1, i))
+        return int(self.tnf[i]) if self.rn and self.kind == 0 else 0
+
 
 cdef _Plan _need_plan(plan):
     """``plan`` must be a plan a cache made (begin_step, begin_prefill, step_plan)."""

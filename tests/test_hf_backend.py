@@ -331,7 +331,8 @@ def test_crop_refuses_what_is_not_an_integer():
 def test_sink_cache_equals_kvsimd_decoder_sink_query():
     """Past its window the sink cache gives the tokens kvsimd's own Decoder gives with the same
     weights under policy sink_query (prefill, then one token per step, the window sliding); heads
-    of 48 dims, so that int4 rows are turned by H (the sink query too)."""
+    of 48 dims, so that int4 rows are turned by H (the sink query too); with ``recent`` float rows
+    as well."""
     m = tiny("llama", seed=7, **WIDE)
     dec = Decoder.from_transformers(m)
     ids = prompt(8, n=12)
@@ -344,6 +345,16 @@ def test_sink_cache_equals_kvsimd_decoder_sink_query():
                                  cache_dtype=dtype))
         assert got[0, 12:].tolist() == mine, dtype
         assert cache.kv.length(0) == 24 and cache.get_seq_length() == 12 + 89
+    # with recent float rows (R below and above the window): the Decoder's tokens with cache_recent=R,
+    # which here differ from those without (so a sink cache that did not read them fails)
+    for dtype, R in (("int4", 8), ("int4", 32), ("int8/int4", 1)):
+        cache = kt.KVSimdSinkCache(m, window=20, n_keep=4, dtype=dtype, recent=R)
+        got = m.generate(ids, max_new_tokens=90, do_sample=False, past_key_values=cache, pad_token_id=0)
+        kw = dict(max_new_tokens=90, capacity=24, n_keep=4, policy="sink_query", cache_dtype=dtype)
+        mine = list(dec.generate(ids[0].tolist(), cache_recent=R, **kw))
+        assert mine != list(dec.generate(ids[0].tolist(), **kw)), (dtype, R)
+        assert got[0, 12:].tolist() == mine, (dtype, R)
+        assert cache.kv.recent == min(R, 24) and cache.kv.recent_rows(0)[0].shape[1] == min(R, 20)
 
 
 def test_sink_cache_rotates_the_sink_query(monkeypatch):

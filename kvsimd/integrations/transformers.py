@@ -503,15 +503,16 @@ class KVSimdSinkCache(_KVSimdCacheBase):
     true distances and the sinks with the query rotated to its position in the cache
     (``n_keep + window - 1`` once full), as in kvsimd's own Decoder under that policy.
 
-    ``dtype`` and ``hadamard`` as :class:`KVSimdCache` (float16, float32, int8, int4 or
-    "int8/int4"; turned by the Hadamard matrix by default when K or V is int4).  The prompt must fit (``n_keep + window`` tokens); after the
+    ``dtype``, ``hadamard`` and ``recent`` as :class:`KVSimdCache` (float16, float32, int8, int4 or
+    "int8/int4"; turned by the Hadamard matrix by default when K or V is int4; float rows of the
+    last ``recent`` tokens, those of window tokens once the ring wraps, as KVCache keeps them).  The prompt must fit (``n_keep + window`` tokens); after the
     ring wraps, one token per step.  RoPE families (:data:`SINK_FAMILIES`) without sliding-window
     layers; unpadded batches."""
 
     _policy = "sink_query"
 
-    def __init__(self, model, window, n_keep=4, dtype="float16", hadamard=None):
-        super().__init__(model, dtype, hadamard)
+    def __init__(self, model, window, n_keep=4, dtype="float16", hadamard=None, recent=0):
+        super().__init__(model, dtype, hadamard, recent)
         c = self._config
         fam = getattr(c, "model_type", None)
         if fam not in SINK_FAMILIES:
@@ -581,7 +582,11 @@ class KVSimdSinkCache(_KVSimdCacheBase):
             ks, vs = self._scales[layer][b]
             if rows is None:
                 N = p["extent"]
-                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard)
+                rec = None
+                if self.recent:
+                    rec = self.kv._float_rows(layer, b, *p["computed"][b], self.recent - 1) + (self.recent,)
+                _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard,
+                            recent=rec)
                 continue
             _, slot, kpos, spos, ranges = rows[b]
             q2 = np.ascontiguousarray(q[b, :, 0, :])
@@ -591,8 +596,15 @@ class KVSimdSinkCache(_KVSimdCacheBase):
                 ops.shift_keys(alt, spos - kpos, theta=self.rope.theta, style="neox", rotary_dim=self.rope.rotary_dim,
                                inv_freq=self.rope.inv_freq)
                 alt = alt[0]
+            extra = {}
+            if self.recent:   # its last keys from float rows (the plan's ranges leave them out), scored with q
+                nf = p["plan"].float_keys(b)
+                extra["recent"] = self.kv._float_rows(layer, b, *p["computed"][b], nf - 1)
+                if not ranges:
+                    ops.attend(q2, *extra["recent"], scale=scale, softcap=softcap, out=out[b, 0])
+                    continue
             ops.attend(q2, K, V, ranges=[(t0, t1, bool(u)) for u, t0, t1, _ in ranges], q_alt=alt, scale=scale,
-                       softcap=softcap, out=out[b, 0], k_scale=ks, v_scale=vs, hadamard=self.kv.hadamard)
+                       softcap=softcap, out=out[b, 0], k_scale=ks, v_scale=vs, hadamard=self.kv.hadamard, **extra)
 
 
 __all__ = ["attention", "attention_mask", "register", "enable", "KVSimdCache", "KVSimdSinkCache", "NAME",
