@@ -65,6 +65,17 @@ def check(row, q, kq, ks, vq, vs, what="", **kw):
     return out
 
 
+def thread_counts(counts=(1, 2)):
+    """Each kernel thread count in turn (yielded), the process's count put back after."""
+    before = ext._get_kernel_threads()
+    try:
+        for n in counts:
+            ext._set_kernel_threads(n)
+            yield n
+    finally:
+        ext._set_kernel_threads(before)
+
+
 # ---------------------------------------------------------------------------- the rule
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -787,34 +798,29 @@ def test_attend_recent_rows_under_one_softmax(isa, rng, dtype, had, rdt, T, H, H
         cases = [{}, dict(window=T + 5), dict(alibi_slopes=slopes, causal_offset=N + M - T - 3)]
     tol = "float16" if rdt == np.float16 else (dtype if "/" not in dtype else "int8")
     qr = reference.query_as_read(q, (dtype, had))
-    before = ext._get_kernel_threads()
-    try:
-        for threads in (1, 2):
-            ext._set_kernel_threads(threads)
-            for kw in cases:
-                with use_isa(isa):
-                    got = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
-                    again = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
-                assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
-                # the reference: main keys (their ranges) read with qr, the recent ones with q (as q_alt)
-                main = kw.get("ranges", [(0, N)])
-                rkw = {k: v for k, v in kw.items() if k != "ranges"}
-                rkw["ranges"] = [(a, b, False) for a, b in main] + [(N, N + M, True)]
-                rkw["q_alt"] = q
-                if "alibi_slopes" in kw and T is None:
-                    rkw["ranges"] = [r + (N + M - 1,) for r in rkw["ranges"]]
-                ref = reference.attend(qr, Kf, Vf, **rkw)
-                bound = attend_bound(qr, K, V, dtype=tol, hadamard=had, **rkw)
-                err = np.abs(got.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
-                assert err.max() <= 1, f"{isa} {threads} threads {kw}: error {err.max():.3g} x the bound"
-                if M >= 16:   # the recent rows read as int4 would be far off
-                    rq = reference.quantize_kv(kr.astype(np.float32), "int4", had)
-                    Kq = K.copy()
-                    Kq[:, N:] = turn(reference.dequantize_kv(*rq, D)) if not had else reference.dequantize_kv(*rq, D)
-                    wrong = reference.attend(qr, reference.hadamard_rows(Kq) if had else Kq, Vf, **rkw)
-                    assert (np.abs(wrong - ref) / np.maximum(bound, 1e-300)).max() > 10, (isa, kw)
-    finally:
-        ext._set_kernel_threads(before)
+    for threads in thread_counts():
+        for kw in cases:
+            with use_isa(isa):
+                got = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
+                again = ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), **kw)
+            assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
+            # the reference: main keys (their ranges) read with qr, the recent ones with q (as q_alt)
+            main = kw.get("ranges", [(0, N)])
+            rkw = {k: v for k, v in kw.items() if k != "ranges"}
+            rkw["ranges"] = [(a, b, False) for a, b in main] + [(N, N + M, True)]
+            rkw["q_alt"] = q
+            if "alibi_slopes" in kw and T is None:
+                rkw["ranges"] = [r + (N + M - 1,) for r in rkw["ranges"]]
+            ref = reference.attend(qr, Kf, Vf, **rkw)
+            bound = attend_bound(qr, K, V, dtype=tol, hadamard=had, **rkw)
+            err = np.abs(got.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
+            assert err.max() <= 1, f"{isa} {threads} threads {kw}: error {err.max():.3g} x the bound"
+            if M >= 16:   # the recent rows read as int4 would be far off
+                rq = reference.quantize_kv(kr.astype(np.float32), "int4", had)
+                Kq = K.copy()
+                Kq[:, N:] = turn(reference.dequantize_kv(*rq, D)) if not had else reference.dequantize_kv(*rq, D)
+                wrong = reference.attend(qr, reference.hadamard_rows(Kq) if had else Kq, Vf, **rkw)
+                assert (np.abs(wrong - ref) / np.maximum(bound, 1e-300)).max() > 10, (isa, kw)
 
 
 def test_attend_recent_bad_input(rng):
@@ -905,35 +911,30 @@ def test_attend_recent_window_reads_each_rows_last_keys_as_float(isa, rng, dtype
         cases = [dict(), dict(ranges=[(N // 2, N), (0, 4)])]
     tol = "float16" if rdt == np.float16 else (dtype if "/" not in dtype else "int8")
     qr = reference.query_as_read(q, (dtype, had))
-    before = ext._get_kernel_threads()
-    try:
-        for threads in (1, 2):
-            ext._set_kernel_threads(threads)
-            for kw in cases:
-                off = kw.get("causal_offset", N - q.shape[0])
-                hi = off + q.shape[0]          # the float rows of the same tokens: the M keys up to the last row's
-                kr, vr = x[0][:, hi - M:hi].astype(rdt), x[1][:, hi - M:hi].astype(rdt)
-                Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
-                K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
-                V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
-                args = dict(k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), recent_window=W, **kw)
-                with use_isa(isa):
-                    got = ops.attend(q if rows else q[0], kq, vq, **args)
-                    again = ops.attend(q if rows else q[0], kq, vq, **args)
-                assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
-                got = got.reshape(q.shape)
-                ref, rkws = _overlay_reference(q, qr, Kq, Vq, Kr, Vr, off, W, kw.get("window", 0),
-                                               kw.get("ranges", [(0, N)]))
-                for t in range(q.shape[0]):
-                    bound = attend_bound(qr[t], K, V, dtype=tol, hadamard=had, **rkws[t])
-                    err = np.abs(got[t].astype(np.float64) - ref[t]) / np.maximum(bound, 1e-300)
-                    assert err.max() <= 1, f"{isa} {threads} threads {kw} row {t}: error {err.max():.3g} x the bound"
-                if kd_ == "int4" and kw == {}:      # the float rows are read: all-quantized is far off
-                    wrong, _ = _overlay_reference(q, qr, Kq, Vq, Kq[:, hi - M:hi], Vq[:, hi - M:hi], off, W, 0,
-                                                  [(0, N)])
-                    assert (np.abs(wrong - ref)).max() > 100 * np.abs(got - ref).max(), (isa, kw)
-    finally:
-        ext._set_kernel_threads(before)
+    for threads in thread_counts():
+        for kw in cases:
+            off = kw.get("causal_offset", N - q.shape[0])
+            hi = off + q.shape[0]          # the float rows of the same tokens: the M keys up to the last row's
+            kr, vr = x[0][:, hi - M:hi].astype(rdt), x[1][:, hi - M:hi].astype(rdt)
+            Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
+            K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
+            V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
+            args = dict(k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), recent_window=W, **kw)
+            with use_isa(isa):
+                got = ops.attend(q if rows else q[0], kq, vq, **args)
+                again = ops.attend(q if rows else q[0], kq, vq, **args)
+            assert np.array_equal(got.view(np.uint32), again.view(np.uint32)), (isa, threads, kw)
+            got = got.reshape(q.shape)
+            ref, rkws = _overlay_reference(q, qr, Kq, Vq, Kr, Vr, off, W, kw.get("window", 0),
+                                           kw.get("ranges", [(0, N)]))
+            for t in range(q.shape[0]):
+                bound = attend_bound(qr[t], K, V, dtype=tol, hadamard=had, **rkws[t])
+                err = np.abs(got[t].astype(np.float64) - ref[t]) / np.maximum(bound, 1e-300)
+                assert err.max() <= 1, f"{isa} {threads} threads {kw} row {t}: error {err.max():.3g} x the bound"
+            if kd_ == "int4" and kw == {}:      # the float rows are read: all-quantized is far off
+                wrong, _ = _overlay_reference(q, qr, Kq, Vq, Kq[:, hi - M:hi], Vq[:, hi - M:hi], off, W, 0,
+                                              [(0, N)])
+                assert (np.abs(wrong - ref)).max() > 100 * np.abs(got - ref).max(), (isa, kw)
 
 
 def test_attend_recent_window_bad_input(rng):
