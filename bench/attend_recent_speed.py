@@ -1,12 +1,15 @@
 """What reading a quantized cache's most recent tokens unquantized costs per attention call:
 ops.attend over int4 K/V alone against the same call with M float16 rows after them
-(``recent=(k, v)``, a second kernel call and the merge of kvsimd.h kv_attend_sources).
+(``recent=(k, v)``, a second kernel call and the merge of kvsimd.h kv_attend_sources), and with
+M float16 rows standing for the last M of the int4 keys (``recent_window=M``, three parts: how
+the transformers integration's KVSimdCache(recent=M) reads a decode step).
 
     python bench/attend_recent_speed.py [--recent 32] [--calls 100] [--threads 1]
 
 Per shape (SmolLM2 9/3/64, GQA 32/8/128) and key count (8,192, 32,768), with and without the
-Hadamard turn: the three calls alternated, K/V warm; prints the median time of each and the
-ratio of the paired calls with its quartiles."""
+Hadamard turn (the float rows given as a cache stores them): the four calls alternated, K/V
+warm; prints the median time of each and the ratios of the paired calls to int4 alone with
+their quartiles."""
 import argparse
 import time
 
@@ -37,6 +40,8 @@ def main():
                 calls = {"int4": lambda: ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had),
                          "int4 + recent": lambda: ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had,
                                                              recent=(kr, vr)),
+                         "int4 + window": lambda: ops.attend(q, kq, vq, k_scale=ks, v_scale=vs, hadamard=had,
+                                                             recent=(kr, vr), recent_window=M),
                          "recent alone": lambda: ops.attend(q, kr, vr)}
                 t = {k: [] for k in calls}
                 for _ in range(args.calls):
@@ -44,10 +49,12 @@ def main():
                         t0 = time.perf_counter()
                         f()
                         t[k].append(time.perf_counter() - t0)
-                r = np.array(t["int4 + recent"]) / np.array(t["int4"])
-                print("%2d/%d/%-3d N=%-5d hadamard=%-5s %s   ratio %.3f [%.3f, %.3f]"
+                ratios = ["%s / int4 %.3f [%.3f, %.3f]" % (k, np.median(r), *np.percentile(r, [25, 75]))
+                          for k in ("int4 + recent", "int4 + window")
+                          for r in [np.array(t[k]) / np.array(t["int4"])]]
+                print("%2d/%d/%-3d N=%-5d hadamard=%-5s %s   %s"
                       % (H, Hkv, D, N, had, "  ".join("%s %.1f us" % (k, 1e6 * np.median(v)) for k, v in t.items()),
-                         np.median(r), *np.percentile(r, [25, 75])))
+                         "  ".join(ratios)))
 
 
 if __name__ == "__main__":

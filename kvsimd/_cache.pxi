@@ -380,6 +380,7 @@ cdef class _KVStore:
         if tuple(self._pend[s]) != (p0, m, e0):
             self._pend[s] = (p0, m, e0)
             self._pend_l[s] = False
+        self._save_ring(s, (e0 + _np.arange(m)) % ring)
         tmp = _np.empty(Hkv * D, dtype=_np.float32)
         cdef float *tp = <float *>_ptr(tmp)
         cdef uint16_t *ring_rows
@@ -392,45 +393,60 @@ cdef class _KVStore:
         self._pend_l[s, l] = True
         return 0
 
-    def _float_rows(self, layer, seq, k, v, int64_t n):
-        """For an attention over this pass's rows (the transformers integration): float32 K and V
-        ``[n_kv_heads, c + T, head_dim]``, the last c = min(n, committed) float rows of sequence
-        ``seq`` followed by k, v (float32 ``[n_kv_heads, T, head_dim]``, the pass's rows) rounded as
-        the ring stores them; unturned, as ops.attend(recent=...) takes them."""
-        cdef int64_t l = self._layer(layer), s = self._seq(seq), ring = 2 * self.recent, c, j, T
+    def _float_rows(self, layer, seq, k, v, n):
+        """For an attention over a pass's rows (the transformers integration): float16 K and V
+        ``[n_kv_heads, c + T, head_dim]`` as the ring stores them (turned by H with ``hadamard``),
+        the last c = min(n, committed) float rows of sequence ``seq`` followed by k, v (float32
+        ``[n_kv_heads, T, head_dim]``, the pass's rows) rounded the same way: what
+        ops.attend(recent=..., recent_window=...) reads."""
+        cdef int64_t l, s, ring = 2 * self.recent, c, j, T, w, first
         cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim
-        for x, name in ((k, "k"), (v, "v")):
-            _need_array(x, name, (_F32,), 3, "[n_kv_heads, T, head_dim]")
-            if x.shape[0] != Hkv or x.shape[2] != D or x.shape != k.shape:
-                raise KVSimdValueError("k and v must be [%d, T, %d], got %s and %s" % (Hkv, D, k.shape, v.shape))
-        T = k.shape[1]
-        c = min(n, int(self._tn[s]))
-        idx = (self._th[s] + self._tn[s] - c + _np.arange(c)) % ring
-        out = []
-        tmp = _np.empty(Hkv * D, dtype=_np.float32)
-        for w, x in ((0, k), (1, v)):
-            old = self._tail[l, w, s][:, idx].view(_np.float16)
-            new = _np.empty((T, Hkv, D), dtype=_np.uint16)
-            rows = _np.ascontiguousarray(x.transpose(1, 0, 2))
-            for j in range(T):
-                _f16_heads(<uint16_t *>_ptr(new) + j * Hkv * D, D, <const float *>_ptr(rows) + j * Hkv * D,
-                           <float *>_ptr(tmp), Hkv, D, self.hadamard)
-            f = _np.ascontiguousarray(_np.concatenate([old, new.view(_np.float16).transpose(1, 0, 2)], 1),
-                                      dtype=_np.float32)
-            if self.hadamard:      # H (H x / 32) = x: the rows as ops.attend takes them
-                kv_hadamard_rows(<float *>_ptr(f), D, Hkv * (c + T), D)
-            out.append(f)
-        return tuple(out)
+        with self._claim():
+            if not self.recent:
+                raise KVSimdValueError("_float_rows: this cache keeps no float rows (recent=0)")
+            l, s = self._layer(layer), self._seq(seq)
+            c = _need_int(n, "n", 0)
+            for x, name in ((k, "k"), (v, "v")):
+                _need_array(x, name, (_F32,), 3, "[n_kv_heads, T, head_dim]")
+                if x.shape[0] != Hkv or x.shape[2] != D or x.shape != k.shape:
+                    raise KVSimdValueError("k and v must be [%d, T, %d], got %s and %s" % (Hkv, D, k.shape, v.shape))
+            T = k.shape[1]
+            c = min(c, int(self._tn[s]))
+            first = (self._th[s] + self._tn[s] - c) % ring
+            out = _np.empty((2, Hkv, c + T, D), dtype=_np.uint16)
+            tmp = _np.empty(Hkv * D, dtype=_np.float32)
+            for w, x in ((0, k), (1, v)):
+                dst = <uint16_t *>_ptr(out) + w * Hkv * (c + T) * D
+                _gather_ring(dst, c + T, <uint16_t *>_ptr(self._tail) + ((l * 2 + w) * self.batch + s) * Hkv * ring * D,
+                             ring, first, c, Hkv, D)
+                rows = _np.ascontiguousarray(x.transpose(1, 0, 2))
+                for j in range(T):
+                    _f16_heads(dst + (c + j) * D, (c + T) * D, <const float *>_ptr(rows) + j * Hkv * D,
+                               <float *>_ptr(tmp), Hkv, D, self.hadamard)
+            out = out.view(_np.float16)
+            return out[0], out[1]
 
-    def _copy_recent(self, _KVStore old):
-        """The float rows and their ring of ``old`` (same layers, batch, heads, head_dim and
-        recent; its slots kept), e.g. when a cache grows into a new one."""
-        if (old.recent != self.recent or old.batch != self.batch or old._tail is None or
-                old._tail.shape != self._tail.shape):
-            raise KVSimdValueError("_copy_recent needs a cache of the same shape and recent")
-        self._tail[...] = old._tail
-        self._th[:], self._tn[:], self._ttag[:] = old._th, old._tn, old._ttag
-        self._pend[:] = 0
+    def _copy_recent(self, old):
+        """The newest float rows of ``old`` (a KVCache of the same layers, batch, heads and
+        head_dim; its slots kept), at most this cache's ``recent`` of them per sequence, e.g. when
+        a cache grows into a new one (whose ``recent`` may be larger: it is capped at capacity)."""
+        cdef int64_t s, c
+        if not isinstance(old, _KVStore) or not (<_KVStore>old).recent or not self.recent:
+            raise KVSimdValueError("_copy_recent needs two caches with recent > 0, got %r" % (old,))
+        cdef _KVStore o = <_KVStore>old
+        if (o.n_layers, o.batch, o.n_kv_heads, o.head_dim) != (self.n_layers, self.batch, self.n_kv_heads,
+                                                                 self.head_dim):
+            raise KVSimdValueError("_copy_recent: caches of %s and %s (layers, batch, KV heads, head_dim)"
+                                   % ((o.n_layers, o.batch, o.n_kv_heads, o.head_dim),
+                                      (self.n_layers, self.batch, self.n_kv_heads, self.head_dim)))
+        with self._claim():
+            for s in range(self.batch):
+                c = min(int(o._tn[s]), self.recent)
+                idx = (o._th[s] + o._tn[s] - c + _np.arange(c)) % (2 * o.recent)
+                self._tail[:, :, s, :, :c] = o._tail[:, :, s][..., idx, :]
+                self._ttag[s, :c] = o._ttag[s, idx]
+                self._th[s], self._tn[s] = 0, c
+            self._pend[:, 1] = 0
 
     cdef int _put_rows(self, int64_t l, int which, int64_t s, int64_t t0, src) except -1:
         """float32 rows src [Hkv, T, D] (validated, C-contiguous, not in this storage) into slots
@@ -512,13 +528,14 @@ cdef class _KVStore:
         """The float rows of sequence s no longer are its last tokens': none are read."""
         if self.recent:
             self._tn[s] = 0
-            self._pend[s, 1] = 0
-        return 0
+        return self._recent_unpend(s)
 
     cdef int _recent_append(self, int64_t s, int64_t L, int64_t n) except -1:
-        """Tokens L..L+n-1 of sequence s were committed after write(): the float rows write()
-        stored for its last of them join the ring when every layer stored them (and they follow
-        the committed ones: a write of more than R rows drops those); else the sequence keeps none."""
+        """Tokens L..L+n-1 of sequence s were committed after write(): the float rows the last
+        write() stored, of the last of them, join the ring when every layer stored them.  They
+        follow the committed ones when that write began at L; when it began later (tokens
+        between came from another write) they are the sequence's only float rows, so that the
+        ring always holds its newest tokens' rows, none missing.  Else the sequence keeps none."""
         cdef int64_t p0, m, e0, ring = 2 * self.recent
         if not self.recent:
             return 0
@@ -527,8 +544,19 @@ cdef class _KVStore:
                 and p0 + m == L + n):
             self._recent_lost(s)
             return 0
+        if p0 > L:
+            self._th[s], self._tn[s] = e0, 0
         self._recent_join(s, e0, p0, m)
-        self._pend[s, 1] = 0
+        return self._recent_unpend(s)
+
+    cdef int _recent_unpend(self, int64_t s) except -1:
+        """No rows write() stored for sequence s are waiting for a commit."""
+        if self.recent:
+            self._pend[s, 1] = 0
+        return 0
+
+    cdef int _save_ring(self, int64_t s, idx) except -1:
+        """Before ring entries ``idx`` of sequence s are written: a transaction saves them (KVCache)."""
         return 0
 
     cdef int _recent_join(self, int64_t s, int64_t e0, int64_t p0, int64_t m) except -1:
@@ -1023,17 +1051,21 @@ cdef class KVCache(_KVStore):
                     self._recent_lost(p.seqs[r])
             return 0
         for r in range(p.R):
-            self._pend[p.seqs[r], 1] = 0
+            self._recent_unpend(p.seqs[r])
             if p.tidx[r] < 0:
                 continue
             self._recent_join(p.seqs[r], p.tidx[r], p.slots[r], 1)
         return 0
 
+    cdef int _save_ring(self, int64_t s, idx) except -1:
+        if self._tx is not None:
+            self._tx.save_recent(s, idx)
+        return 0
+
     cdef int _recent_keep(self, int64_t s, int64_t n) except -1:
         """At most the newest ``n`` float rows of sequence s stay (a discard left fewer tokens after
         the sinks; a truncate: see there)."""
-        if self.recent:
-            self._pend[s, 1] = 0
+        self._recent_unpend(s)
         if self.recent and self._tn[s] > n:
             self._th[s] = (self._th[s] + self._tn[s] - max(n, 0)) % (2 * self.recent)
             self._tn[s] = max(n, 0)
@@ -1093,7 +1125,7 @@ cdef class KVCache(_KVStore):
             self._seen[s] -= k
             if self.recent:                              # the newest float rows go with their tokens
                 self._tn[s] = max(0, self._tn[s] - k)
-                self._pend[s, 1] = 0
+                self._recent_unpend(s)
             if a == 0:                                   # emptied: a fresh sequence, prefill works again
                 self._head[s], self._seen[s] = nk, 0
             del self._tokens[s][a:]
@@ -1326,6 +1358,7 @@ cdef class _Tx:
     cdef int state                  # 0 not entered yet, 1 open, 2 exited: one use per object
     cdef object lengths, head, seen
     cdef object th, tn, ttag        # recent float rows: ring bookkeeping
+    cdef set ring_saved             # (sequence, ring entry) pairs whose rows ``tail`` holds
     cdef list ntok, cells, kv, tail
     cdef readonly dict rows
 
@@ -1341,6 +1374,7 @@ cdef class _Tx:
             self.lengths, self.head, self.seen = c._lengths.copy(), c._head.copy(), c._seen.copy()
             self.ntok = [len(t) for t in c._tokens]
             self.rows, self.cells, self.kv, self.tail = {}, [], [], []
+            self.ring_saved = set()
             if c.recent:
                 self.th, self.tn, self.ttag = c._th.copy(), c._tn.copy(), c._ttag.copy()
             c._tx = self
@@ -1375,8 +1409,10 @@ cdef class _Tx:
         """The float rows (every layer, K and V) in ring entries ``idx`` of sequence b, which a
         plan stores into or a shift rotates."""
         k = self.cache
-        idx = _np.asarray(idx)[_np.asarray(idx) >= 0]
-        if len(idx):
+        idx = [int(e) for e in _np.asarray(idx) if e >= 0 and (b, int(e)) not in self.ring_saved]
+        if idx:
+            self.ring_saved.update((b, e) for e in idx)
+            idx = _np.asarray(idx)
             self.tail.append((b, idx, k._tail[:, :, b][..., idx, :].copy()))
 
     cdef save_kv(self, int64_t b, int64_t t0, int64_t t1, int64_t layer=-1):

@@ -55,9 +55,11 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     the same softmax as k/v.  The keys are then N + M: k/v's (their ``ranges``, if given), then every
     recent one, scored with q; ``key_positions`` has N + M entries and ``query_position``
     defaults to N + M - 1; rows cut causally over all N + M (``causal_offset`` default
-    N + M - T, and in 0..N + M - T).  With ``hadamard`` the recent rows are given as they are
-    (unturned) and turned in a float32 copy.  Each part is computed on its own and merged (kvsimd.h
-    kv_attend_sources): within the attention bound of one softmax over all N + M rows.
+    N + M - T, and in 0..N + M - T).  With ``hadamard`` the recent rows are given as a cache that
+    turns its rows stores them, turned like k and v (H x / 32 over every whole block of 32,
+    :func:`quantize_kv`'s turn; ``KVCache.recent_rows``).  Each part is computed on its own and
+    merged (kvsimd.h kv_attend_sources): within the attention bound of one softmax over all N + M
+    rows.
 
     ``recent_window=W`` (with ``recent``; a causal pass, no ALiBi, no ``q_alt``): the M recent rows
     are instead float rows of keys k/v hold quantized too, the M keys up to the last row's own
@@ -66,8 +68,10 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     the key, every older key from k/v -- how a quantized cache with float rows of its newest
     tokens is read (``KVCache(recent=W)``, the transformers integration's
     ``KVSimdCache(recent=W)``).  The keys are then k/v's N; with ``window`` w a row reads its last
-    min(w, W) keys from the float rows.  Three parts merged as above: the keys before the float
-    rows', the later ones read from k/v below each row's cut, the float rows at or above it."""
+    min(w, W) keys from the float rows (turned like k/v with ``hadamard``, as above).  Three parts
+    merged as above: the
+    keys before the float rows', the later ones read from k/v below each row's cut, the float
+    rows at or above it."""
     cdef kv_attn_params p
     _need_array(q, "q", (_F32,), -1, "")
     if q.ndim not in (2, 3):
@@ -206,12 +210,6 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
         key_positions = _np.arange(N, NM, dtype=_np.int64)
     elif M and kpos != NULL:
         key_positions = key_positions[N:]
-    if (M or Mo) and hd:
-        kr, vr = _f32_copy(kr), _f32_copy(vr)
-        kr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # H x / 32 over whole blocks, as quantized rows hold
-        vr[..., :D // 32 * 32] *= _np.float32(1.0 / 32)   # them (kvsimd.reference.quantize_kv)
-        kv_hadamard_rows(<float *>_ptr(kr), D, Hkv * (M + Mo), D)
-        kv_hadamard_rows(<float *>_ptr(vr), D, Hkv * (M + Mo), D)
     _attn_init(&p, <const float *>_ptr(q), <const float *>_ptr(q_alt) if q_alt is not None else NULL, _ptr(k), _ptr(v),
                <float *>_ptr(out), alibi, kpos, rp, nr, H, Hkv, D, N, sc, cap, _kv_code(k), T, H * D, H * D, cend, win,
                <const float *>_ptr(k_scale) if k_scale is not None else NULL,
@@ -242,34 +240,35 @@ cdef object _attend_over_float_rows(kv_attn_params *p, const int64_t *rp, int64_
                                     int64_t N, int64_t T, int64_t cend, int64_t win, bint hd, out, ws, int nt):
     """ops.attend with ``recent_window`` W: ``p`` filled for k/v over ranges ``rp`` (causal_end
     ``cend``, window ``win``); kr/vr the float rows of keys N - M..N-1, N the last row's key + 1
-    (turned already with ``hd``).  Three sources of kv_attend_sources, each range cut at lo = N - M: k/v below lo; k/v
-    from lo with key_base W (row t reads key j there when j < cend + t - W); the float rows with
-    key_base lo and window W (the row's last W keys)."""
-    cdef int64_t lo = N - M, i, t0, t1, n
+    (turned like k/v with ``hd``).  Three sources of kv_attend_sources, each range cut at
+    lo = N - M: k/v below lo; k/v from lo with key_base W (row t reads key j there when
+    j < cend + t - W); the float rows with key_base lo and window W (the row's last W keys)."""
+    cdef int64_t lo = N - M, i, t0, t1, n = 0, na = 0, nb = 0
     cdef kv_attn_params src[3]
-    parts = ([], [], [])
+    tabs = _np.empty((2, nr, 4), dtype=_np.int64)      # the ranges below lo; those from lo (k/v's keys)
+    cdef int64_t[:, :, :] tb = tabs
     for i in range(nr):
         t0, t1 = rp[4 * i + 1], rp[4 * i + 2]
         if t0 < lo:
-            parts[0].append((rp[4 * i], t0, min(t1, lo), rp[4 * i + 3]))
+            tb[0, na, 0], tb[0, na, 1], tb[0, na, 2], tb[0, na, 3] = rp[4 * i], t0, min(t1, lo), rp[4 * i + 3]
+            na += 1
         if t1 > lo:
-            parts[1].append((rp[4 * i], max(t0, lo), t1, rp[4 * i + 3]))
-            parts[2].append((rp[4 * i], max(t0, lo) - lo, t1 - lo, rp[4 * i + 3]))
-    tabs = [_np.array(x, dtype=_np.int64).reshape(-1, 4) for x in parts]
-    n = 0
-    if len(parts[0]):
+            tb[1, nb, 0], tb[1, nb, 1], tb[1, nb, 2], tb[1, nb, 3] = rp[4 * i], max(t0, lo), t1, rp[4 * i + 3]
+            nb += 1
+    flt = tabs[1, :nb].copy()                             # the same, over the float rows' own keys
+    flt[:, 1:3] -= lo
+    if na:
         src[n] = p[0]
-        src[n].ranges, src[n].n_ranges = <const kv_attn_range *>_ptr(tabs[0]), len(parts[0])
-        src[n].causal_end = cend
+        src[n].ranges, src[n].n_ranges, src[n].causal_end = <const kv_attn_range *>&tb[0, 0, 0], na, cend
         n += 1
-    if len(parts[1]) and (win == 0 or win > W):
+    if nb and (win == 0 or win > W):
         src[n] = p[0]
-        src[n].ranges, src[n].n_ranges = <const kv_attn_range *>_ptr(tabs[1]), len(parts[1])
+        src[n].ranges, src[n].n_ranges = <const kv_attn_range *>&tb[1, 0, 0], nb
         src[n].key_base, src[n].window, src[n].causal_end = W, (win - W if win else 0), cend
         n += 1
-    if len(parts[2]):
-        _attn_init(&src[n], p.q, NULL, _ptr(kr), _ptr(vr), p.out, NULL, NULL, <const int64_t *>_ptr(tabs[2]),
-                   len(parts[2]), p.H, p.Hkv, p.D, M, p.scale, p.softcap, _kv_code(kr), T, p.q_stride, p.out_stride,
+    if nb:
+        _attn_init(&src[n], p.q, NULL, _ptr(kr), _ptr(vr), p.out, NULL, NULL, <const int64_t *>_ptr(flt),
+                   nb, p.H, p.Hkv, p.D, M, p.scale, p.softcap, _kv_code(kr), T, p.q_stride, p.out_stride,
                    cend, min(win, W) if win else W)
         src[n].key_base = lo
         n += 1
@@ -280,17 +279,6 @@ cdef object _attend_over_float_rows(kv_attn_params *p, const int64_t *rp, int64_
         kv_attend_sources(src, n, wsp, nt)
         if hd:
             kv_hadamard_rows(op, D, T * H, D)
-    return out
-
-
-cdef object _f32_copy(a):
-    """A float32 copy of a C-contiguous float16 or float32 array (float16 widened by the kernels'
-    conversion: NumPy's cast took ~0.3 ms for 32 rows of 8 heads of 128, more than the attention)."""
-    out = _np.empty(a.shape, dtype=_np.float32)
-    if a.dtype == _F16:
-        kv_f16_to_f32(<float *>_ptr(out), <const uint16_t *>_ptr(a), <size_t>a.size)
-    else:
-        out[...] = a
     return out
 
 

@@ -53,8 +53,10 @@ cdef class _Plan:
         """Row ``r`` as ``(sequence, slot, key position, sink-query position, ranges)``, ranges the
         ``(use_sink_query, t0, t1, query_position)`` key ranges it reads under one softmax: what the
         compiled layers read, for callers that attend with ops.attend over the cache's storage
-        (the transformers integration).  A plan of a cache with ``recent`` float rows lists the
-        ranges it reads quantized: its last keys it reads from the float rows (KVCache)."""
+        (the transformers integration).  A decode-step plan of a cache with ``recent`` float rows
+        lists the ranges it reads quantized: its last :meth:`float_keys` keys it reads from the
+        float rows (KVCache).  A prefill plan lists every key of the row (the compiled layers cut
+        a prefill chunk's float and quantized keys per row, see ops.attend's ``recent_window``)."""
         cdef int64_t i = _need_int(r, "r")
         if not 0 <= i < self.R:
             raise KVSimdValueError("r must be in 0..%d, got %d" % (self.R - 1, i))
@@ -64,9 +66,10 @@ cdef class _Plan:
         return int(self.seqs[i]), int(self.slots[i]), int(self.kpos[i]), int(self.spos[i]), ranges
 
     def float_keys(self, r):
-        """How many of row ``r``'s last keys it reads from a cache's float rows (``recent``; 0
-        without): the ones :meth:`row`'s ranges leave out, its own and the committed ones before
-        it (KVCache.recent_rows)."""
+        """How many of a decode-step row ``r``'s last keys it reads from a cache's float rows
+        (``recent``): the ones :meth:`row`'s ranges leave out, its own and the newest committed
+        ones before it (KVCache.recent_rows).  0 for a cache without float rows and for a prefill
+        plan (whose rows :meth:`row` lists whole)."""
         cdef int64_t i = _need_int(r, "r")
         if not 0 <= i < self.R:
             raise KVSimdValueError("r must be in 0..%d, got %d" % (self.R - 1, i))

@@ -233,6 +233,21 @@ def test_recent_rows_read_each_rows_last_keys_as_float(family, kind, R):
         assert rel(plain, ref_log) > 4 * max(err, REFERENCE_BOUNDS[dtype] / 4), (family, kind, rel(plain, ref_log))
 
 
+def test_recent_rows_above_the_first_capacity():
+    """KVSimdCache(recent=32) starting at a capacity of 4: the KVCache caps its float rows at its
+    capacity (every token has one), each growth carries them into the next (whose cap is larger),
+    and the tokens are those of the Decoder with cache_recent=32."""
+    m = tiny("llama", **WIDE)
+    m.generation_config.eos_token_id = None
+    ids = prompt(3, n=9)
+    cache = kt.KVSimdCache(m, dtype="int4", recent=32, capacity=4)
+    tok, _ = run(m, ids, kt.NAME, cache, n=40)
+    mine = list(Decoder.from_transformers(m).generate(ids[0].tolist(), max_new_tokens=40, cache_dtype="int4",
+                                                      cache_recent=32))
+    assert tok[0, 9:].tolist() == mine
+    assert cache.kv.recent == 32 and cache.kv.recent_rows(1)[0].shape[1] == 32
+
+
 def test_recent_rows_padded_batch_and_growth():
     """A left-padded batch of 2 on KVSimdCache(dtype="int4", recent=6), starting at a capacity of 8
     so that it grows twice (the float rows move with the tokens): the greedy tokens of stored_recent

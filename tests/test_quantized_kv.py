@@ -785,8 +785,9 @@ def test_attend_recent_rows_under_one_softmax(isa, rng, dtype, had, rdt, T, H, H
     kr, vr = (rng.standard_normal((Hkv, M, D)) * 2).astype(rdt), rng.standard_normal((Hkv, M, D)).astype(rdt)
     kd, vd = reference.dequantize_kv(kq, ks, D), reference.dequantize_kv(vq, vs, D)     # as stored
     turn = (lambda a: reference.hadamard_rows(a, _back=False)) if had else (lambda a: a)
-    K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)         # stored, as read
-    V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
+    kr, vr = (turn(a.astype(np.float32)).astype(rdt) for a in (kr, vr))                  # given as stored
+    K = np.concatenate([kd, kr.astype(np.float32)], 1).astype(np.float64)                # stored, as read
+    V = np.concatenate([vd, vr.astype(np.float32)], 1).astype(np.float64)
     Kf = reference.hadamard_rows(K) if had else K                                        # what they stand for
     Vf = reference.hadamard_rows(V) if had else V
     slopes = (2.0 ** -np.arange(1, H + 1)).astype(np.float32)
@@ -816,9 +817,9 @@ def test_attend_recent_rows_under_one_softmax(isa, rng, dtype, had, rdt, T, H, H
             err = np.abs(got.astype(np.float64) - ref) / np.maximum(bound, 1e-300)
             assert err.max() <= 1, f"{isa} {threads} threads {kw}: error {err.max():.3g} x the bound"
             if M >= 16:   # the recent rows read as int4 would be far off
-                rq = reference.quantize_kv(kr.astype(np.float32), "int4", had)
+                rq = reference.quantize_kv(Kf[:, N:].astype(np.float32), "int4", had)
                 Kq = K.copy()
-                Kq[:, N:] = turn(reference.dequantize_kv(*rq, D)) if not had else reference.dequantize_kv(*rq, D)
+                Kq[:, N:] = reference.dequantize_kv(*rq, D)
                 wrong = reference.attend(qr, reference.hadamard_rows(Kq) if had else Kq, Vf, **rkw)
                 assert (np.abs(wrong - ref) / np.maximum(bound, 1e-300)).max() > 10, (isa, kw)
 
@@ -915,10 +916,11 @@ def test_attend_recent_window_reads_each_rows_last_keys_as_float(isa, rng, dtype
         for kw in cases:
             off = kw.get("causal_offset", N - q.shape[0])
             hi = off + q.shape[0]          # the float rows of the same tokens: the M keys up to the last row's
-            kr, vr = x[0][:, hi - M:hi].astype(rdt), x[1][:, hi - M:hi].astype(rdt)
-            Kr, Vr = (a.astype(np.float64) for a in (kr, vr))
-            K = np.concatenate([kd, turn(kr.astype(np.float32))], 1).astype(np.float64)     # stored, as read
-            V = np.concatenate([vd, turn(vr.astype(np.float32))], 1).astype(np.float64)
+            kr, vr = (turn(x[w][:, hi - M:hi]).astype(rdt) for w in (0, 1))          # given as stored
+            Kr, Vr = ((reference.hadamard_rows(a.astype(np.float32)) if had else a).astype(np.float64)
+                      for a in (kr, vr))                                          # what they stand for
+            K = np.concatenate([kd, kr.astype(np.float32)], 1).astype(np.float64)     # stored, as read
+            V = np.concatenate([vd, vr.astype(np.float32)], 1).astype(np.float64)
             args = dict(k_scale=ks, v_scale=vs, hadamard=had, recent=(kr, vr), recent_window=W, **kw)
             with use_isa(isa):
                 got = ops.attend(q if rows else q[0], kq, vq, **args)

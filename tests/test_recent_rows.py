@@ -355,6 +355,47 @@ def test_write_append_takes_float_rows_of_every_layer(rng):
     assert c.recent_rows(0)[0].shape[1] == 0
 
 
+def test_write_paths_never_leave_a_gap_in_the_float_rows(rng):
+    """Tokens written by several write() calls and committed together, or written past the
+    length: the ring keeps the float rows of the last write's tokens only (the newest tokens,
+    none missing between them), never older rows in the place of tokens that have none; a write
+    inside a failed transaction (after a truncate, over ring entries that held committed rows)
+    leaves the rows as they were."""
+    Hkv, D = 2, 48
+    c = KVCache(1, Hkv, D, 32, dtype="int4", recent=3)
+    toks = rng.standard_normal((12, Hkv, 1, D)).astype(np.float32)
+
+    def put(t, start=None):
+        c.write(0, toks[t], toks[t], start=start)
+
+    def stored(ts):
+        return as_stored_float(np.concatenate([toks[t] for t in ts], 1), c.hadamard)
+
+    for t in range(5):
+        put(t)
+        c.append(0, 1)
+    for t in range(5, 8):           # one write per token, committed together
+        put(t, start=t)
+    c.commit(3)
+    assert np.array_equal(c.recent_rows(0)[0].astype(np.float32), stored([7]))
+    put(10, start=10)               # past the length: tokens 8 and 9 never written
+    c.commit(3)
+    assert np.array_equal(c.recent_rows(0)[0].astype(np.float32), stored([10]))
+    for t in (11, 4, 5):
+        put(t)
+        c.commit(1)
+    before = [a.copy() for a in c.recent_rows(0)]
+    assert np.array_equal(before[0].astype(np.float32), stored([11, 4, 5]))
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            c.truncate(0, 2)
+            put(6)
+            put(7, start=c.length(0) + 1)
+            c.commit(2)
+            raise RuntimeError("fails after the writes")
+    assert all(np.array_equal(a, b) for a, b in zip(before, c.recent_rows(0)))
+
+
 def test_recent_argument_checks():
     with pytest.raises(KVSimdValueError, match="recent keeps float16 rows of a quantized cache"):
         KVCache(1, 2, 64, 16, dtype="float16", recent=4)

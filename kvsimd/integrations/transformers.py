@@ -481,9 +481,10 @@ class KVSimdCache(_KVSimdCacheBase):
         for b in range(p["B"]):
             if self.recent:     # each row's last R keys from float rows: this pass's, the committed ones before
                 K, V = self._blocks[layer][b]
-                kf, vf = self.kv._float_rows(layer, b, *p["computed"][b], self.recent - 1)
+                R = self.kv.recent           # ``recent``, or the capacity when that is smaller
+                kf, vf = self.kv._float_rows(layer, b, *p["computed"][b], R - 1)
                 _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b],
-                            self._scales[layer][b], self.kv.hadamard, recent=(kf, vf, self.recent))
+                            self._scales[layer][b], self.kv.hadamard, recent=(kf, vf, R))
                 continue
             if T == 1 and mask is None and (not window or window >= N):
                 # a decode step over every key: the cache's own single-query call (one range)
@@ -584,7 +585,8 @@ class KVSimdSinkCache(_KVSimdCacheBase):
                 N = p["extent"]
                 rec = None
                 if self.recent:
-                    rec = self.kv._float_rows(layer, b, *p["computed"][b], self.recent - 1) + (self.recent,)
+                    R = self.kv.recent
+                    rec = self.kv._float_rows(layer, b, *p["computed"][b], R - 1) + (R,)
                 _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard,
                             recent=rec)
                 continue
