@@ -148,7 +148,7 @@ def _generate(args, stats):
     D, nb = cfg.head_dim, -(-cfg.head_dim // 32)   # bytes of one cached row: int8 / int4 add a float32 scale per 32 values
     row_bytes = {"float16": 2 * D, "float32": 4 * D, "int8": D + 4 * nb, "int4": 16 * nb + 4 * nb}
     kv_bytes = sum(row_bytes[d] for d in (args.cache_dtype.split("/") * 2)[:2])    # a K row and a V row
-    recent_mib = cfg.n_layers * cfg.n_kv_heads * 2 * min(args.cache_recent, capacity) * 2 * 2 * D / 2**20  # 2R float16 K/V rows
+    recent_mib = cfg.n_layers * cfg.n_kv_heads * 4 * min(args.cache_recent, capacity) * 2 * 2 * D / 2**20  # 4R float16 K/V rows
     stream = tok.stream()
     out = sys.stdout
     # generate() checks its arguments now and prefills at the first next(): statistics from here on

@@ -99,9 +99,10 @@ cdef class _KVStore:
     # KVCache(recent=R): float16 rows of each sequence's last tokens beside the quantized ones (see
     # KVCache); here so that the compiled layers (_attend_rows) read them with the storage
     cdef readonly int64_t recent  # R; 0: none
-    cdef object _tail             # uint16 [n_layers, K|V, batch, n_kv_heads, 2R, head_dim]: float16 bits, a ring
+    cdef int64_t _keep, _ring     # committed rows the ring keeps (2R: a truncate of up to R leaves R), its entries
+    cdef object _tail             # uint16 [n_layers, K|V, batch, n_kv_heads, 4R, head_dim]: float16 bits, a ring
     cdef object _th, _tn          # int64 [batch]: ring entry of the oldest committed row, committed rows (<= R)
-    cdef object _ttag             # int64 [batch, 2R]: the slot whose token each ring entry holds
+    cdef object _ttag             # int64 [batch, 4R]: the slot whose token each ring entry holds
     cdef object _pend             # int64 [batch, 3]: float rows write() stored beyond the committed ones,
     cdef object _pend_l           #   (first slot, rows m, ring entry of the first), m = 0: none; bool
                                   #   [batch, n_layers]: the layers that stored them (append takes them)
@@ -368,7 +369,7 @@ cdef class _KVStore:
         (turned by H with ``hadamard``), for :meth:`append` / :meth:`commit` / end_step to take
         when every layer stored the same rows and they are the newly committed tokens.  A write
         of other rows starts that count again."""
-        cdef int64_t T = k.shape[1], R = self.recent, ring = 2 * self.recent
+        cdef int64_t T = k.shape[1], R = self._keep, ring = self._ring
         cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim, p0, m, e0, j, w
         if self._tn[s]:
             tags = self._ttag[s, (self._th[s] + _np.arange(self._tn[s])) % ring]
@@ -399,7 +400,7 @@ cdef class _KVStore:
         the last c = min(n, committed) float rows of sequence ``seq`` followed by k, v (float32
         ``[n_kv_heads, T, head_dim]``, the pass's rows) rounded the same way: what
         ops.attend(recent=..., recent_window=...) reads."""
-        cdef int64_t l, s, ring = 2 * self.recent, c, j, T, w, first
+        cdef int64_t l, s, ring = self._ring, c, j, T, w, first
         cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim
         with self._claim():
             if not self.recent:
@@ -441,8 +442,8 @@ cdef class _KVStore:
                                       (self.n_layers, self.batch, self.n_kv_heads, self.head_dim)))
         with self._claim():
             for s in range(self.batch):
-                c = min(int(o._tn[s]), self.recent)
-                idx = (o._th[s] + o._tn[s] - c + _np.arange(c)) % (2 * o.recent)
+                c = min(int(o._tn[s]), self._keep)
+                idx = (o._th[s] + o._tn[s] - c + _np.arange(c)) % o._ring
                 self._tail[:, :, s, :, :c] = o._tail[:, :, s][..., idx, :]
                 self._ttag[s, :c] = o._ttag[s, idx]
                 self._th[s], self._tn[s] = 0, c
@@ -536,7 +537,7 @@ cdef class _KVStore:
         follow the committed ones when that write began at L; when it began later (tokens
         between came from another write) they are the sequence's only float rows, so that the
         ring always holds its newest tokens' rows, none missing.  Else the sequence keeps none."""
-        cdef int64_t p0, m, e0, ring = 2 * self.recent
+        cdef int64_t p0, m, e0, ring = self._ring
         if not self.recent:
             return 0
         p0, m, e0 = (int(x) for x in self._pend[s])
@@ -562,11 +563,11 @@ cdef class _KVStore:
     cdef int _recent_join(self, int64_t s, int64_t e0, int64_t p0, int64_t m) except -1:
         """Ring entries e0.. (after the committed ones) hold the float rows of slots p0..p0+m-1 of
         sequence s, now committed: the oldest beyond ``recent`` leave."""
-        cdef int64_t j, tot, drop, ring = 2 * self.recent
+        cdef int64_t j, tot, drop, ring = self._ring
         for j in range(m):
             self._ttag[s, (e0 + j) % ring] = p0 + j
         tot = self._tn[s] + m
-        drop = max(0, tot - self.recent)
+        drop = max(0, tot - self._keep)
         self._th[s] = (self._th[s] + drop) % ring
         self._tn[s] = tot - drop
         return 0
@@ -723,8 +724,9 @@ cdef class KVCache(_KVStore):
 
     ``recent`` = R > 0 (quantized caches only; at most ``capacity``, a larger one taken as that):
     the cache also keeps the float16 K/V rows of each
-    sequence's last R tokens (a ring of 2R rows per layer, sequence and KV head: R committed, R for
-    a pass's new ones; turned by H as the quantized rows are when ``hadamard``), and every query of
+    sequence's last R tokens (a ring of 4R rows per layer, sequence and KV head: up to 2R committed,
+    so that a truncate of up to R tokens -- rejected draft tokens -- leaves R, and 2R for a pass's
+    new ones; turned by H as the quantized rows are when ``hadamard``), and every query of
     a step or prefill plan reads its last R keys, itself included, from them and older keys
     quantized, all under one softmax (kvsimd.h kv_attend_sources).  4-bit keys cost most where a
     query looks hardest, at its last tokens: R = 32 takes SmolLM2's int4 perplexity cost from
@@ -781,21 +783,21 @@ cdef class KVCache(_KVStore):
         self._tokens = [[] for _ in range(self.batch)]
         self._tx = None
         if rn:
-            shape = (self.n_layers, 2, self.batch, self.n_kv_heads, 2 * rn, self.head_dim)
-            need = 2 * self.n_layers * 2 * self.batch * self.n_kv_heads * 2 * rn * self.head_dim
+            shape = (self.n_layers, 2, self.batch, self.n_kv_heads, 4 * rn, self.head_dim)
+            need = 2 * self.n_layers * 2 * self.batch * self.n_kv_heads * 4 * rn * self.head_dim
             if need > _available_memory():
                 raise KVSimdMemoryError("recent=%d float16 rows (a ring of %d per layer, sequence and KV head) need %d "
-                                        "bytes, more than the memory available now" % (rn, 2 * rn, need))
+                                        "bytes, more than the memory available now" % (rn, 4 * rn, need))
             try:
                 self._tail = _np.zeros(shape, dtype=_np.uint16)
             except MemoryError:
                 raise KVSimdMemoryError("recent=%d float16 rows need %d bytes: cannot allocate them" % (rn, need)) from None
             self._th = _np.zeros(self.batch, dtype=_np.int64)
             self._tn = _np.zeros(self.batch, dtype=_np.int64)
-            self._ttag = _np.zeros((self.batch, 2 * rn), dtype=_np.int64)
+            self._ttag = _np.zeros((self.batch, 4 * rn), dtype=_np.int64)
             self._pend = _np.zeros((self.batch, 3), dtype=_np.int64)
             self._pend_l = _np.zeros((self.batch, self.n_layers), dtype=bool)
-        self.recent = rn
+        self.recent, self._keep, self._ring = rn, 2 * rn, 4 * rn
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -1037,7 +1039,7 @@ cdef class KVCache(_KVStore):
         begin_prefill, write, end_prefill; a step the same way) takes the float rows write()
         stored when it stored them for every layer (_recent_append); one whose rows a plan wrote
         for some layers and write() for others keeps none."""
-        cdef int64_t r, s, tot, drop, ring = 2 * self.recent
+        cdef int64_t r, s, tot, drop, ring = self._ring
         if not self.recent:
             return 0
         if p.rn == 0 or self._writer != p.serial:
@@ -1067,7 +1069,7 @@ cdef class KVCache(_KVStore):
         the sinks; a truncate: see there)."""
         self._recent_unpend(s)
         if self.recent and self._tn[s] > n:
-            self._th[s] = (self._th[s] + self._tn[s] - max(n, 0)) % (2 * self.recent)
+            self._th[s] = (self._th[s] + self._tn[s] - max(n, 0)) % self._ring
             self._tn[s] = max(n, 0)
         return 0
 
@@ -1075,12 +1077,15 @@ cdef class KVCache(_KVStore):
         """A copy of the float rows a cache with ``recent`` > 0 holds for one layer and sequence,
         oldest first: ``(k, v)`` float16 ``[n_kv_heads, n, head_dim]``, the last n <= recent
         committed tokens' K/V as the model computed them (RoPE'd keys), rounded to float16 --
-        with ``hadamard``, turned as the quantized rows are (H x / 32 over whole blocks of 32)."""
+        with ``hadamard``, turned as the quantized rows are (H x / 32 over whole blocks of 32).
+        (The ring keeps up to 2R committed rows, so that a truncate of up to R tokens leaves R.)"""
+        cdef int64_t n
         with self._claim():
             l, s = self._layer(layer), self._seq(seq)
             if not self.recent:
                 raise KVSimdValueError("recent_rows: this cache keeps no float rows (recent=0)")
-            idx = (self._th[s] + _np.arange(self._tn[s])) % (2 * self.recent)
+            n = min(int(self._tn[s]), self.recent)
+            idx = (self._th[s] + self._tn[s] - n + _np.arange(n)) % self._ring
             return tuple(self._tail[l, w, s][:, idx].view(_np.float16) for w in (0, 1))
 
     # ------------------------------------------------------------------ rollback
@@ -1225,7 +1230,7 @@ cdef class KVCache(_KVStore):
             self._tx.save_row(b)
             self._tx.save_kv(b, 0, self.capacity)
             if self.recent:
-                self._tx.save_recent(b, _np.arange(2 * self.recent))
+                self._tx.save_recent(b, _np.arange(self._ring))
         keep_start = nk + (self._head[b] - nk + nd) % W
         for t0, t1 in _ring_ranges(keep_start, W - nd, nk, W):
             if rope is not None:
@@ -1284,7 +1289,7 @@ cdef class KVCache(_KVStore):
         if not self.recent or self._tn[s] == 0:
             return 0
         n = self._tn[s]
-        idx = (self._th[s] + _np.arange(n)) % (2 * self.recent)
+        idx = (self._th[s] + _np.arange(n)) % self._ring
         wb = D // KV_I8_BLOCK * KV_I8_BLOCK
         for l in range(self.n_layers):
             x = _np.ascontiguousarray(self._tail[l, 0, s][:, idx].view(_np.float16).astype(_np.float32))

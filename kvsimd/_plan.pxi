@@ -220,7 +220,7 @@ cdef int _plan_recent(_Plan p, KVCache c, list chrono) except -1:
     prefill band (``chrono`` None): one kernel call over three sources (_attend_rows), the
     quantized keys before the committed float rows, the others' quantized rows below
     causal_end - R + r and the float rows (committed ones, then the chunk) at or above it."""
-    cdef int64_t R = p.R, rn = c.recent, ring = 2 * c.recent, r, s, tn, th, com, k, first, G
+    cdef int64_t R = p.R, rn = c.recent, ring = c._ring, r, s, tn, th, com, k, first, G
     cdef int64_t Hkv = c.n_kv_heads, D = c.head_dim
     p.rn = rn
     p.tidx = _np.full(R, -1, dtype=_np.int64)
@@ -234,7 +234,7 @@ cdef int _plan_recent(_Plan p, KVCache c, list chrono) except -1:
         tn, th = c._tn[s], c._th[s]
         com = min(tn, rn - 1)
         p.tcom[:], p.tfrom[:] = com, (th + tn - com) % ring
-        first = max(0, R - rn)           # the chunk's last R rows are kept
+        first = max(0, R - c._keep)      # the chunk's last 2R rows are kept (a truncate of R leaves R)
         p.tidx[first:] = (th + tn + _np.arange(R - first)) % ring
         G = com + R
         p.tkp = _np.empty((1, G), dtype=_np.int64)
@@ -398,7 +398,7 @@ cdef int _attend_rows(_Plan plan, _KVStore store, int64_t l, float *qkv, int64_t
     cdef kv_rope_style st = plan.st
     # the float rows of the most recent keys (plan.rn > 0: _plan_recent)
     cdef kv_attn_params src[3]
-    cdef int64_t rn = plan.rn, ring = 2 * plan.rn, G = 0, ti, com, m, nf, ns, B = store.batch, start
+    cdef int64_t rn = plan.rn, ring = store._ring, G = 0, ti, com, m, nf, ns, B = store.batch, start
     cdef int64_t srng[4]
     cdef int64_t qa[4]
     cdef int64_t qb[4]

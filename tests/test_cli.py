@@ -214,7 +214,7 @@ def test_cli_quantized_cache_reports_its_size(tiny):
 
 def test_cli_cache_recent_rows(tiny):
     """--cache-recent R: an int4 cache that also keeps its last R tokens' float16 K/V rows (a ring of
-    2R per layer and KV head, counted in the size it reports); with a float cache one error line."""
+    4R per layer and KV head, counted in the size it reports); with a float cache one error line."""
     sizes = {}
     for extra in ([], ["--cache-recent", "4"]):
         r = cli(["generate", "--model", tiny, "--max-new-tokens", "8", "--cache-dtype", "int4", *extra, "abcabc"])
@@ -222,7 +222,7 @@ def test_cli_cache_recent_rows(tiny):
         assert "decode 8 tokens" in r.stderr
         sizes[bool(extra)] = float(re.search(r"KV cache ([0-9.e+-]+) MiB", r.stderr).group(1))
     cfg = kvsimd.Decoder.from_gguf(tiny).cfg
-    ring = cfg.n_layers * cfg.n_kv_heads * 2 * 4 * 2 * 2 * cfg.head_dim / 2**20
+    ring = cfg.n_layers * cfg.n_kv_heads * 4 * 4 * 2 * 2 * cfg.head_dim / 2**20
     assert sizes[True] == pytest.approx(sizes[False] + ring, rel=1e-3)
     r = cli(["generate", "--model", tiny, "--max-new-tokens", "8", "--cache-recent", "4", "abcabc"])
     assert r.returncode != 0 and "recent keeps float16 rows of a quantized cache" in one_error_line(r)

@@ -326,6 +326,20 @@ def test_prompt_lookup_crops_the_cache():
                      pad_token_id=0)
     assert torch.equal(tok, ref_tok)
     assert cache.get_seq_length() == tok.shape[1] - 1
+    # int4 with float rows of the last R tokens: a crop drops the rejected tokens' rows and the
+    # ring still holds R (it keeps 2R), so the tokens are plain greedy's on such a cache (a ring
+    # that kept R parted from them on 2 of these 8 runs)
+    m = tiny("llama", seed=2, **WIDE)
+    m.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(2)
+    for trial in range(4):
+        base = torch.randint(1, 97, (1, 5), generator=g)
+        ids = torch.cat([base, base, base[:, :3]], 1)
+        for R in (2, 3):
+            want, _ = run(m, ids, kt.NAME, kt.KVSimdCache(m, dtype="int4", recent=R), n=30)
+            tok = m.generate(ids, max_new_tokens=30, do_sample=False, past_key_values=kt.KVSimdCache(
+                m, dtype="int4", recent=R), prompt_lookup_num_tokens=R, pad_token_id=0)
+            assert torch.equal(tok, want), (trial, R)
 
 
 def test_crop_refuses_what_is_not_an_integer():

@@ -183,3 +183,23 @@ def test_draft_is_the_continuation_of_the_latest_longest_match():
     assert _draft([5, 1, 2, 3, 9, 9, 1, 2, 3], 4) == [9, 9, 1, 2]
     assert _draft([4, 4, 4], 3) == [4, 4, 4] and _draft([1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
     assert _draft([1, 2, 3, 4], 2) == [] and _draft([7], 3) == []
+
+
+@pytest.mark.parametrize("R,lookup", [(2, 2), (3, 3), (8, 4), (8, 8)])
+def test_recent_float_rows_survive_rejected_drafts(rng, R, lookup):
+    """An int4 cache with float rows of the last R tokens (cache_recent=R): a verify pass commits
+    its drafts and the rejected ones are truncated, which takes their float rows with them; the
+    ring keeps 2R committed rows, so the accepted tokens still read their last R keys as float
+    rows and the tokens are plain greedy decoding's on the same cache (a ring of R rows left
+    fewer: the tokens parted on 4 of 12 prompts at R = 2)."""
+    m, d = causal("llama")
+    kw = dict(max_new_tokens=30, cache_dtype="int4", cache_recent=R)
+    parted = 0
+    for _ in range(6):
+        base = list(rng.integers(0, V, 5))
+        for prompt in (base * 2 + base[:3], list(rng.integers(0, V, 9))):
+            with observe(d, Drafts()) as o:
+                got = list(d.generate(prompt, lookup=lookup, **kw))
+            assert got == list(d.generate(prompt, **kw)), (R, lookup, prompt)
+            parted += o.accepted < o.proposed
+    assert parted > 0          # drafts were rejected, so the truncate ran

@@ -42,7 +42,8 @@ def as_stored_quant(x, dtype, had):
 
 class Seq:
     """One sequence as the test sees it: the K/V rows of the tokens the cache holds, oldest first,
-    and how many of the newest have float rows (the documented rules, not the cache's state)."""
+    and how many of the newest have float rows (the documented rules, not the cache's state: the
+    ring keeps up to 2R, so that a truncate of up to R tokens leaves R; a row reads its last R)."""
 
     def __init__(self, R):
         self.R, self.k, self.v, self.nf, self.wrapped = R, [], [], 0, False
@@ -50,7 +51,7 @@ class Seq:
     def add(self, k, v):
         self.k.append(k)
         self.v.append(v)
-        self.nf = min(self.nf + 1, self.R)
+        self.nf = min(self.nf + 1, 2 * self.R)
 
     def drop_oldest_window(self, n_keep, n):
         del self.k[n_keep:n_keep + n], self.v[n_keep:n_keep + n]
@@ -208,9 +209,10 @@ def test_attention_windows_cut_float_and_quantized_keys(isa, rng, dtype, had):
 
 
 def test_truncate_and_transactions_keep_the_float_rows_right(rng):
-    """truncate drops the newest float rows with their tokens (the kept tokens' older float rows
-    are gone: read quantized until new tokens come); a failed step inside a transaction leaves
-    the float rows and their bookkeeping bit for bit as they were."""
+    """truncate drops the newest float rows with their tokens, and R remain (the ring keeps 2R
+    committed rows: a truncate of up to R tokens, rejected draft tokens, leaves the last R); a
+    failed step inside a transaction leaves the float rows and their bookkeeping bit for bit as
+    they were."""
     H, Hkv, D, R, dtype, had = 4, 2, 64, 4, "int4", True
     c = KVCache(1, Hkv, D, 32, dtype=dtype, hadamard=had, recent=R)
     seqs = [Seq(R)]
@@ -219,7 +221,10 @@ def test_truncate_and_transactions_keep_the_float_rows_right(rng):
         _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
     c.truncate(0, 2)
     seqs[0].truncate(2)
-    assert c.recent_rows(0)[0].shape[1] == 2
+    assert c.recent_rows(0)[0].shape[1] == R
+    c.truncate(0, R)
+    seqs[0].truncate(R)
+    assert c.recent_rows(0)[0].shape[1] == 2      # of 9 tokens the last 2R = 8 had rows; 6 dropped
     for _ in range(4):
         _step(c, seqs, rng, H, Hkv, D, dtype, had, 0)
     before = [a.copy() for a in c.recent_rows(0)] + [c.keys(0).copy()]
@@ -406,7 +411,7 @@ def test_recent_argument_checks():
         KVCache(1, 2, 64, 16, dtype="int4").recent_rows(0)
     c = KVCache(1, 2, 64, 16, dtype="int4", recent=4)
     assert "recent=4" in repr(c) and c.recent == 4
-    assert c.nbytes == KVCache(1, 2, 64, 16, dtype="int4").nbytes + 1 * 2 * 1 * 2 * 8 * 64 * 2   # [L, K|V, B, Hkv, 2R, D]
+    assert c.nbytes == KVCache(1, 2, 64, 16, dtype="int4").nbytes + 1 * 2 * 1 * 2 * 16 * 64 * 2  # [L, K|V, B, Hkv, 4R, D]
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])
