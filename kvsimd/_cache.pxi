@@ -346,9 +346,9 @@ cdef class _KVStore:
             if k.shape != v.shape or k.shape[0] != self.n_kv_heads or k.shape[2] != self.head_dim:
                 raise KVSimdValueError("k and v must be [%d, T, %d], got %s and %s"
                                        % (self.n_kv_heads, self.head_dim, k.shape, v.shape))
-            t0 = int(self._lengths[s]) if start is None else _need_int(start, "start")
+            t0 = int(self._lengths[s]) if start is None else _need_int(start, "start", 0)
             T = k.shape[1]
-            if t0 < 0 or t0 + T > self.capacity:
+            if t0 + T > self.capacity:
                 raise KVSimdCapacityError("cache full: %d tokens at slot %d exceed capacity %d (sequence %d)"
                                           % (T, t0, self.capacity, s))
             # k or v may be views of this cache's own storage: copied first, so that nothing is

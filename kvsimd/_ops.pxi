@@ -130,6 +130,9 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
             raise KVSimdValueError("q has no rows (shape %s)" % (q.shape,))
         if causal_offset is not None and not causal:
             raise KVSimdValueError("causal_offset applies to a causal pass, got causal=False")
+        if causal and causal_offset is None and T > NM:
+            raise KVSimdValueError("q has %d query rows, more than the N%s=%d keys (a causal pass needs a key "
+                                   "per row)" % (T, "+M" if M else "", NM))
         off = NM - T if causal_offset is None else _need_int(causal_offset, "causal_offset")
         if causal and not 0 <= off <= NM - T:
             raise KVSimdValueError("causal_offset must be in 0..N%s-T=%d (row t sees keys up to causal_offset + t), "

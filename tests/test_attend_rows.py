@@ -153,6 +153,8 @@ def test_rows_shapes_refused(rng):
         ops.attend(q, k, v, out=np.empty((3, 2, 8), np.float32))
     with pytest.raises(KVSimdValueError, match="q_alt must have shape"):
         ops.attend(q, k, v, ranges=[(0, 10, True)], q_alt=q[:2])
+    with pytest.raises(KVSimdValueError, match="q has 4 query rows, more than the N=3 keys"):   # not "N-T=-1"
+        ops.attend(q, k[:, :3].copy(), v[:, :3].copy())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

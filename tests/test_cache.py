@@ -85,6 +85,8 @@ def test_bad_calls(rng):
         c.keys(3)
     with pytest.raises(ValueError, match="seq must be in 0..1"):
         c.write(0, z, z, seq=2)
+    with pytest.raises(ValueError, match="start must be >= 0.*got -1"):
+        c.write(0, z, z, start=-1)
     with pytest.raises(ValueError, match=r"k and v must be \[2, T, 16\]"):
         c.write(0, np.zeros((3, 1, 16), np.float32), np.zeros((3, 1, 16), np.float32))
     with pytest.raises(TypeError, match="k must have dtype float32"):
