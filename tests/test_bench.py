@@ -1051,15 +1051,41 @@ def test_int4_recent_ppl_reads_the_recent_tokens_as_computed(tmp_path):
         assert p.returncode == 2 and words in p.stderr, p.stderr
 
 
+def test_hf_recent_ppl_reads_every_key_as_float_rows(tmp_path):
+    """bench/hf_recent_ppl.py over 24 tokens with --recent 64: every key a query reads is among its
+    last 64, so the int8 caches with float rows (not turned) read the float16 cache's values:
+    float16's perplexity within float32 rounding, through transformers and the Decoder alike,
+    while int8 without them is another (+0.6% and +0.8% here); --recent 0 ends in one usage
+    line, exit 2."""
+    pytest.importorskip("transformers")
+    script = os.path.join(ROOT, "bench", "hf_recent_ppl.py")
+    env = dict(os.environ, KVSIMD_NUM_THREADS="1", KVSIMD_BENCH_TEXT=TEXT)
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, script, "--tokens", "24", "--recent", "64", "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["tokens"] == 24 and doc["text"] == "hamlet_gut.txt"
+    r = doc["results"]
+    for side in ("transformers", "decoder"):
+        base = r["float16"]["ppl_" + side]
+        assert abs(r["int8+recent64"]["ppl_" + side] / base - 1) < 1e-4, (side, r["int8+recent64"])
+        assert abs(r["int8"]["ppl_" + side] / base - 1) > 1e-3, (side, r["int8"])     # the rows matter
+    p = subprocess.run([sys.executable, script, "--recent", "0"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and "--recent must be >= 1" in p.stderr, p.stderr
+
+
 def test_attend_recent_speed_runs_every_case():
-    """bench/attend_recent_speed.py: one line per shape, key count and turn, each with the three
-    timings and a ratio (speed is not asserted); bad arguments exit 2."""
+    """bench/attend_recent_speed.py: one line per shape, key count and turn, each with the four
+    timings and two ratios (speed is not asserted); bad arguments exit 2."""
     script = os.path.join(ROOT, "bench", "attend_recent_speed.py")
     p = subprocess.run([sys.executable, script, "--calls", "2", "--recent", "4"], capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    lines = [x for x in p.stdout.splitlines() if "ratio" in x]
-    assert len(lines) == 8 and all("int4 + recent" in x and "recent alone" in x for x in lines), p.stdout
+    lines = [x for x in p.stdout.splitlines() if "N=" in x]
+    assert len(lines) == 8 and all("int4 + recent / int4 " in x and "int4 + window / int4 " in x
+                                   and "recent alone" in x for x in lines), p.stdout
     assert {x.split("N=")[1].split()[0] for x in lines} == {"8192", "32768"}
     p = subprocess.run([sys.executable, script, "--recent", "0"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "must be >= 1" in p.stderr
