@@ -106,6 +106,7 @@ cdef class _KVStore:
     cdef object _pend             # int64 [batch, 3]: float rows write() stored beyond the committed ones,
     cdef object _pend_l           #   (first slot, rows m, ring entry of the first), m = 0: none; bool
                                   #   [batch, n_layers]: the layers that stored them (append takes them)
+    cdef object _rtmp             # float32 [n_kv_heads * head_dim]: write()'s scratch for turning rows
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None,
                   **streaming):
@@ -369,29 +370,35 @@ cdef class _KVStore:
         (turned by H with ``hadamard``), for :meth:`append` / :meth:`commit` / end_step to take
         when every layer stored the same rows and they are the newly committed tokens.  A write
         of other rows starts that count again."""
-        cdef int64_t T = k.shape[1], R = self._keep, ring = self._ring
+        cdef int64_t T = k.shape[1], R = self._keep, ring = self._ring, i, tag
         cdef int64_t Hkv = self.n_kv_heads, D = self.head_dim, p0, m, e0, j, w
-        if self._tn[s]:
-            tags = self._ttag[s, (self._th[s] + _np.arange(self._tn[s])) % ring]
-            if ((tags >= t0) & (tags < t0 + T)).any():
+        cdef int64_t *tags = <int64_t *>_ptr(self._ttag) + s * ring
+        cdef int64_t *pend = <int64_t *>_ptr(self._pend) + s * 3
+        cdef int64_t th = (<int64_t *>_ptr(self._th))[s], tn = (<int64_t *>_ptr(self._tn))[s]
+        cdef char *done = <char *>_ptr(self._pend_l) + s * self.n_layers
+        for i in range(tn):
+            tag = tags[(th + i) % ring]
+            if t0 <= tag < t0 + T:
                 self._recent_lost(s)
+                tn = 0
+                break
         p0 = max(t0 + T - R, t0)
         m = t0 + T - p0
-        e0 = (self._th[s] + self._tn[s]) % ring
-        if tuple(self._pend[s]) != (p0, m, e0):
-            self._pend[s] = (p0, m, e0)
-            self._pend_l[s] = False
-        self._save_ring(s, (e0 + _np.arange(m)) % ring)
-        tmp = _np.empty(Hkv * D, dtype=_np.float32)
-        cdef float *tp = <float *>_ptr(tmp)
+        e0 = (th + tn) % ring
+        if pend[0] != p0 or pend[1] != m or pend[2] != e0:
+            pend[0], pend[1], pend[2] = p0, m, e0
+            memset(done, 0, self.n_layers)
+        self._save_ring(s, e0, m)
+        cdef float *tp = <float *>_ptr(self._rtmp)
         cdef uint16_t *ring_rows
+        cdef const float *src
         for w, x in ((0, k), (1, v)):
             ring_rows = <uint16_t *>_ptr(self._tail) + ((l * 2 + w) * self.batch + s) * Hkv * ring * D
-            rows = _np.ascontiguousarray(x[:, p0 - t0:].transpose(1, 0, 2))    # [m, Hkv, D]
+            rows = x if T == 1 else _np.ascontiguousarray(x[:, p0 - t0:].transpose(1, 0, 2))   # [m, Hkv, D]
+            src = <const float *>_ptr(rows)
             for j in range(m):
-                _f16_heads(ring_rows + ((e0 + j) % ring) * D, ring * D, <const float *>_ptr(rows) + j * Hkv * D,
-                           tp, Hkv, D, self.hadamard)
-        self._pend_l[s, l] = True
+                _f16_heads(ring_rows + ((e0 + j) % ring) * D, ring * D, src + j * Hkv * D, tp, Hkv, D, self.hadamard)
+        done[l] = 1
         return 0
 
     def _float_rows(self, layer, seq, k, v, n):
@@ -556,8 +563,8 @@ cdef class _KVStore:
             self._pend[s, 1] = 0
         return 0
 
-    cdef int _save_ring(self, int64_t s, idx) except -1:
-        """Before ring entries ``idx`` of sequence s are written: a transaction saves them (KVCache)."""
+    cdef int _save_ring(self, int64_t s, int64_t e0, int64_t m) except -1:
+        """Before ring entries e0..e0+m-1 of sequence s are written: a transaction saves them (KVCache)."""
         return 0
 
     cdef int _recent_join(self, int64_t s, int64_t e0, int64_t p0, int64_t m) except -1:
@@ -797,6 +804,7 @@ cdef class KVCache(_KVStore):
             self._ttag = _np.zeros((self.batch, 4 * rn), dtype=_np.int64)
             self._pend = _np.zeros((self.batch, 3), dtype=_np.int64)
             self._pend_l = _np.zeros((self.batch, self.n_layers), dtype=bool)
+            self._rtmp = _np.empty(self.n_kv_heads * self.head_dim, dtype=_np.float32)
         self.recent, self._keep, self._ring = rn, 2 * rn, 4 * rn
 
     # ------------------------------------------------------------------ read-only state
@@ -1059,9 +1067,9 @@ cdef class KVCache(_KVStore):
             self._recent_join(p.seqs[r], p.tidx[r], p.slots[r], 1)
         return 0
 
-    cdef int _save_ring(self, int64_t s, idx) except -1:
+    cdef int _save_ring(self, int64_t s, int64_t e0, int64_t m) except -1:
         if self._tx is not None:
-            self._tx.save_recent(s, idx)
+            self._tx.save_recent(s, (e0 + _np.arange(m)) % self._ring)
         return 0
 
     cdef int _recent_keep(self, int64_t s, int64_t n) except -1:

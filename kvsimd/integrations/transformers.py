@@ -160,6 +160,13 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None
         if not rr:
             outb[0] = 0.0
             return
+        M = 0 if recent is None else recent[0].shape[1]
+        if ov and rr == [(0, N)] and M < N and M <= recent[2]:
+            # every key, the last M from float rows: the older ones as k/v's ranges and the float
+            # rows after them (one query, two parts: cheaper than the per-row cut)
+            ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=[(0, N - M)], scale=scale, softcap=softcap,
+                       out=outb[0], k_scale=ks, v_scale=vs, hadamard=hadamard, recent=recent[:2])
+            return
         if ov:       # the row at key N - 1, so that the float rows stand for the keys before it
             ops.attend(np.ascontiguousarray(qb[:, 0, :])[None], K, V, ranges=rr, causal_offset=N - 1, scale=scale,
                        softcap=softcap, out=outb[:1], k_scale=ks, v_scale=vs, hadamard=hadamard, **ov)
