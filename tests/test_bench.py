@@ -1076,6 +1076,19 @@ def test_hf_recent_ppl_reads_every_key_as_float_rows(tmp_path):
     assert p.returncode == 2 and "--recent must be >= 1" in p.stderr, p.stderr
 
 
+def test_hf_recent_decode_runs_both_caches():
+    """bench/hf_recent_decode.py at a tiny size: both caches' tok/s and a ratio (speed is not
+    asserted); bad arguments exit 2."""
+    pytest.importorskip("transformers")
+    script = os.path.join(ROOT, "bench", "hf_recent_decode.py")
+    p = subprocess.run([sys.executable, script, "--depth", "16", "--steps", "2", "--rounds", "1", "--threads", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "int4 + recent 32 " in p.stdout and p.stdout.count("tok/s median") == 2 and "ratio" in p.stdout, p.stdout
+    p = subprocess.run([sys.executable, script, "--steps", "0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "must be >= 1" in p.stderr
+
+
 def test_attend_recent_speed_runs_every_case():
     """bench/attend_recent_speed.py: one line per shape, key count and turn, each with the four
     timings and two ratios (speed is not asserted); bad arguments exit 2."""
