@@ -45,6 +45,16 @@ def _cache_kind(dtype, hadamard):
     if had and kn not in _QUANTIZED:
         raise KVSimdValueError("hadamard=True applies to quantized caches (dtype int8 or int4), got dtype=%s" % name)
     return name, kn, vn, had
+
+
+def _cache_recent(recent, name, kn):
+    """A cache's ``recent`` argument (the one rule: KVCache and the transformers caches), for a
+    cache of dtype ``name`` whose keys are ``kn``: an integer >= 0, and 0 unless K/V are quantized."""
+    rn = _need_int(recent, "recent", 0, KV_MAX_TOKENS)
+    if rn and kn not in _QUANTIZED:
+        raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
+                               "\"int8/int4\"), got recent=%d with dtype=%s" % (rn, name))
+    return rn
 POLICIES = ("fixed", "reevaluate", "shift", "sink_query", "auto")
 cdef enum:
     _P_FIXED, _P_REEVALUATE, _P_SHIFT, _P_SINK_QUERY, _P_AUTO
@@ -763,10 +773,8 @@ cdef class KVCache(_KVStore):
                   policy="fixed", n_discard=None, recent=0):
         n_keep = _need_int(n_keep, "n_keep")
         # more than the capacity keeps every token's: as many as it holds
-        cdef int64_t rn = min(_need_int(recent, "recent", 0, KV_MAX_TOKENS), self.capacity)
-        if rn and not kv_dtype_scaled(self._kv_dtype):
-            raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
-                                   "\"int8/int4\"), got recent=%d with dtype=%s" % (rn, self._dtype_name))
+        cdef int64_t rn = min(_cache_recent(recent, self._dtype_name, "int8" if kv_dtype_scaled(self._kv_dtype) else ""),
+                              self.capacity)
         if not isinstance(policy, str) or policy not in POLICIES:
             raise KVSimdValueError("policy must be one of %s, got %r" % (", ".join(POLICIES), policy))
         if not 0 <= n_keep < self.capacity:

@@ -469,8 +469,10 @@ def test_refusals():
         kt.KVSimdSinkCache(m, 20, 4, dtype="int4", hadamard="yes")
     with pytest.raises(KVSimdValueError, match="recent=4 with dtype=float16"):
         kt.KVSimdCache(m, recent=4)
-    with pytest.raises(KVSimdValueError, match="recent must be >= 0.*got -1"):
+    with pytest.raises(KVSimdValueError, match="recent must be in 0..16777216, got -1"):   # KVCache's rule
         kt.KVSimdCache(m, dtype="int4", recent=-1)
+    with pytest.raises(KVSimdValueError, match="recent must be in 0..16777216, got 1099511627776"):
+        kt.KVSimdCache(m, dtype="int4", recent=2**40)
     with pytest.raises(KVSimdTypeError, match="recent must be an integer, got 'x'"):
         kt.KVSimdCache(m, dtype="int4", recent="x")
     with pytest.raises(KVSimdValueError, match="s_aux"):        # e.g. gpt-oss's learned attention sinks

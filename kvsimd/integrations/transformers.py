@@ -49,7 +49,7 @@ except ImportError as _missing:   # pragma: no cover - the optional extra
                       "from the checkout (%s)" % _missing) from _missing
 
 from kvsimd import ops
-from kvsimd._kvsimd import _cache_kind, _need_int
+from kvsimd._kvsimd import _cache_kind, _cache_recent, _need_int
 from kvsimd.cache import KVCache, RopeSpec
 from kvsimd.errors import KVSimdCapacityError, KVSimdTypeError, KVSimdValueError
 
@@ -278,10 +278,7 @@ class _KVSimdCacheBase(Cache):
         # stored turned by H when K or V is int4
         self.dtype, kd, _, self.hadamard = _cache_kind(dtype, hadamard)
         self._quantized = kd in ("int8", "int4")
-        self.recent = _need_int(recent, "recent", 0)
-        if self.recent and not self._quantized:
-            raise KVSimdValueError("recent keeps float16 rows of a quantized cache's last tokens (dtype int8, int4 or "
-                                   "\"int8/int4\"), got recent=%d with dtype=%s" % (self.recent, self.dtype))
+        self.recent = _cache_recent(recent, self.dtype, kd)   # KVCache's rule, checked now as well
         super().__init__(layers=[_Layer(self, i) for i in range(self.n_layers)])
         self.kv = None
         self._pending = None          # the forward pass in progress: dict, or None
@@ -411,6 +408,13 @@ class _KVSimdCacheBase(Cache):
     def _abort(self):
         self._pending = None
 
+    def _pass_rows(self, layer, b, p):
+        """(k, v, R) for _attend_seq: sequence b's float rows that this pass's rows read -- its last
+        R - 1 committed ones, then the pass's own, rounded as the cache stores them -- and R, the
+        cache's ``recent`` (capped at its capacity)."""
+        R = self.kv.recent
+        return self.kv._float_rows(layer, b, *p["computed"][b], R - 1) + (R,)
+
     def _attend(self, layer, q, out, mask, scale, softcap, window):
         p = self._pending
         if p is None or p["next"] != layer + 1:
@@ -488,10 +492,8 @@ class KVSimdCache(_KVSimdCacheBase):
         for b in range(p["B"]):
             if self.recent:     # each row's last R keys from float rows: this pass's, the committed ones before
                 K, V = self._blocks[layer][b]
-                R = self.kv.recent           # ``recent``, or the capacity when that is smaller
-                kf, vf = self.kv._float_rows(layer, b, *p["computed"][b], R - 1)
                 _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b],
-                            self._scales[layer][b], self.kv.hadamard, recent=(kf, vf, R))
+                            self._scales[layer][b], self.kv.hadamard, recent=self._pass_rows(layer, b, p))
                 continue
             if T == 1 and mask is None and (not window or window >= N):
                 # a decode step over every key: the cache's own single-query call (one range)
@@ -590,12 +592,8 @@ class KVSimdSinkCache(_KVSimdCacheBase):
             ks, vs = self._scales[layer][b]
             if rows is None:
                 N = p["extent"]
-                rec = None
-                if self.recent:
-                    R = self.kv.recent
-                    rec = self.kv._float_rows(layer, b, *p["computed"][b], R - 1) + (R,)
                 _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard,
-                            recent=rec)
+                            recent=self._pass_rows(layer, b, p) if self.recent else None)
                 continue
             _, slot, kpos, spos, ranges = rows[b]
             q2 = np.ascontiguousarray(q[b, :, 0, :])
