@@ -124,8 +124,18 @@ KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *
 #ifndef KV_NEXT_PASS
 #define KV_NEXT_PASS 1   /* a pass's last block prefetches the first rows of the next pass */
 #endif
-#ifndef KV_PF
-#define KV_PF 1   /* prefetch distance, in blocks */
+/* Prefetch distance: the block of rows KV_PF_VALUES values ahead, or KV_PF_BYTES bytes ahead if
+   that is nearer (kv_pf_blocks; at least one block).  A distance in values is one in time, since
+   the work per value is about the same for every dtype: 8 KiB of fp16, 4 KiB of int8, 2 KiB of
+   int4, 8 KiB of fp32.  It replaced one block (4 KiB of head_dim 128 fp16, 2 KiB of head_dim 64)
+   on Zen 5 (bench/kernel_ab.py, 1 thread, 88,064 keys, time new / old): fp16 SmolLM2 9/3/64
+   0.81-0.84, GQA 32/8/128 0.90, MHA 32/32/128 0.93 (avx2 row 0.86), int8 9/3/64 0.92-1.0, the
+   rest within noise; 16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 4-8%. */
+#ifndef KV_PF_VALUES
+#define KV_PF_VALUES 4096
+#endif
+#ifndef KV_PF_BYTES
+#define KV_PF_BYTES 8192
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
@@ -138,11 +148,10 @@ KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
 }
 
 /* What to prefetch while working on the block at token t of a pass ending at c1: the block
-   pf blocks ahead (attn_setup: KV_PF, for int8 rows 2 KV_PF and int4 4 KV_PF, the same distance in
-   bytes as fp16); in the pass's last
+   pf blocks ahead (attn_setup: kv_pf_blocks); in the pass's last
    block, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
    on a cold stream.  NULL: nothing.  (On Zen 4, 2 or 4 blocks ahead, or an L2 prefetch several
-   blocks ahead besides, measured no faster beyond the LLC.) */
+   blocks ahead besides, measured no faster beyond the LLC; Zen 5 differs: KV_PF_VALUES.) */
 KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, const char *next)
 {
     if (pf <= 0)
@@ -150,6 +159,14 @@ KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, size_t 
     if (t + (pf + 1) * KV_B <= c1)
         return base + (size_t)(t + pf * KV_B) * row_bytes;
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
+}
+
+/* The prefetch distance in blocks of rows of D values and row_bytes (at least one). */
+KV_AINLINE int64_t kv_pf_blocks(int64_t D, size_t row_bytes)
+{
+    const int64_t a = KV_PF_VALUES / (KV_B * D), b = (int64_t)(KV_PF_BYTES / (KV_B * row_bytes));
+    const int64_t n = a < b ? a : b;
+    return n > 1 ? n : 1;
 }
 
 /* The 64-byte line that holds p, and the number of lines from line-aligned p to end: rows
@@ -257,7 +274,7 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
                                vf *red, const int NH, const int v0, const int R, const char *pf, size_t pf_row)
 {
     const int KP = KV_KPN(NH), KW = KV_W / KP, BV = KV_B / KP;
-    /* the rows KV_PF blocks ahead that this pass mirrors, one line or so per column step:
+    /* the rows kv_pf_blocks ahead that this pass mirrors, one line or so per column step:
        prefetches issued in bursts measured far slower from DRAM than spread ones */
     const int j0 = v0 * KP;
     const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
@@ -429,7 +446,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
                               int64_t vs, const float *vsc, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
-    /* the block KV_PF ahead, spread over the row steps of the column groups (as in scores) */
+    /* the block kv_pf_blocks ahead, spread over the row steps of the column groups (as in scores) */
     const char *pl = pf ? kv_line_floor(pf) : NULL;
     const int64_t nl = pf ? kv_lines(pl, pf + (size_t)KV_B * pf_row) : 0;
     int64_t c = 0, slot = 0;
@@ -711,9 +728,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
     st->krb = kv_row_bytes((kv_dtype)p->dtype, st->D);
     st->vrb = kv_row_bytes((kv_dtype)p->v_dtype, st->D);
-    /* the same distance in bytes as fp16's KV_PF blocks for the narrower rows */
-    st->kpf = p->dtype == KV_I8 ? 2 * KV_PF : p->dtype == KV_I4 ? 4 * KV_PF : KV_PF;
-    st->vpf = p->v_dtype == KV_I8 ? 2 * KV_PF : p->v_dtype == KV_I4 ? 4 * KV_PF : KV_PF;
+    st->kpf = kv_pf_blocks(st->D, st->krb);
+    st->vpf = kv_pf_blocks(st->D, st->vrb);
     /* Full blocks are read straight from the cache (fp16 and int8 widened in registers); a
        partial last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
@@ -1366,19 +1382,16 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     }
 }
 
-/* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows KV_LANE_PF
-   blocks ahead, into L2, spread over the block's `steps` steps of work (kv_pf).  Each 16-row block
-   of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers stop: without
-   it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%; Zen 4).  Spread
-   rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536 keys took 0.92x /
-   0.97x / 0.95x the time on the Xeon (avx512 / avx512fp16 / avx2 rows, K/V on huge pages; 0.91x /
-   0.87x 16 bytes into a page; bench/kernel_ab.py). */
-#ifndef KV_LANE_PF
-#define KV_LANE_PF 2
-#endif
-KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t steps)
+/* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows pf blocks
+   ahead (kv_pf_blocks), into L2, spread over the block's `steps` steps of work (kv_pf).  Each
+   16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers
+   stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%;
+   Zen 4).  Spread rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536
+   keys took 0.92x / 0.97x / 0.95x the time on the Xeon (avx512 / avx512fp16 / avx2 rows, K/V on
+   huge pages; 0.91x / 0.87x 16 bytes into a page; bench/kernel_ab.py). */
+KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, int64_t steps)
 {
-    const int64_t a = t + KV_LANE_PF * KV_B;
+    const int64_t a = t + pf * KV_B;
     if (a >= c1)
         return kv_pf_over(base, base, 1);   /* nothing */
     return kv_pf_over(base + (size_t)a * row_bytes, base + (size_t)(a + (c1 - a < KV_B ? c1 - a : KV_B)) * row_bytes,
@@ -1391,7 +1404,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, KV_LANE_SCORE_STEPS(nqv, D));
+        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, st->kpf, KV_LANE_SCORE_STEPS(nqv, D));
 #if KV_INT_DOT
         if (st->lqint) {   /* int8 keys read in place, int4 ones as int8 rows; every lane the softmax reads scored */
             kv_pf_finish(&pf);
@@ -1468,7 +1481,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, KV_LANE_ACCUM_STEPS(nqv, D));
+        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_LANE_ACCUM_STEPS(nqv, D));
         KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv, &pf);
         kv_pf_finish(&pf);
