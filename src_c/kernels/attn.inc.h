@@ -177,7 +177,8 @@ KV_AINLINE int64_t kv_lines(const char *p, const char *end) { return (int64_t)((
 /* A prefetch spread over a block's work: each kv_pf_step issues the next n lines from p up to
    end, kv_pf_finish the rest.  A burst of a whole 4 KiB block (64 lines) at once stalls an Intel
    core: the prefetches wait for line fill buffers (16 on Golden Cove) and the FMAs behind them
-   wait too. */
+   wait too.  Into L1 (the lanes path's fp16 / fp32 MQA 32/1/128 beyond the LLC took 0.96x the
+   time of an L2 prefetch on Zen 5, avx512; int8 / int4 and the avx2 row the same). */
 typedef struct kv_pf { const char *p, *end; int64_t n; } kv_pf;
 KV_AINLINE kv_pf kv_pf_over(const char *p, const char *end, int64_t steps)
 {
@@ -187,12 +188,12 @@ KV_AINLINE kv_pf kv_pf_over(const char *p, const char *end, int64_t steps)
 KV_AINLINE void kv_pf_step(kv_pf *c)
 {
     for (int64_t i = 0; i < c->n && c->p < c->end; i++, c->p += 64)
-        __builtin_prefetch(c->p, 0, 2);
+        __builtin_prefetch(c->p, 0, 3);
 }
 KV_AINLINE void kv_pf_finish(kv_pf *c)
 {
     for (; c->p < c->end; c->p += 64)
-        __builtin_prefetch(c->p, 0, 2);
+        __builtin_prefetch(c->p, 0, 3);
 }
 
 /* Keys per vector in the scores loop (KV_KP, from the row's vec header; 1 by default): KV_KP key
@@ -1383,7 +1384,7 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
 }
 
 /* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows pf blocks
-   ahead (kv_pf_blocks), into L2, spread over the block's `steps` steps of work (kv_pf).  Each
+   ahead (kv_pf_blocks), spread over the block's `steps` steps of work (kv_pf).  Each
    16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers
    stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%;
    Zen 4).  Spread rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536
