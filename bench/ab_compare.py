@@ -15,6 +15,10 @@ times them:
   the "weights floor", the step's matrix products alone (plain BLAS), timed step by step beside it;
 * ``prefill`` (``--sections ...,prefill``): median seconds of one prefill of 128 and 1024 random
   tokens through the same random SmolLM2-shaped model (no control);
+* ``gguf`` (``--sections gguf --model PATH [--depth N ...] [--kv KIND ...]``): median seconds of
+  one decode step of a GGUF model at each context depth (random K/V up to it, as ``python -m
+  kvsimd.bench decode --fill random`` fills it: ``kvsimd.bench.peers.KVSimdRunner``) with each
+  KV-cache kind (default float16; e.g. int8, int4, int4+32); no control;
 * ``attention`` (``kvsimd.bench.kernels``): median seconds of one ``ops.attend`` call with cold
   caches, per shape x dtype x context, on the active ISA path (``--isa`` forces one on both
   sides through ``KVSIMD_FORCE_ISA``); its control is a plain read of the same bytes, timed
@@ -86,6 +90,19 @@ def worker(spec):
             key = "attention %s %s N=%d" % (r["shape"], r["dtype"], r["N"])
             times[key] = r["median_s"]
             times["%s | %s" % (key, CONTROL)] = r["bytes"] / (r["paired_read_GBps"] * 1e9)   # its paired plain read
+    if "gguf" in spec["sections"]:
+        import numpy as np
+        from kvsimd.bench.peers import KVSimdRunner
+        kvsimd.set_num_threads(threads)
+        for kind in spec["kv"]:
+            for depth in spec["depths"]:
+                run = KVSimdRunner(spec["model"], depth + spec["steps"] + 8, fill="random", dtype=kind)
+                run.fill(np.random.default_rng(depth).integers(0, run.m.cfg.vocab_size, depth).tolist())
+                run.start(1)
+                run.steps(2)                                    # warm: first touches of the step's buffers
+                run.start(1)
+                ts = run.steps(spec["steps"])["times"]
+                times["gguf %s %s depth=%d" % (os.path.basename(spec["model"]), kind, depth)] = statistics.median(ts)
     if "prefill" in spec["sections"]:
         # a whole prompt through the random SmolLM2-shaped model (no control: prefill is
         # BLAS-bound matrix products plus attention over the prompt so far)
@@ -194,8 +211,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=10, help="processes per side, interleaved (default 10)")
     ap.add_argument("--threads", type=int, default=1, help="kvsimd threads on both sides (default 1)")
     ap.add_argument("--isa", help="force this ISA path on both sides (KVSIMD_FORCE_ISA)")
-    ap.add_argument("--sections", default="decode,attention", help="a comma list of decode, attention, prefill "
-                    "(default decode,attention)")
+    ap.add_argument("--sections", default="decode,attention", help="a comma list of decode, attention, prefill, "
+                    "gguf (default decode,attention)")
+    ap.add_argument("--model", metavar="PATH", help="the GGUF file of the gguf section")
+    ap.add_argument("--depth", type=int, action="append", help="gguf: context depths (repeatable; default 8192)")
+    ap.add_argument("--kv", action="append", help="gguf: KV-cache kinds (repeatable; default float16)")
     ap.add_argument("--quick", action="store_true", help="one model, one context, one attention shape")
     ap.add_argument("--json", metavar="PATH", help="write every round's times and the ratios")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -205,13 +225,29 @@ def main(argv=None):
     if a.threads < 1:
         ap.error("--threads must be >= 1, got %d" % a.threads)
     sections = [s for s in a.sections.split(",") if s]
-    if not sections or any(s not in ("decode", "attention", "prefill") for s in sections):
-        ap.error("--sections takes a comma list of decode, attention, prefill, got %r" % a.sections)
+    if not sections or any(s not in ("decode", "attention", "prefill", "gguf") for s in sections):
+        ap.error("--sections takes a comma list of decode, attention, prefill, gguf, got %r" % a.sections)
+    if ("gguf" in sections) != (a.model is not None):
+        ap.error("--model goes with --sections gguf, and the gguf section needs --model PATH")
+    if a.model is not None and not os.path.isfile(a.model):
+        ap.error("--model %r: no such file" % a.model)
+    if any(d < 1 or d > 1 << 20 for d in a.depth or []):
+        ap.error("--depth must be in 1..2**20, got %r" % a.depth)
+    if (a.depth or a.kv) and "gguf" not in sections:
+        ap.error("--depth and --kv go with --sections gguf")
 
     sys.path.insert(0, ROOT)           # the statistics helper of this script's own tree
     from kvsimd.bench.common import median_ci
 
-    spec = dict(QUICK if a.quick else FULL, sections=sections, threads=a.threads)
+    if a.kv:
+        from kvsimd.bench.quality import _kind_arg
+        for kind in a.kv:
+            try:
+                _kind_arg(kind)
+            except argparse.ArgumentTypeError as e:
+                ap.error("--kv %s" % e)
+    spec = dict(QUICK if a.quick else FULL, sections=sections, threads=a.threads,
+                model=a.model and os.path.abspath(a.model), depths=a.depth or [8192], kv=a.kv or ["float16"])
     new, old = Side("new", a.new), Side("old", a.old)
     print("# A/B: new = %s, old = %s; %d rounds, %d thread(s)%s" % (new.describe(), old.describe(), a.rounds,
                                                                     a.threads, ", isa %s" % a.isa if a.isa else ""),

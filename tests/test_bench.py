@@ -496,11 +496,36 @@ def test_ab_compare_runs_two_trees_interleaved(tmp_path):
     assert run[case] > 0 and run[case + " | control"] > 0
 
 
+def test_ab_compare_times_decode_steps_of_a_gguf_file(tmp_path, tiny_gguf):
+    """The gguf section: one case per KV-cache kind and depth, each side's median step time, the
+    rounds alternating; the steps are real ones (a broken step fails the side)."""
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), ROOT, ROOT, "--rounds", "2",
+                        "--sections", "gguf", "--model", tiny_gguf, "--depth", "40", "--depth", "7",
+                        "--kv", "float16", "--kv", "int4+4", "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    name = os.path.basename(tiny_gguf)
+    cases = {r["case"] for r in doc["rows"]}
+    assert cases == {"gguf %s %s depth=%d" % (name, kind, d) for kind in ("float16", "int4+4")
+                     for d in (40, 7)} | {"gguf: every case pooled"}
+    for r in doc["rows"]:
+        lo, hi = r["ratio_ci95"]
+        assert 0 < lo <= r["ratio"] <= hi and "control_ratio" not in r
+    assert all(t > 0 for run in doc["new"]["runs"] + doc["old"]["runs"] for t in run["times"].values())
+
+
 @pytest.mark.parametrize("args, message", [
+    ([ROOT, ROOT, "--sections", "gguf"], "the gguf section needs --model PATH"),
+    ([ROOT, ROOT, "--sections", "gguf", "--model", "/nonexistent.gguf"], "no such file"),
+    ([ROOT, ROOT, "--depth", "5"], "--depth and --kv go with --sections gguf"),
+    ([ROOT, ROOT, "--sections", "gguf", "--model", __file__, "--depth", "0"], "--depth must be in 1..2**20"),
+    ([ROOT, ROOT, "--sections", "gguf", "--model", __file__, "--kv", "int3"], "--kv a KV-cache kind is one of"),
     (["/nonexistent/tree", ROOT], "new /nonexistent/tree is neither a kvsimd checkout nor a Python interpreter"),
     ([ROOT, os.path.join(ROOT, "tests")], "is a folder without kvsimd/__init__.py"),
     ([ROOT, ROOT, "--rounds", "1"], "--rounds must be >= 2"),
-    ([ROOT, ROOT, "--sections", "rope"], "--sections takes a comma list of decode, attention, prefill"),
+    ([ROOT, ROOT, "--sections", "rope"], "--sections takes a comma list of decode, attention, prefill, gguf"),
 ])
 def test_ab_compare_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
