@@ -103,6 +103,7 @@ cdef class _KVStore:
     cdef unsigned long _owner     # thread holding the claim (see _claim), valid while _depth > 0
     cdef int _depth
     cdef object _ws               # attention workspace kept between calls
+    cdef object _fws              # attend(float_rows=True)'s gathered float rows, kept (_float_scratch)
     cdef int64_t _gen             # bumped by every change of what is committed (see _changed)
     cdef int64_t _nplans          # plans made on this store (each plan's serial)
     cdef int64_t _writer          # serial of the plan that last wrote K/V here (0: write() did; -1: nothing yet)
@@ -617,25 +618,33 @@ cdef class _KVStore:
         """(address, nbytes) of the C block, for overlap checks."""
         return (<size_t>self.c.data, self.c.nbytes)
 
-    cdef object _scratch(self, int64_t H, int nt):
-        """The kernel workspace for nt threads, kept between calls."""
-        need = kv_attend_workspace_bytes(H, self.n_kv_heads, self.head_dim, nt)
+    cdef object _scratch(self, int64_t H, int nt, int64_t sources=1):
+        """The kernel workspace for nt threads (and a call over ``sources`` sources), kept between calls."""
+        need = kv_attend_sources_workspace_bytes(H, self.n_kv_heads, self.head_dim, 1, sources, nt)
         if need == 0:
             raise KVSimdValueError("attention with H=%d query heads over %d KV heads: sizes out of range"
                                    % (H, self.n_kv_heads))
         if self._ws is None or self._ws.shape[0] < need + 64:
-            self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt)
+            self._ws = _workspace(H, self.n_kv_heads, self.head_dim, nt, 1, sources)
         return self._ws
 
     def attend(self, layer, q, *, seq=0, length=None, scale=None, alibi_slopes=None, query_position=None, out=None,
-               softcap=None):
+               softcap=None, float_rows=False):
         """Attention of ``q`` (float32 ``[H, head_dim]``, H a multiple of n_kv_heads) over the first
         ``length`` slots (default: committed length) of ``layer`` for sequence ``seq``, read in place
         as stored (a quantized cache's quantized rows, also where it keeps float rows: ``recent``).
         ALiBi as in ops.attend: ``query_position`` (default ``length - 1``) needs ``alibi_slopes``;
-        ``softcap`` as in ops.attend (None or 0: off)."""
+        ``softcap`` as in ops.attend (None or 0: off).
+
+        ``float_rows=True`` (a cache with ``recent`` = R, after a :meth:`write` of this layer's newest
+        rows, not yet committed, ending at ``length``): the last keys, up to R of them -- that
+        write's rows and the committed float rows just before them -- are read from their float16
+        rows and the older ones as stored, under one softmax, as the Decoder's layers read a decode
+        step with ``cache_recent=R`` (and ops.attend with ``recent=`` those rows).  Not with ALiBi."""
         cdef kv_attn_params p
-        cdef int64_t H, D = self.head_dim
+        cdef kv_attn_params src[2]
+        cdef int64_t H, D = self.head_dim, M = 0, first = 0, ns, w
+        cdef int64_t frng[4]
         cdef const float *alibi
         cdef void *wsp
         cdef int nt
@@ -664,9 +673,13 @@ cdef class _KVStore:
                 _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True, shape=(H, D))
                 _need_no_overlap(out, "out", (("q", q), ("alibi_slopes", alibi_slopes),
                                               ("the cache storage", self._storage())))
+            if float_rows:
+                if alibi != NULL:
+                    raise KVSimdValueError("attend(float_rows=True) does not take alibi_slopes")
+                M, first = self._float_tail(l, s, n)
             nt = _threads_now()
-            ws = self._scratch(H, nt)
-            rng = _np.array([0, 0, n, qpos], dtype=_np.int64)
+            ws = self._scratch(H, nt, 2 if M else 1)
+            rng = _np.array([0, 0, n - M, qpos], dtype=_np.int64)
             if self.hadamard:   # the query turned as the rows are (class docstring)
                 q = q.copy()
                 kv_hadamard_rows(<float *>_ptr(q), D, H, D)
@@ -676,11 +689,56 @@ cdef class _KVStore:
                        1, 0, 0, 0, 0, kv_cache_scales(&self.c, l, 0, s), kv_cache_scales(&self.c, l, 1, s),
                        self._v_dtype)
             wsp = _aligned64(ws)
-            with nogil:
-                kv_attend(&p, wsp, nt)
+            if M:       # keys n - M..n-1 from the ring's float rows (gathered), the older ones as stored
+                fr = self._float_scratch(M)
+                for w in range(2):
+                    _gather_ring(<uint16_t *>_ptr(fr) + w * self.n_kv_heads * M * D, M,
+                                 <uint16_t *>_ptr(self._tail) + ((<int64_t>l * 2 + w) * self.batch + <int64_t>s) * self.n_kv_heads
+                                 * self._ring * D, self._ring, first, M, self.n_kv_heads, D)
+                ns = 0
+                if n > M:
+                    src[0] = p
+                    ns = 1
+                frng[0], frng[1], frng[2], frng[3] = 0, 0, M, qpos
+                _attn_init(&src[ns], <const float *>_ptr(q), NULL, _ptr(fr), <uint16_t *>_ptr(fr) + self.n_kv_heads
+                           * M * D, <float *>_ptr(out), NULL, NULL, frng, 1, H, self.n_kv_heads, D, M, sc, cap, KV_F16)
+                src[ns].key_base = n - M
+                with nogil:
+                    kv_attend_sources(src, ns + 1, wsp, nt)
+            else:
+                with nogil:
+                    kv_attend(&p, wsp, nt)
             if self.hadamard:
                 kv_hadamard_rows(<float *>_ptr(out), D, H, D)
         return out
+
+    cdef tuple _float_tail(self, int64_t l, int64_t s, int64_t n):
+        """(M, first): attend(float_rows=True)'s float rows of layer l, sequence s, for keys
+        n - M..n-1 -- the rows write() stored beyond the committed ones (ending at n), after the
+        committed float rows just before them, at most R in all -- from ring entry ``first`` on."""
+        if not self.recent:     # (no ring to read below)
+            raise KVSimdValueError("attend(float_rows=True): this cache keeps no float rows (recent=0)")
+        cdef int64_t *pend = <int64_t *>_ptr(self._pend) + s * 3
+        cdef int64_t ring = self._ring, th = (<int64_t *>_ptr(self._th))[s], tn = (<int64_t *>_ptr(self._tn))[s]
+        cdef int64_t *tags = <int64_t *>_ptr(self._ttag) + s * ring
+        cdef int64_t p0 = pend[0], m = pend[1], c = 0
+        if m == 0 or not (<char *>_ptr(self._pend_l))[s * self.n_layers + l] or p0 + m != n:
+            raise KVSimdValueError("attend(float_rows=True) reads the float rows of a write() of layer %d's newest "
+                                   "rows, ending at length %d, for sequence %d: there is none" % (l, n, s))
+        if m >= self.recent:     # the write's last R rows
+            return self.recent, (pend[2] + m - self.recent) % ring
+        # then the committed rows before them, while their slots run on to p0 - 1
+        while (pend[2] == (th + tn) % ring and c < tn and c + m < self.recent and
+               tags[(th + tn - 1 - c) % ring] == p0 - 1 - c):
+            c += 1
+        return c + m, (th + tn - c) % ring
+
+    cdef object _float_scratch(self, int64_t M):
+        """uint16 [2, n_kv_heads, M, head_dim], kept between calls: attend's gathered float rows."""
+        cdef int64_t need = 2 * self.n_kv_heads * M * self.head_dim
+        if self._fws is None or self._fws.shape[0] < need:
+            self._fws = _np.empty(2 * self.n_kv_heads * self._ring * self.head_dim, dtype=_np.uint16)
+        return self._fws
 
 
 

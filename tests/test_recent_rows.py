@@ -208,6 +208,79 @@ def test_attention_windows_cut_float_and_quantized_keys(isa, rng, dtype, had):
             _step(c, seqs, rng, H, Hkv, D, dtype, had, 0, window=W)
 
 
+@pytest.mark.parametrize("dtype,had", KINDS)
+@pytest.mark.parametrize("nt", [1, 2])
+def test_cache_attend_reads_the_written_rows_and_the_committed_float_rows(isa, rng, dtype, had, nt):
+    """KVCache.attend(float_rows=True) after write() of a step's row (the transformers
+    integration's decode step): its last R keys from float16 rows -- the written row, the committed
+    ones before it -- and older keys quantized, within the bound of float64 attention over the
+    test's own record of the keys; after a truncate of rejected tokens; after a write of more
+    rows than R (the last R of them).  All quantized is far off."""
+    import kvsimd
+    H, Hkv, D, R = 4, 2, 64, 5
+    before = kvsimd.get_num_threads()
+    kvsimd.set_num_threads(nt)
+    try:
+        c = KVCache(2, Hkv, D, 64, dtype=dtype, hadamard=had, recent=R)
+        seq = Seq(R)
+        scale = 1 / np.sqrt(D)
+        far = 0.0
+        for step in range(16):
+            if step == 9:           # 3 rejected draft tokens
+                c.truncate(0, 3)
+                seq.truncate(3)
+            q, k, v = _split(_rows(rng, 1, H, Hkv, D), H, Hkv, D)
+            n = len(seq.k) + 1
+            for layer in range(2):
+                c.write(layer, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)),
+                        start=n - 1)
+            ref, bound, wrong = seq.expect(q[0], k[0], v[0], dtype, had, 0, scale)
+            got = c.attend(1, q[0].astype(np.float32), length=n, float_rows=True)
+            far = max(far, _check(got, ref, bound, wrong, "step %d" % step))
+            c.append(0, 1)
+            seq.add(k[0], v[0])
+        # a write of 8 > R rows, not committed: the last row reads the last R of them as float rows
+        q, k, v = _split(_rows(rng, 8, H, Hkv, D), H, Hkv, D)
+        L = len(seq.k)
+        for layer in range(2):
+            c.write(layer, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)),
+                    start=L)
+        for t in range(7):
+            seq.add(k[t], v[t])
+        ref, bound, wrong = seq.expect(q[7], k[7], v[7], dtype, had, 0, scale)
+        got = c.attend(0, q[7].astype(np.float32), length=L + 8, float_rows=True)
+        far = max(far, _check(got, ref, bound, wrong, "a write of 8 rows"))
+        assert far > 20, far
+    finally:
+        kvsimd.set_num_threads(before)
+
+
+def test_cache_attend_float_rows_refuses_what_it_cannot_read(rng):
+    """float_rows=True needs a cache with float rows and a write() of that layer's rows ending at
+    the length asked; not with ALiBi."""
+    Hkv, D = 2, 32
+    q = rng.standard_normal((4, D)).astype(np.float32)
+    k = rng.standard_normal((Hkv, 3, D)).astype(np.float32)
+    plain = KVCache(1, Hkv, D, 16, dtype="int8")
+    plain.write(0, k, k)
+    with pytest.raises(KVSimdValueError, match="keeps no float rows"):
+        plain.attend(0, q, length=3, float_rows=True)
+    c = KVCache(2, Hkv, D, 16, dtype="int8", recent=4)
+    c.write(0, k, k)
+    c.append(0, 3)
+    with pytest.raises(KVSimdValueError, match="a write\\(\\) of layer 0's newest rows, ending at length 3"):
+        c.attend(0, q, length=3, float_rows=True)          # committed: nothing pending
+    k1 = np.ascontiguousarray(k[:, :1])
+    c.write(0, k1, k1, start=3)
+    with pytest.raises(KVSimdValueError, match="layer 1's newest rows, ending at length 4"):
+        c.attend(1, q, length=4, float_rows=True)          # another layer wrote them
+    with pytest.raises(KVSimdValueError, match="ending at length 5"):
+        c.attend(0, q, length=5, float_rows=True)
+    with pytest.raises(KVSimdValueError, match="alibi_slopes"):
+        c.attend(0, q, length=4, float_rows=True, alibi_slopes=np.ones(4, np.float32))
+    assert c.attend(0, q, length=4, float_rows=True).shape == (4, D)
+
+
 def test_truncate_and_transactions_keep_the_float_rows_right(rng):
     """truncate drops the newest float rows with their tokens, and R remain (the ring keeps 2R
     committed rows: a truncate of up to R tokens, rejected draft tokens, leaves the last R); a

@@ -490,6 +490,12 @@ class KVSimdCache(_KVSimdCacheBase):
     def _attend_rows(self, layer, q, out, mask, scale, softcap, window, p):
         N, T = p["extent"], p["T"]
         for b in range(p["B"]):
+            if self.recent and T == 1 and mask is None and (not window or window >= N):
+                # a decode step over every key, its last R from the float rows write() just stored
+                # and the committed ones before them: the cache's own call (kept scratch)
+                self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale,
+                               softcap=softcap, out=out[b, 0], float_rows=True)
+                continue
             if self.recent:     # each row's last R keys from float rows: this pass's, the committed ones before
                 K, V = self._blocks[layer][b]
                 _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b],
