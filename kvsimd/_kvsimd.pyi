@@ -115,7 +115,7 @@ class _KVStore:
     def attend(self, layer: int, q: _Array, *, seq: int = ..., length: Optional[int] = ...,
                scale: Optional[float] = ..., alibi_slopes: Optional[_Array] = ...,
                query_position: Optional[int] = ..., out: Optional[_Array] = ...,
-               softcap: Optional[float] = ...) -> _Array: ...
+               softcap: Optional[float] = ..., float_rows: bool = ...) -> _Array: ...
 
 @disjoint_base
 class KVCache(_KVStore):
