@@ -166,7 +166,7 @@ cdef class _KVStore:
 
     cdef int _before_write(self, int64_t l, int64_t s, int64_t t0, int64_t t1) except -1:
         """Called by write() before it stores slots t0..t1-1 of layer l and sequence s (KVCache: an
-        open transaction saves the committed tokens' K/V there)."""
+        open transaction saves the committed tokens' K/V there).  1: some of them are committed."""
         return 0
 
     cdef int _need_current(self, _Plan plan, str ending=None) except -1:
@@ -367,10 +367,10 @@ cdef class _KVStore:
             # written before both are known to be usable
             c0, c1 = <size_t>self.c.data, <size_t>self.c.data + self.c.nbytes
             k, v = (_np.array(a) if _addr(a) < c1 and c0 < _addr(a) + <size_t>a.nbytes else a for a in (k, v))
-            self._before_write(l, s, t0, t0 + T)
+            over = self._before_write(l, s, t0, t0 + T)
             for which, src in ((0, k), (1, v)):
                 self._put_rows(l, which, s, t0, src)
-            if self.recent:
+            if self.recent and not over:    # rows over committed tokens: no float rows (_before_write)
                 self._recent_write(l, s, t0, k, v)
             self._writer = 0
 
@@ -673,6 +673,8 @@ cdef class _KVStore:
                 _need_array(out, "out", (_F32,), 2, "[H, head_dim]", writeable=True, shape=(H, D))
                 _need_no_overlap(out, "out", (("q", q), ("alibi_slopes", alibi_slopes),
                                               ("the cache storage", self._storage())))
+            if not isinstance(float_rows, (bool, _np.bool_)):
+                raise KVSimdTypeError("float_rows must be True or False, got %r" % (float_rows,))
             if float_rows:
                 if alibi != NULL:
                     raise KVSimdValueError("attend(float_rows=True) does not take alibi_slopes")
@@ -732,6 +734,11 @@ cdef class _KVStore:
                tags[(th + tn - 1 - c) % ring] == p0 - 1 - c):
             c += 1
         return c + m, (th + tn - c) % ring
+
+    cdef set _float_slots(self, int64_t s):
+        """The slots of sequence s's committed tokens that have float rows."""
+        cdef int64_t ring = self._ring, th = self._th[s], tn = self._tn[s]
+        return {int(self._ttag[s, (th + i) % ring]) for i in range(tn)}
 
     cdef object _float_scratch(self, int64_t M):
         """uint16 [2, n_kv_heads, M, head_dim], kept between calls: attend's gathered float rows."""
@@ -812,8 +819,10 @@ cdef class KVCache(_KVStore):
     else none are read until tokens are committed again), for tokens a :meth:`truncate` leaves
     behind the dropped ones, for the sinks of a ring that wrapped (its float rows cover window
     tokens only), and by explicit plans (:meth:`step_plan`, :meth:`step_attend`) and
-    :meth:`attend`, which read the quantized rows only (ops.attend's ``recent_window`` reads
-    both: the transformers integration).  ``shift`` rotates the float rows' keys with the others (in float32, one float16
+    :meth:`attend`, which read the quantized rows only -- but ``attend(..., float_rows=True)``
+    after a write() of a step's rows reads them and the committed float rows before them (the
+    transformers integration's decode step; ops.attend's ``recent_window`` reads both: its
+    prompt passes).  ``shift`` rotates the float rows' keys with the others (in float32, one float16
     rounding); transactions restore them bit for bit.  :meth:`recent_rows` copies them.
 
     Read-only bookkeeping: ``positions`` [batch, capacity] (the position each slot's key was
@@ -1220,7 +1229,8 @@ cdef class KVCache(_KVStore):
         query_position)`` key ranges read under one softmax, a sink-query range with q rotated at
         ``spos[b]``.  ALiBi distances use ``key_positions`` ([batch, capacity] int64; default the
         cache's positions).  The plan is validated once, for every layer, and holds copies of what
-        C reads; end_step does not take it (nothing is committed)."""
+        C reads; end_step does not take it (nothing is committed).  A slot of a committed token
+        that has a float row (``recent``) costs the sequence its float rows, as write() there does."""
         cdef int64_t B = self.batch, D = self.head_dim, C = self.capacity, H
         with self._claim():
             HD = _need_int(HD, "HD", 1, _MAX_HEADS * D)
@@ -1244,6 +1254,11 @@ cdef class KVCache(_KVStore):
                 if not isinstance(rope, (tuple, list)) or len(rope) != 3:
                     raise KVSimdValueError("rope must be a RopeSpec or (theta, style, rotary_dim), got %r" % (rope,))
                 rope = RopeSpec(rope[0], rope[1], rope[2], D)
+            if self.recent:     # a slot whose committed token has a float row: they would no longer match
+                for b in range(B):
+                    if int(slots[b]) in self._float_slots(b):
+                        self._recent_lost(b)
+                        self._changed()
             p = _new_plan(self, 0, B, H, self.n_kv_heads, D, rope, alibi_slopes)
             p.explicit = True
             p.seqs[:] = _np.arange(B)
@@ -1336,7 +1351,8 @@ cdef class KVCache(_KVStore):
         """A write over committed tokens of sequence s (slots t0..t1-1 of layer l): in a
         transaction their K/V are saved first, to be undone with it; their float rows
         (``recent``) no longer hold them, so the sequence keeps none (and plans made before are
-        stale: they would read them)."""
+        stale: they would read them), nor does the write store any (write() takes the 1 this
+        returns then: every layer alike, whatever the order of the layers' writes)."""
         cdef int64_t nk = self.n_keep, L = self._lengths[s], a, b
         if self._tx is None and not self.recent:
             return 0
@@ -1352,7 +1368,7 @@ cdef class KVCache(_KVStore):
         if over and self.recent:
             self._recent_lost(s)
             self._changed()
-        return 0
+        return over
 
     cdef int _recent_shift(self, int64_t s, int64_t delta, RopeSpec rope) except -1:
         """Rotate the keys of sequence s's float rows by ``delta`` positions, as _shift rotates the

@@ -11,7 +11,7 @@ cover every token must match the float16 cache's logits."""
 import numpy as np
 import pytest
 
-from kvsimd import KVCache, KVSimdValueError, reference
+from kvsimd import KVCache, KVSimdTypeError, KVSimdValueError, reference
 from kvsimd._kvsimd import _attend_plan
 from kvsimd.bounds import attend_bound
 from kvsimd.testing import random_decoder
@@ -278,7 +278,40 @@ def test_cache_attend_float_rows_refuses_what_it_cannot_read(rng):
         c.attend(0, q, length=5, float_rows=True)
     with pytest.raises(KVSimdValueError, match="alibi_slopes"):
         c.attend(0, q, length=4, float_rows=True, alibi_slopes=np.ones(4, np.float32))
+    with pytest.raises(KVSimdTypeError, match="float_rows must be True or False, got 'yes'"):
+        c.attend(0, q, length=4, float_rows="yes")
     assert c.attend(0, q, length=4, float_rows=True).shape == (4, D)
+    assert c.attend(0, q, length=4, float_rows=np.True_).shape == (4, D)
+    # rows written over committed tokens keep no float rows: every layer alike, whatever the order
+    c.append(0, 1)
+    for layer in (1, 0):
+        c.write(layer, k1, k1, start=3)
+    for layer in (0, 1):
+        with pytest.raises(KVSimdValueError, match="layer %d's newest rows, ending at length 4" % layer):
+            c.attend(layer, q, length=4, float_rows=True)
+
+
+def test_an_explicit_plan_over_a_committed_token_drops_the_float_rows(rng):
+    """step_attend storing k/v at the slot of a committed token that has a float row: the float
+    rows no longer match the cache's K/V, so the sequence keeps none, and the next step's
+    float_rows read only its own row (the one written over, quantized as stored now)."""
+    H, Hkv, D, R = 4, 2, 64, 3
+    c = KVCache(1, Hkv, D, 16, dtype="int8", recent=R)
+    seq = Seq(R)
+    for _ in range(10):
+        _, k, v = _split(_rows(rng, 1, H, Hkv, D), H, Hkv, D)
+        c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
+        c.append(0, 1)
+        seq.add(k[0], v[0])
+    qkv = _rows(rng, 1, H, Hkv, D)
+    c.step_attend(0, qkv.copy(), np.empty((1, H * D), np.float32), np.array([9]), np.array([9]), np.array([9]),
+                  [[(False, 0, 10, 9)]])
+    _, k9, v9 = _split(qkv, H, Hkv, D)
+    seq.k[9], seq.v[9], seq.nf = k9[0], v9[0], 0
+    q, k, v = _split(_rows(rng, 1, H, Hkv, D), H, Hkv, D)
+    c.write(0, np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)), start=10)
+    ref, bound, wrong = seq.expect(q[0], k[0], v[0], "int8", False, 0, 1 / np.sqrt(D))
+    _check(c.attend(0, q[0].astype(np.float32), length=11, float_rows=True), ref, bound, wrong, "after the plan")
 
 
 def test_truncate_and_transactions_keep_the_float_rows_right(rng):
