@@ -130,7 +130,7 @@ KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *
    int4, 8 KiB of fp32.  It replaced one block (4 KiB of head_dim 128 fp16, 2 KiB of head_dim 64)
    on Zen 5 (bench/kernel_ab.py, 1 thread, 88,064 keys, time new / old): fp16 SmolLM2 9/3/64
    0.81-0.84, GQA 32/8/128 0.90, MHA 32/32/128 0.93 (avx2 row 0.86), int8 9/3/64 0.92-1.0, the
-   rest within noise; 16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 4-8%. */
+   rest within noise; 16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 1-8%. */
 #ifndef KV_PF_VALUES
 #define KV_PF_VALUES 4096
 #endif
