@@ -160,13 +160,6 @@ def _attend_seq(qb, K, V, runs, N, T, window, scale, softcap, outb, scales=(None
         if not rr:
             outb[0] = 0.0
             return
-        M = 0 if recent is None else recent[0].shape[1]
-        if ov and rr == [(0, N)] and M < N and M <= recent[2]:
-            # every key, the last M from float rows: the older ones as k/v's ranges and the float
-            # rows after them (one query, two parts: cheaper than the per-row cut)
-            ops.attend(np.ascontiguousarray(qb[:, 0, :]), K, V, ranges=[(0, N - M)], scale=scale, softcap=softcap,
-                       out=outb[0], k_scale=ks, v_scale=vs, hadamard=hadamard, recent=recent[:2])
-            return
         if ov:       # the row at key N - 1, so that the float rows stand for the keys before it
             ops.attend(np.ascontiguousarray(qb[:, 0, :])[None], K, V, ranges=rr, causal_offset=N - 1, scale=scale,
                        softcap=softcap, out=outb[:1], k_scale=ks, v_scale=vs, hadamard=hadamard, **ov)
@@ -415,6 +408,13 @@ class _KVSimdCacheBase(Cache):
         R = self.kv.recent
         return self.kv._float_rows(layer, b, *p["computed"][b], R - 1) + (R,)
 
+    def _step_row(self, layer, q, out, b, N, scale, softcap):
+        """A decode step of sequence b over its N keys, every one: the cache's own single-query
+        call (with ``recent``, its last R keys from the float rows write() just stored and the
+        committed ones before them, KVCache.attend's ``float_rows``)."""
+        self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale, softcap=softcap,
+                       out=out[b, 0], float_rows=bool(self.recent))
+
     def _attend(self, layer, q, out, mask, scale, softcap, window):
         p = self._pending
         if p is None or p["next"] != layer + 1:
@@ -490,25 +490,13 @@ class KVSimdCache(_KVSimdCacheBase):
     def _attend_rows(self, layer, q, out, mask, scale, softcap, window, p):
         N, T = p["extent"], p["T"]
         for b in range(p["B"]):
-            if self.recent and T == 1 and mask is None and (not window or window >= N):
-                # a decode step over every key, its last R from the float rows write() just stored
-                # and the committed ones before them: the cache's own call (kept scratch)
-                self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale,
-                               softcap=softcap, out=out[b, 0], float_rows=True)
-                continue
-            if self.recent:     # each row's last R keys from float rows: this pass's, the committed ones before
-                K, V = self._blocks[layer][b]
-                _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b],
-                            self._scales[layer][b], self.kv.hadamard, recent=self._pass_rows(layer, b, p))
-                continue
             if T == 1 and mask is None and (not window or window >= N):
-                # a decode step over every key: the cache's own single-query call (one range)
-                self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale,
-                               softcap=softcap, out=out[b, 0])
+                self._step_row(layer, q, out, b, N, scale, softcap)
                 continue
+            # each row's last R keys from float rows (recent): this pass's, the committed ones before
             K, V = self._blocks[layer][b]
             _attend_seq(q[b], K, V, _runs(mask, b, N), N, T, window, scale, softcap, out[b], self._scales[layer][b],
-                        self.kv.hadamard)
+                        self.kv.hadamard, recent=self._pass_rows(layer, b, p) if self.recent else None)
 
 
 class KVSimdSinkCache(_KVSimdCacheBase):
@@ -596,6 +584,9 @@ class KVSimdSinkCache(_KVSimdCacheBase):
         for b in range(p["B"]):
             K, V = self._blocks[layer][b]
             ks, vs = self._scales[layer][b]
+            if rows is None and p["T"] == 1:
+                self._step_row(layer, q, out, b, p["extent"], scale, softcap)
+                continue
             if rows is None:
                 N = p["extent"]
                 _attend_seq(q[b], K, V, [(0, N)], N, p["T"], 0, scale, softcap, out[b], (ks, vs), self.kv.hadamard,
