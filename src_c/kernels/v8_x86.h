@@ -38,10 +38,12 @@ static inline v8i v8i_load(const int32_t *p) { return _mm256_loadu_si256((const 
    of rows 0-3 in lanes 0 and 1 (u[4 + m]: rows 4-7). */
 #define KV_T8_IN_LANES(W, r, u) do {                                                  \
         __m##W##i t_[8];                                                              \
+        _Pragma("GCC unroll 4")                                                       \
         for (int i_ = 0; i_ < 4; i_++) {                                              \
             t_[2 * i_] = _mm##W##_unpacklo_epi32(r[2 * i_], r[2 * i_ + 1]);           \
             t_[2 * i_ + 1] = _mm##W##_unpackhi_epi32(r[2 * i_], r[2 * i_ + 1]);       \
         }                                                                             \
+        _Pragma("GCC unroll 2")                                                       \
         for (int i_ = 0; i_ < 2; i_++) {                                              \
             u[4 * i_] = _mm##W##_unpacklo_epi64(t_[4 * i_], t_[4 * i_ + 2]);          \
             u[4 * i_ + 1] = _mm##W##_unpackhi_epi64(t_[4 * i_], t_[4 * i_ + 2]);      \
@@ -55,6 +57,7 @@ static inline void v8b_transpose8(v8b r[8])
 {
     __m256i u[8];
     KV_T8_IN_LANES(256, r, u);
+#pragma GCC unroll 4
     for (int m = 0; m < 4; m++) {   /* u[m]: dwords m (low half) and m + 4 (high half) of rows 0-3; u[4 + m] rows 4-7 */
         r[m] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);
         r[m + 4] = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);
@@ -100,8 +103,10 @@ static inline void v8f_cols(v8f *out, const float *p, int64_t n)
         return;
     }
     if (n % 4 == 0) {
+#pragma GCC unroll 4
         for (int64_t c = 0; c < n; c += 4) {
             __m256 a[4], t[4];
+#pragma GCC unroll 4
             for (int l = 0; l < 4; l++)   /* row l | row l + 4 */
                 a[l] = _mm256_loadu2_m128(p + (l + 4) * n + c, p + l * n + c);
             t[0] = _mm256_unpacklo_ps(a[0], a[1]);

@@ -86,6 +86,7 @@ static inline void vf_store_h_exact(uint16_t *p, vf v)
     if (nan) {
         float tmp[8];
         _mm256_storeu_ps(tmp, v);
+#pragma GCC unroll 8
         for (int i = 0; i < 8; i++)
             if (nan >> i & 1)
                 p[i] = kv_f2h_soft(tmp[i]);
@@ -98,6 +99,7 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     if (nan) {
         float tmp[8];
         _mm256_storeu_ps(tmp, v);
+#pragma GCC unroll 8
         for (int i = 0; i < 8; i++)
             if (nan >> i & 1)
                 tmp[i] = kv_h2f_soft(p[i]);
@@ -146,10 +148,12 @@ static inline vf vf_pow2i(vf n)
 static inline void vf_reduce_keys(const vf *a, float *out)
 {
     __m256 b[4], c[2];
+#pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {   /* [x.lo + x.hi | y.lo + y.hi]: items 2i | 2i+1 */
         __m256 x = a[2 * i], y = a[2 * i + 1];
         b[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
     }
+#pragma GCC unroll 2
     for (int i = 0; i < 2; i++) {   /* 128-bit lane k: [X_a, Y_a, X_b, Y_b], X = item 4i+k, Y = 4i+2+k */
         __m256 x = b[2 * i], y = b[2 * i + 1];
         c[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));

@@ -84,6 +84,7 @@ static inline void vf_store_h_exact(uint16_t *p, vf v)
     if (nan) {
         float tmp[16];
         _mm512_storeu_ps(tmp, v);
+#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (nan >> i & 1)
                 p[i] = kv_f2h_soft(tmp[i]);
@@ -96,6 +97,7 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     if (nan) {
         float tmp[16];
         _mm512_storeu_ps(tmp, v);
+#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (nan >> i & 1)
                 tmp[i] = kv_h2f_soft(p[i]);
@@ -180,8 +182,10 @@ static inline vf vf_set2(float a, float b)
 static inline void vf_reduce_keys(const vf *a, float *out)
 {
     __m512 b[4], c[2];
+#pragma GCC unroll 4
     for (int i = 0; i < 4; i++)   /* lane k: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of lane k of x = a[2i], y = a[2i+1] */
         b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 2
     for (int i = 0; i < 2; i++) {   /* lane k: the sums of lane k of a[4i], .., a[4i+3] */
         const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
         c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
@@ -198,16 +202,19 @@ static inline void vf_reduce_keys(const vf *a, float *out)
 static inline void vf_reduce_rows(const vf *a, float *out)
 {
     __m512 b[8], c[4], d[2];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++) {   /* 256-bit half 0: item 2i, half 1: item 2i+1 */
         __m512 x = a[2 * i], y = a[2 * i + 1];
         b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
     }
+#pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {   /* 128-bit lane k: item 4i+k */
         __m512 x = b[2 * i], y = b[2 * i + 1];
         c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
     }
+#pragma GCC unroll 2
     for (int i = 0; i < 2; i++) {   /* lane k: [X_a, Y_a, X_b, Y_b], X = item 8i+k, Y = item 8i+4+k */
         __m512 x = c[2 * i], y = c[2 * i + 1];
         d[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
@@ -264,6 +271,7 @@ typedef __m512 vkf;
 /* r[l]: the 32 bytes at p + l stride (low half) and at p + (l + 8) stride (high half) */
 static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
 {
+#pragma GCC unroll 8
     for (int l = 0; l < 8; l++)
         r[l] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + l * stride))),
                                   _mm256_loadu_si256((const __m256i *)(p + (l + 8) * stride)), 1);
@@ -275,6 +283,7 @@ static inline void vkb_transpose8(vkb r[8])
     KV_T8_IN_LANES(512, r, u);
     /* per half, 128-bit lane 0 (then 1) of u[m] and of u[4 + m]: v8b_transpose8's permute2x128 */
     const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+#pragma GCC unroll 4
     for (int m = 0; m < 4; m++) {
         r[m] = _mm512_permutex2var_epi64(u[m], even, u[4 + m]);
         r[m + 4] = _mm512_permutex2var_epi64(u[m], odd, u[4 + m]);
