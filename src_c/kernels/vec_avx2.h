@@ -86,7 +86,6 @@ static inline void vf_store_h_exact(uint16_t *p, vf v)
     if (nan) {
         float tmp[8];
         _mm256_storeu_ps(tmp, v);
-#pragma GCC unroll 8
         for (int i = 0; i < 8; i++)
             if (nan >> i & 1)
                 p[i] = kv_f2h_soft(tmp[i]);
@@ -99,7 +98,6 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     if (nan) {
         float tmp[8];
         _mm256_storeu_ps(tmp, v);
-#pragma GCC unroll 8
         for (int i = 0; i < 8; i++)
             if (nan >> i & 1)
                 tmp[i] = kv_h2f_soft(p[i]);

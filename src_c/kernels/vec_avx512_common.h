@@ -6,6 +6,10 @@
  * does it), includes this file, then adds what is its own (kv_half, vf_half; complex fp16 on
  * avx512fp16).  Everything here must stay freestanding (no libc): the tests run both rows'
  * machine code in an instruction-level emulator, where a libc call would fault.
+ *
+ * Loops of a fixed small count over arrays of vectors (transposes, add trees, the int8 keys'
+ * tile) carry `#pragma GCC unroll`, here and in v8_x86.h / vec_avx2.h: at -O2 gcc left some as
+ * loops over arrays on the stack, and the int8 keys' tile took 1.25-1.4x the time (Zen 5).
  */
 #ifndef KV_VEC_AVX512_COMMON_H
 #define KV_VEC_AVX512_COMMON_H
@@ -84,7 +88,6 @@ static inline void vf_store_h_exact(uint16_t *p, vf v)
     if (nan) {
         float tmp[16];
         _mm512_storeu_ps(tmp, v);
-#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (nan >> i & 1)
                 p[i] = kv_f2h_soft(tmp[i]);
@@ -97,7 +100,6 @@ static inline vf vf_load_h_exact(const uint16_t *p)
     if (nan) {
         float tmp[16];
         _mm512_storeu_ps(tmp, v);
-#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (nan >> i & 1)
                 tmp[i] = kv_h2f_soft(p[i]);
