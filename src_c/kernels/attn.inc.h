@@ -23,7 +23,7 @@
  * are scored with exact integer dot products per 32-value block, then scaled in fp32 (kv_scores_i8:
  * keys on the lanes; kv_lane_scores_i8: query vectors on the lanes; int4 keys unpacked to int8
  * rows in the workspace block first, kv_i4_rows_i8).  A single query vector (MHA) takes them too:
- * with the tile's transposes unrolled, 0.75-0.86x the time of its fp32 widening on Zen 5.
+ * with the tile's transposes unrolled, 0.75-0.93x the time of its fp32 widening on Zen 5.
  * Other blocks read the same rounded query in fp32.
  */
 #include "kvsimd.h"
