@@ -84,11 +84,16 @@ static inline float KV_FN(expf1)(float x) { return vf_first(vf_exp(vf_set1(x)));
    value `off` is in the nibbles kv_i4_at and kv_i4_hi give (kvsimd.h KV_I4). */
 enum { KV_ROWS_F32 = 0, KV_ROWS_F16 = 1, KV_ROWS_I8 = 2, KV_ROWS_I4 = 3 };
 
+/* The block of value index x >= 0.  Every index into a row is unsigned arithmetic: a signed
+   division or remainder by a power of two costs gcc a sign fix-up (4 instructions more), and the
+   int4 V loop spent more instructions on addresses than on vectors (perf annotate, Zen 5). */
+KV_AINLINE int64_t kv_blk(int64_t x) { return (int64_t)((uint64_t)x / KV_I8_BLOCK); }
 KV_AINLINE const uint8_t *kv_i4_at(const void *base, int64_t off)
 {
-    return (const uint8_t *)base + (off / KV_I8_BLOCK) * KV_I4_BLOCK_BYTES + off % KV_I4_BLOCK_BYTES;
+    const uint64_t u = (uint64_t)off;
+    return (const uint8_t *)base + (u / KV_I8_BLOCK) * KV_I4_BLOCK_BYTES + u % KV_I4_BLOCK_BYTES;
 }
-KV_AINLINE int kv_i4_hi(int64_t off) { return (int)(off / KV_I4_BLOCK_BYTES) & 1; }
+KV_AINLINE int kv_i4_hi(int64_t off) { return (int)((uint64_t)off / KV_I4_BLOCK_BYTES) & 1; }
 
 KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off, const float *sc, int64_t si)
 {
@@ -217,11 +222,11 @@ _Static_assert(KV_KP <= KV_MAX_KP, "the workspace holds each query KV_MAX_KP tim
 KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const float *sc, int64_t j, int64_t c, const int KP)
 {
     if (KP == 1)
-        return kv_load_row(base, mode, j * stride + c, sc, j * kv_i8_blocks(stride) + c / KV_I8_BLOCK);
+        return kv_load_row(base, mode, j * stride + c, sc, j * kv_i8_blocks(stride) + kv_blk(c));
 #if KV_KP == 2
     const int64_t off = j * stride + c;
     if (mode == KV_ROWS_I8) {
-        const int64_t si = j * kv_i8_blocks(stride) + c / KV_I8_BLOCK;
+        const int64_t si = j * kv_i8_blocks(stride) + kv_blk(c);
         return vf_mul(vf_load_i8_2((const int8_t *)base + off, (const int8_t *)base + off + stride),
                       vf_set2(sc[si], sc[si + kv_i8_blocks(stride)]));
     }
@@ -239,7 +244,7 @@ KV_AINLINE vf kv_load_keys(const void *base, int mode, int64_t stride, const flo
 KV_AINLINE void kv_load_keys_i4_pair(const void *base, int64_t stride, const float *sc, int64_t j, int64_t c,
                                      const int KP, vf *lo, vf *hi)
 {
-    const int64_t nb = kv_i8_blocks(stride), off = j * stride + c, si = j * nb + c / KV_I8_BLOCK;
+    const int64_t nb = kv_i8_blocks(stride), off = j * stride + c, si = j * nb + kv_blk(c);
     if (KP == 1) {
         kv_load_row_i4_pair(base, off, sc, si, lo, hi);
         return;
@@ -291,7 +296,7 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
             if (c / KW < nl)
                 __builtin_prefetch(pl + (c / KW) * 64, 0, 3);
             if (mode == KV_ROWS_I4) {   /* c and c + 16 at once (kv_load_keys_i4_pair); c + 16 when < c1 */
-                if (c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                if ((uint64_t)c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
                     continue;
                 const int both = c + KV_I4_BLOCK_BYTES < c1;
                 /* More heads than key vectors: the R key pairs stay in registers and each query pair
@@ -414,7 +419,7 @@ KV_AINLINE void kv_accumulate_cols(float *acc, const float *corr, const float *p
 #pragma GCC unroll 16
             for (int u = 0; u < CG; u++)
                 if (u % (2 * HALF) < HALF)
-                    kv_load_row_i4_pair(vb, j * vs + c + u * KV_W, vsc, j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK,
+                    kv_load_row_i4_pair(vb, j * vs + c + u * KV_W, vsc, j * kv_i8_blocks(vs) + kv_blk(c + u * KV_W),
                                         &vc[u], &vc[u + HALF]);
 #pragma GCC unroll 16
             for (int u = 0; u < CG; u++)
@@ -426,7 +431,7 @@ KV_AINLINE void kv_accumulate_cols(float *acc, const float *corr, const float *p
 #pragma GCC unroll 16
         for (int u = 0; u < CG; u++) {
             const vf vc = kv_load_row(vb, mode, j * vs + c + u * KV_W, vsc,
-                                      j * kv_i8_blocks(vs) + (c + u * KV_W) / KV_I8_BLOCK);
+                                      j * kv_i8_blocks(vs) + kv_blk(c + u * KV_W));
 #pragma GCC unroll 8
             for (int i = 0; i < NH; i++)
                 x[i * CG + u] = vf_fmadd(w[i], vc, x[i * CG + u]);
@@ -634,10 +639,10 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
             const int64_t S = kv_row_values(KV_I4, D);
             const float *f = scale + (t + j) * kv_i8_blocks(D);
             for (; c < Dp; c += KV_W) {   /* c and c + 16 from one load (kv_load_row_i4_pair) */
-                if (c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                if ((uint64_t)c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
                     continue;
                 vf lo, hi;
-                kv_load_row_i4_pair(src, (t + j) * S + c, f, c / KV_I8_BLOCK, &lo, &hi);
+                kv_load_row_i4_pair(src, (t + j) * S + c, f, kv_blk(c), &lo, &hi);
                 vf_store(row + c, lo);
                 if (c + KV_I4_BLOCK_BYTES < Dp)
                     vf_store(row + c + KV_I4_BLOCK_BYTES, hi);
@@ -646,9 +651,9 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
             const int8_t *s = (const int8_t *)src + (t + j) * D;
             const float *f = scale + (t + j) * kv_i8_blocks(D);
             for (; c + KV_W <= D; c += KV_W)
-                vf_store(row + c, vf_mul(vf_load_i8(s + c), vf_set1(f[c / KV_I8_BLOCK])));
+                vf_store(row + c, vf_mul(vf_load_i8(s + c), vf_set1(f[kv_blk(c)])));
             if (c < D)
-                vf_store(row + c, vf_mul(vf_load_i8_part(s + c, D - c), vf_set1(f[c / KV_I8_BLOCK])));
+                vf_store(row + c, vf_mul(vf_load_i8_part(s + c, D - c), vf_set1(f[kv_blk(c)])));
         } else {
             const float *s = (const float *)src + (t + j) * D;
             for (; c + KV_W <= D; c += KV_W)
