@@ -106,6 +106,7 @@ typedef enum kv_wtype {
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_KP 2      /* keys per vector of the scores loop (a query is stored KV_KP times) */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
+#define KV_PF_BYTES 8192  /* the farthest the attention kernels prefetch ahead (attn.inc.h), and the read probe (membench.c) */
 #define KV_QVECS 64       /* query vectors (rows x heads of a group) per tile of a multi-row attention */
 
 /* Query rows per tile of attention with G query heads per KV head: the same on every ISA (row

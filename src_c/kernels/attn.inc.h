@@ -94,6 +94,8 @@ KV_AINLINE const uint8_t *kv_i4_at(const void *base, int64_t off)
     return (const uint8_t *)base + (u / KV_I8_BLOCK) * KV_I4_BLOCK_BYTES + u % KV_I4_BLOCK_BYTES;
 }
 KV_AINLINE int kv_i4_hi(int64_t off) { return (int)((uint64_t)off / KV_I4_BLOCK_BYTES) & 1; }
+/* Value index c >= 0 is in the first half of its block: the low nibbles, whose load gives c + 16 too. */
+KV_AINLINE int kv_i4_low(int64_t c) { return (uint64_t)c % KV_I8_BLOCK < KV_I4_BLOCK_BYTES; }
 
 KV_AINLINE vf kv_load_row(const void *base, int mode, int64_t off, const float *sc, int64_t si)
 {
@@ -131,7 +133,8 @@ KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *
 #define KV_NEXT_PASS 1   /* a pass's last block prefetches the first rows of the next pass */
 #endif
 /* Prefetch distance: the block of rows KV_PF_VALUES values ahead, or KV_PF_BYTES bytes ahead if
-   that is nearer (kv_pf_blocks; at least one block).  A distance in values is one in time, since
+   that is nearer (kv_pf_blocks; at least one block; KV_PF_BYTES in kvsimd.h, which the roofline's
+   read probe shares).  A distance in values is one in time, since
    the work per value is about the same for every dtype: 8 KiB of fp16, 4 KiB of int8, 2 KiB of
    int4, 8 KiB of fp32.  It replaced one block (4 KiB of head_dim 128 fp16, 2 KiB of head_dim 64)
    on Zen 5 (bench/kernel_ab.py, 1 thread, 88,064 keys, time new / old): fp16 SmolLM2 9/3/64
@@ -139,9 +142,6 @@ KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *
    rest within noise; 16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 1-8%. */
 #ifndef KV_PF_VALUES
 #define KV_PF_VALUES 4096
-#endif
-#ifndef KV_PF_BYTES
-#define KV_PF_BYTES 8192
 #endif
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
@@ -296,7 +296,7 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
             if (c / KW < nl)
                 __builtin_prefetch(pl + (c / KW) * 64, 0, 3);
             if (mode == KV_ROWS_I4) {   /* c and c + 16 at once (kv_load_keys_i4_pair); c + 16 when < c1 */
-                if ((uint64_t)c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                if (!kv_i4_low(c))
                     continue;
                 const int both = c + KV_I4_BLOCK_BYTES < c1;
                 /* More heads than key vectors: the R key pairs stay in registers and each query pair
@@ -639,7 +639,7 @@ static void KV_FN(load_block)(float *dst, const void *src, const float *scale, i
             const int64_t S = kv_row_values(KV_I4, D);
             const float *f = scale + (t + j) * kv_i8_blocks(D);
             for (; c < Dp; c += KV_W) {   /* c and c + 16 from one load (kv_load_row_i4_pair) */
-                if ((uint64_t)c % KV_I8_BLOCK >= KV_I4_BLOCK_BYTES)
+                if (!kv_i4_low(c))
                     continue;
                 vf lo, hi;
                 kv_load_row_i4_pair(src, (t + j) * S + c, f, kv_blk(c), &lo, &hi);
