@@ -71,7 +71,10 @@ def run(args):
     for name, (a, b) in curves.items():
         rh, rd = paired_ratio(a, base_hf), paired_ratio(b, base_own)
         out[name] = {"ppl_transformers": float(np.exp(a.mean())), "ppl_decoder": float(np.exp(b.mean())),
-                     "over_float16_transformers": rh, "over_float16_decoder": rd}
+                     "over_float16_transformers": rh, "over_float16_decoder": rd,
+                     # token by token: a perplexity over few tokens can land near float16's by chance
+                     "max_nll_diff_transformers": float(np.abs(a - base_hf).max()),
+                     "max_nll_diff_decoder": float(np.abs(b - base_own).max())}
         print("%-16s transformers %.3f  %+.2f%% [%+.2f, %+.2f]   Decoder %.3f  %+.2f%% [%+.2f, %+.2f]"
               % (name, np.exp(a.mean()), 100 * (rh[0] - 1), 100 * (rh[1] - 1), 100 * (rh[2] - 1),
                  np.exp(b.mean()), 100 * (rd[0] - 1), 100 * (rd[1] - 1), 100 * (rd[2] - 1)))

@@ -1080,8 +1080,9 @@ def test_hf_recent_ppl_reads_every_key_as_float_rows(tmp_path):
     """bench/hf_recent_ppl.py over 24 tokens with --recent 64: every key a query reads is among its
     last 64, so the int8 caches with float rows (not turned) read the float16 cache's values:
     float16's perplexity within float32 rounding, through transformers and the Decoder alike,
-    while int8 without them is another (+0.6% and +0.8% here); --recent 0 ends in one usage
-    line, exit 2."""
+    while int8 without them reads other values: token by token its log-losses part from float16's
+    over 100x as far (a perplexity over 24 tokens can still land near float16's by chance: -0.05%
+    through the Decoder on a Zen 4, +0.8% on a Zen 5); --recent 0 ends in one usage line, exit 2."""
     pytest.importorskip("transformers")
     script = os.path.join(ROOT, "bench", "hf_recent_ppl.py")
     env = dict(os.environ, KVSIMD_NUM_THREADS="1", KVSIMD_BENCH_TEXT=TEXT)
@@ -1095,7 +1096,8 @@ def test_hf_recent_ppl_reads_every_key_as_float_rows(tmp_path):
     for side in ("transformers", "decoder"):
         base = r["float16"]["ppl_" + side]
         assert abs(r["int8+recent64"]["ppl_" + side] / base - 1) < 1e-4, (side, r["int8+recent64"])
-        assert abs(r["int8"]["ppl_" + side] / base - 1) > 1e-3, (side, r["int8"])     # the rows matter
+        near, far = r["int8+recent64"]["max_nll_diff_" + side], r["int8"]["max_nll_diff_" + side]
+        assert far > 1e-2 and far > 10 * near, (side, near, far)                      # the rows matter
     p = subprocess.run([sys.executable, script, "--recent", "0"], capture_output=True, text=True, env=env,
                        timeout=120)
     assert p.returncode == 2 and "--recent must be >= 1" in p.stderr, p.stderr
