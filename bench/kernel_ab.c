@@ -48,6 +48,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: kernel_ab H HKV D N REPS DTYPE OFFSET\n");
         return 2;
     }
+    char msg[256];
+    kv_init(NULL, msg, sizeof msg);   /* the CPU's features, for kv_prefetch_values */
     const int64_t H = atoll(argv[1]), Hkv = atoll(argv[2]), D = atoll(argv[3]), N = atoll(argv[4]);
     const int reps = atoi(argv[5]);
     const char *dname = argv[6];
@@ -101,6 +103,7 @@ int main(int argc, char **argv)
     pa.q = q, pa.k = k, pa.v = v, pa.ranges = &r, pa.n_ranges = 1, pa.H = H, pa.Hkv = Hkv, pa.D = D;
     pa.n_total = N, pa.T = 1, pa.q_stride = H * D, pa.out_stride = H * D, pa.scale = 0.088f;
     pa.dtype = dt, pa.v_dtype = dt, pa.k_scale = ks, pa.v_scale = vs;
+    pa.pf_values = kv_prefetch_values();   /* as kv_attend passes it on this CPU (an older tree's row ignores it) */
     kv_attn_params pb = pa;
     pa.out = oa, pb.out = ob;
     ROW_A.attn(&pa, 0, Hkv, 0, 1, ws);   /* warm: pages touched, code loaded */

@@ -57,6 +57,7 @@ cdef extern from "kvsimd.h" nogil:
         const float *k_scale
         const float *v_scale
         int64_t key_base
+        int64_t pf_values
 
     ctypedef struct kv_rot_params:
         void *x
@@ -140,6 +141,7 @@ cdef extern from "kvsimd.h" nogil:
     int kv_select_isa(uint32_t features) noexcept
     int kv_forced() noexcept
     uint32_t kv_features() noexcept
+    int64_t kv_prefetch_values() noexcept
     const char *kv_compiler() noexcept
     int kv_sanitized() noexcept
 

@@ -68,7 +68,10 @@ def isa_info():
     ``features`` (detected CPU features), ``flags`` (each compiled row's compiler flags, as
     the build passed them) and ``small_group_attention``: the row that runs a decode step over a
     float cache with 2 or 3 query heads per KV head (:func:`attend_isa`), the active one but on
-    cores that split 512-bit operations in two."""
+    cores that split 512-bit operations in two, and ``prefetch_values``: how many values ahead of
+    its reads the attention kernels prefetch K and V rows on this CPU (4096, or 1536 on cores that
+    split 512-bit operations; the read probe of ``python -m kvsimd.bench roofline`` prefetches as
+    far ahead as that is of float16)."""
     active = active_isa()
     return {
         "compiled": _isa_names("compiled"),
@@ -78,6 +81,7 @@ def isa_info():
         "features": cpu_features(),
         "flags": _row_flags(),
         "small_group_attention": attend_isa(3, 1),
+        "prefetch_values": kv_prefetch_values(),
     }
 
 
@@ -127,6 +131,8 @@ def show_runtime(file=None):
     if info["small_group_attention"] != info["active"]:
         lines.append("attention, decode over float caches with 2-3 query heads per KV head: %s (this CPU "
                      "runs 512-bit operations as two 256-bit halves)" % info["small_group_attention"])
+    lines.append("attention prefetches K and V rows %d values ahead (%d KiB of float16)"
+                 % (info["prefetch_values"], info["prefetch_values"] * 2 // 1024))
     print("\n".join(lines), file=out)
 
 

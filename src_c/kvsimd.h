@@ -106,7 +106,13 @@ typedef enum kv_wtype {
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_KP 2      /* keys per vector of the scores loop (a query is stored KV_KP times) */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
-#define KV_PF_BYTES 8192  /* the farthest the attention kernels prefetch ahead (attn.inc.h), and the read probe (membench.c) */
+/* How far ahead the attention kernels prefetch K and V rows (attn.inc.h kv_pf_distance), in values:
+   KV_PF_VALUES, or on a core that splits 512-bit operations (Zen 4) KV_PF_VALUES_SPLIT512
+   (kv_prefetch_values, which kv_attend passes as kv_attn_params.pf_values); the read probe of the
+   roofline (membench.c) prefetches as far ahead as fp16 rows are. */
+#define KV_PF_VALUES 4096
+#define KV_PF_VALUES_SPLIT512 1536
+#define KV_PF_MIN_BYTES 2048   /* ... but never nearer than this */
 #define KV_QVECS 64       /* query vectors (rows x heads of a group) per tile of a multi-row attention */
 
 /* Query rows per tile of attention with G query heads per KV head: the same on every ISA (row
@@ -187,7 +193,8 @@ typedef struct kv_attn_range { KV_ATTN_RANGE_FIELDS(KV_FIELD_) } kv_attn_range;
     F(float *, part_ml, 'Q') \
     F(const float *, k_scale, 'Q')  /* KV_I8, KV_I4: [Hkv, n_total, kv_i8_blocks(D)] block scales of k; else unused */ \
     F(const float *, v_scale, 'Q') \
-    F(int64_t, key_base, 'q')       /* key t stands at key_base + t in the causal order (kv_attend_sources) */
+    F(int64_t, key_base, 'q')       /* key t stands at key_base + t in the causal order (kv_attend_sources) */ \
+    F(int64_t, pf_values, 'q')      /* values ahead to prefetch (kv_attend sets it: kv_prefetch_values; 0: KV_PF_VALUES) */
 typedef struct kv_attn_params { KV_ATTN_PARAMS_FIELDS(KV_FIELD_) } kv_attn_params;
 
 /* Rotation of row pairs by per-token (or shared) angles.
@@ -303,6 +310,7 @@ int kv_isa_supported(int i);                       /* compiled and runnable here
 int kv_select_isa(uint32_t features);              /* best compiled row for a feature mask */
 int kv_forced(void);                               /* active row chosen by name, not detection */
 uint32_t kv_features(void);                        /* cached kv_cpu_features() */
+int64_t kv_prefetch_values(void);                 /* the attention kernels' prefetch distance on this CPU (KV_PF_VALUES) */
 const char *kv_compiler(void);                     /* compiler that built dispatch.c */
 int kv_sanitized(void);                            /* built with AddressSanitizer (KVSIMD_SANITIZE) */
 

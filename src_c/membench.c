@@ -1,9 +1,10 @@
 /* membench.c - the memory roofline the benchmark reports kernels against: streaming read,
  * write and copy with plain 16-byte loads and stores (baseline SSE2, no non-temporal tricks),
- * on one thread or split across OpenMP threads.  The read prefetches KV_PF_BYTES ahead into
- * L1, as the attention kernels do: without it the probe read 6-8% below what a
- * prefetching stream reaches on Zen 5 (1 and 2 threads; 4 KiB ahead the same, 2 KiB and none
- * alike low), and 2-thread attention measured above "the" read ceiling. */
+ * on one thread or split across OpenMP threads.  The read prefetches into L1 as far ahead as the
+ * attention kernels prefetch fp16 rows (kv_prefetch_values: 8 KiB on Zen 5, 3 KiB on Zen 4):
+ * without it the probe read 6-8% below what a prefetching stream reaches on Zen 5 (1 and 2
+ * threads; 4 KiB ahead the same, 2 KiB and none alike low), and 2-thread attention measured
+ * above "the" read ceiling. */
 #include <emmintrin.h>
 
 #include "kvsimd.h"
@@ -12,10 +13,10 @@ uint64_t kv_bench_read(const void *buf, size_t bytes)
 {
     const __m128i *p = (const __m128i *)buf;
     __m128i a = _mm_setzero_si128(), b = a, c = a, d = a;
-    const size_t n = bytes / 64, ahead = KV_PF_BYTES / 64;
+    const size_t n = bytes / 64, ahead = (size_t)(2 * kv_prefetch_values()) / 64;
     for (size_t i = 0; i < n; i++, p += 4) {
         if (i + ahead < n)
-            _mm_prefetch((const char *)p + KV_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * ahead), _MM_HINT_T0);
         a = _mm_add_epi64(a, _mm_loadu_si128(p));
         b = _mm_add_epi64(b, _mm_loadu_si128(p + 1));
         c = _mm_add_epi64(c, _mm_loadu_si128(p + 2));

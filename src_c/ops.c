@@ -155,6 +155,8 @@ static void attend_merged(const kv_attn_params *src, int64_t n, const int64_t *S
             s++;
         const int64_t j = i - first[s], Ss = S[s];
         kv_attn_params piece = src[s];
+        if (piece.pf_values <= 0)
+            piece.pf_values = kv_prefetch_values();
         int64_t g, r0 = 0, r1 = T, a = area0[s];
         if (T == 1) {
             const int64_t k = keys[s], c = j % Ss;
@@ -216,6 +218,10 @@ int kv_attend_isa(const kv_attn_params *p)
    `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
+    kv_attn_params tuned = *p;   /* the prefetch distance of this CPU, unless the caller gave one */
+    if (tuned.pf_values <= 0)
+        tuned.pf_values = kv_prefetch_values();
+    p = &tuned;
     const kv_kernels *row = kv_isa_row(kv_attend_isa(p));
     const int64_t heads = p->Hkv, T = p->T, tile = kv_attn_row_tile(p->H / p->Hkv);
     const int64_t tiles = (T + tile - 1) / tile, items = heads * tiles;

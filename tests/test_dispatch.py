@@ -45,6 +45,8 @@ def test_isa_info_shape():
     assert set(info["supported"]) <= set(info["compiled"]) <= set(ALL)
     assert info["active"] in info["supported"]
     assert kvsimd.active_isa() == info["active"]
+    # the attention kernels' prefetch distance: shorter on cores that split 512-bit operations (Zen 4)
+    assert info["prefetch_values"] == (1536 if "split512" in info["features"] else 4096)
 
 
 def test_avx512fp16_is_compiled():

@@ -132,17 +132,15 @@ KV_AINLINE void kv_load_row_i4_pair(const void *base, int64_t off, const float *
 #ifndef KV_NEXT_PASS
 #define KV_NEXT_PASS 1   /* a pass's last block prefetches the first rows of the next pass */
 #endif
-/* Prefetch distance: the block of rows KV_PF_VALUES values ahead, or KV_PF_BYTES bytes ahead if
-   that is nearer (kv_pf_blocks; at least one block; KV_PF_BYTES in kvsimd.h, which the roofline's
-   read probe shares).  A distance in values is one in time, since
-   the work per value is about the same for every dtype: 8 KiB of fp16, 4 KiB of int8, 2 KiB of
-   int4, 8 KiB of fp32.  It replaced one block (4 KiB of head_dim 128 fp16, 2 KiB of head_dim 64)
-   on Zen 5 (bench/kernel_ab.py, 1 thread, 88,064 keys, time new / old): fp16 SmolLM2 9/3/64
-   0.81-0.84, GQA 32/8/128 0.90, MHA 32/32/128 0.93 (avx2 row 0.86), int8 9/3/64 0.92-1.0, the
-   rest within noise; 16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 1-8%. */
-#ifndef KV_PF_VALUES
-#define KV_PF_VALUES 4096
-#endif
+/* Prefetch distance (kv_pf_distance): p->pf_values values ahead (kvsimd.h KV_PF_VALUES: what
+   kv_prefetch_values gives this CPU), at most as many bytes as that of fp16 and at least
+   KV_PF_MIN_BYTES.  A distance in values is one in time, since the work per value is about the
+   same for every dtype: on Zen 5 (4,096) 8 KiB of fp16, 4 KiB of int8, 2 KiB of int4, 8 KiB of
+   fp32.  It replaced one block (4 KiB of head_dim 128 fp16, 2 KiB of head_dim 64) on Zen 5
+   (bench/kernel_ab.py, 1 thread, 88,064 keys, time new / old): fp16 SmolLM2 9/3/64 0.81-0.84, GQA
+   32/8/128 0.90, MHA 32/32/128 0.93 (avx2 row 0.86), int8 9/3/64 0.92-1.0, the rest within noise;
+   16 KiB of fp16 ahead was 5-9% slower than 8 KiB, 8 KiB of int8 1-8%.  Zen 4 is fastest 3 KiB
+   of fp16 ahead (dispatch.c); there 768 bytes of int4 took 1.05x the time of 2 KiB. */
 #define KV_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
 
 /* End of the grid cell of ``step`` tokens that holds token t (the next multiple of step),
@@ -153,26 +151,29 @@ KV_AINLINE int64_t kv_grid_end(int64_t t, int64_t step, int64_t end)
     return e < end ? e : end;
 }
 
-/* What to prefetch while working on the block at token t of a pass ending at c1: the block
-   pf blocks ahead (attn_setup: kv_pf_blocks); in the pass's last
+/* What to prefetch while working on the block at token t of a pass ending at c1: the KV_B rows'
+   bytes that start pf bytes past the block's start (attn_setup: kv_pf_distance); in the pass's last
    block, the first rows of the pass that follows (``next``, may be NULL), so that no pass starts
-   on a cold stream.  NULL: nothing.  (On Zen 4, 2 or 4 blocks ahead, or an L2 prefetch several
-   blocks ahead besides, measured no faster beyond the LLC; Zen 5 differs: KV_PF_VALUES.) */
+   on a cold stream.  NULL: nothing (pf <= 0, or rows that pass the pass's end). */
 KV_AINLINE const char *kv_ahead(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, const char *next)
 {
     if (pf <= 0)
         return NULL;
-    if (t + (pf + 1) * KV_B <= c1)
-        return base + (size_t)(t + pf * KV_B) * row_bytes;
+    const size_t at = (size_t)t * row_bytes + (size_t)pf;
+    if (at + KV_B * row_bytes <= (size_t)c1 * row_bytes)
+        return base + at;
     return KV_NEXT_PASS && t + KV_B >= c1 ? next : NULL;
 }
 
-/* The prefetch distance in blocks of rows of D values and row_bytes (at least one). */
-KV_AINLINE int64_t kv_pf_blocks(int64_t D, size_t row_bytes)
+/* The prefetch distance in bytes for rows of D values and row_bytes: pf_values values ahead, but
+   at most 2 pf_values bytes (pf_values of fp16), and at least KV_PF_MIN_BYTES (pf_values is
+   taken as at most KV_MAX_TOKENS: no product wraps). */
+KV_AINLINE int64_t kv_pf_distance(int64_t D, size_t row_bytes, int64_t pf_values)
 {
-    const int64_t a = KV_PF_VALUES / (KV_B * D), b = (int64_t)(KV_PF_BYTES / (KV_B * row_bytes));
+    pf_values = pf_values < KV_MAX_TOKENS ? pf_values : KV_MAX_TOKENS;
+    const int64_t a = pf_values * (int64_t)row_bytes / D, b = 2 * pf_values;
     const int64_t n = a < b ? a : b;
-    return n > 1 ? n : 1;
+    return n > KV_PF_MIN_BYTES ? n : KV_PF_MIN_BYTES;
 }
 
 /* The 64-byte line that holds p, and the number of lines from line-aligned p to end: rows
@@ -281,7 +282,7 @@ KV_AINLINE void kv_scores_rows(const float *q, const void *kb, int mode, int64_t
                                vf *red, const int NH, const int v0, const int R, const char *pf, size_t pf_row)
 {
     const int KP = KV_KPN(NH), KW = KV_W / KP, BV = KV_B / KP;
-    /* the rows kv_pf_blocks ahead that this pass mirrors, one line or so per column step:
+    /* the rows kv_pf_distance ahead that this pass mirrors, one line or so per column step:
        prefetches issued in bursts measured far slower from DRAM than spread ones */
     const int j0 = v0 * KP;
     const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
@@ -453,7 +454,7 @@ KV_AINLINE void kv_accumulate(float *acc, const float *corr, const float *pw, in
                               int64_t vs, const float *vsc, int64_t Dp, const int NH, const char *pf, size_t pf_row)
 {
     const int CG = KV_POW2_FLOOR(KV_ACC / NH);
-    /* the block kv_pf_blocks ahead, spread over the row steps of the column groups (as in scores) */
+    /* the block kv_pf_distance ahead, spread over the row steps of the column groups (as in scores) */
     const char *pl = pf ? kv_line_floor(pf) : NULL;
     const int64_t nl = pf ? kv_lines(pl, pf + (size_t)KV_B * pf_row) : 0;
     int64_t c = 0, slot = 0;
@@ -697,7 +698,7 @@ typedef struct KV_FN(attn_state) {
     int64_t MP;             /* lanes path: MQ rounded up to KV_W, the stride of its [., MP] arrays */
     int64_t lo_max, hi_min; /* lanes path: the keys every vector of the tile sees */
     size_t krb, vrb;        /* kv_row_bytes of the K and V dtypes */
-    int64_t kpf, vpf;       /* prefetch distances in blocks of K and V (kv_ahead) */
+    int64_t kpf, vpf;       /* prefetch distances in bytes of K and V rows (kv_ahead) */
     int aligned;            /* D % KV_W == 0: full blocks are read in place */
     float *qbuf;            /* [MQ, KV_KP Dp] scaled queries (store_query) */
     float *qalt;            /* [MQ, KV_KP Dp] scaled q_alt */
@@ -732,8 +733,9 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->Dp = (st->D + KV_W - 1) / KV_W * KV_W;
     st->krb = kv_row_bytes((kv_dtype)p->dtype, st->D);
     st->vrb = kv_row_bytes((kv_dtype)p->v_dtype, st->D);
-    st->kpf = kv_pf_blocks(st->D, st->krb);
-    st->vpf = kv_pf_blocks(st->D, st->vrb);
+    const int64_t pfv = p->pf_values > 0 ? p->pf_values : KV_PF_VALUES;
+    st->kpf = kv_pf_distance(st->D, st->krb, pfv);
+    st->vpf = kv_pf_distance(st->D, st->vrb, pfv);
     /* Full blocks are read straight from the cache (fp16 and int8 widened in registers); a
        partial last block, or a head_dim that is not a multiple of KV_W, goes through a zero-padded
        fp32 copy so that the inner loops never have tails. */
@@ -1387,7 +1389,7 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
 }
 
 /* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows pf blocks
-   ahead (kv_pf_blocks), spread over the block's `steps` steps of work (kv_pf).  Each
+   ahead (kv_pf_distance), spread over the block's `steps` steps of work (kv_pf).  Each
    16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers
    stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%;
    Zen 4).  Spread rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536
@@ -1395,11 +1397,10 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
    huge pages; 0.91x / 0.87x 16 bytes into a page; bench/kernel_ab.py). */
 KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, int64_t steps)
 {
-    const int64_t a = t + pf * KV_B;
-    if (a >= c1)
+    const size_t a = (size_t)t * row_bytes + (size_t)pf, end = (size_t)c1 * row_bytes;
+    if (a >= end)
         return kv_pf_over(base, base, 1);   /* nothing */
-    return kv_pf_over(base + (size_t)a * row_bytes, base + (size_t)(a + (c1 - a < KV_B ? c1 - a : KV_B)) * row_bytes,
-                      steps);
+    return kv_pf_over(base + a, base + (end - a < KV_B * row_bytes ? end : a + KV_B * row_bytes), steps);
 }
 
 /* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.]. */

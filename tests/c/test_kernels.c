@@ -95,6 +95,18 @@ static void test_attention(const kv_kernels *row, const char *name)
             }
             CHECK(worst <= 1e-5, "%s attn H=%lld Hkv=%lld N=%lld D=%lld %s: error %.3g", name, (long long)H,
                   (long long)Hkv, (long long)N, (long long)D, dt ? "f16" : "f32", worst);
+            /* any prefetch distance (kv_attend passes this CPU's; 0 is the default): the same bits */
+            static const int64_t dists[] = {1, 100, KV_PF_VALUES_SPLIT512, KV_PF_VALUES, (int64_t)1 << 40};
+            float *outp = malloc(sizeof(float) * (size_t)(H * D));
+            for (size_t di = 0; di < sizeof dists / sizeof dists[0]; di++) {
+                kv_attn_params pd = p;
+                pd.out = outp;
+                pd.pf_values = dists[di];
+                row->attn(&pd, 0, Hkv, 0, 1, ws);
+                CHECK(memcmp(out, outp, sizeof(float) * (size_t)(H * D)) == 0, "%s attn: pf_values %lld differs", name,
+                      (long long)dists[di]);
+            }
+            free(outp);
             /* one KV head per call (the thread split of ops.c): the same bits */
             float *out1 = malloc(sizeof(float) * (size_t)(H * D));
             p.out = out1;
