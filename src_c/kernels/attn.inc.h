@@ -1388,9 +1388,9 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
     }
 }
 
-/* The lanes path's prefetch for the block at token t of a pass ending at c1: the rows pf blocks
-   ahead (kv_pf_distance), spread over the block's `steps` steps of work (kv_pf).  Each
-   16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers
+/* The lanes path's prefetch for the block at token t of a pass ending at c1: the KV_B rows' bytes
+   pf bytes ahead (kv_pf_distance; cut at the pass's end), spread over the block's `steps` steps
+   of work (kv_pf).  Each 16-row block of a head_dim 128 fp16 cache is one 4 KiB page, where the hardware prefetchers
    stop: without it, MQA beyond the LLC ran at 55% of the FMA peak, with it 67% (in the LLC 70%;
    Zen 4).  Spread rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536
    keys took 0.92x / 0.97x / 0.95x the time on the Xeon (avx512 / avx512fp16 / avx2 rows, K/V on
