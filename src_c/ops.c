@@ -122,6 +122,9 @@ size_t kv_attend_workspace_bytes(int64_t H, int64_t Hkv, int64_t D, int threads)
     return kv_attend_sources_workspace_bytes(H, Hkv, D, 1, 1, threads);
 }
 
+/* The prefetch distance a call's kernels get: the caller's, else this CPU's (kv_prefetch_values). */
+static int64_t prefetch_values(const kv_attn_params *p) { return p->pf_values > 0 ? p->pf_values : kv_prefetch_values(); }
+
 /* The pieces of sources src[0..n-1] as kv_attend_sources describes them, then the merge:
    out[t, h] = sum_a e^(m_a - m) acc_a[t, h] / sum_a e^(m_a - m) l_a over the areas a, with m the
    largest max (an area without keys, l = 0, weighs nothing; NaN propagates).  S[s]: source s's
@@ -155,8 +158,7 @@ static void attend_merged(const kv_attn_params *src, int64_t n, const int64_t *S
             s++;
         const int64_t j = i - first[s], Ss = S[s];
         kv_attn_params piece = src[s];
-        if (piece.pf_values <= 0)
-            piece.pf_values = kv_prefetch_values();
+        piece.pf_values = prefetch_values(&piece);
         int64_t g, r0 = 0, r1 = T, a = area0[s];
         if (T == 1) {
             const int64_t k = keys[s], c = j % Ss;
@@ -218,9 +220,8 @@ int kv_attend_isa(const kv_attn_params *p)
    `threads` is the value the workspace was sized for (kv_attend_workspace_bytes). */
 void kv_attend(const kv_attn_params *p, void *workspace, int threads)
 {
-    kv_attn_params tuned = *p;   /* the prefetch distance of this CPU, unless the caller gave one */
-    if (tuned.pf_values <= 0)
-        tuned.pf_values = kv_prefetch_values();
+    kv_attn_params tuned = *p;
+    tuned.pf_values = prefetch_values(p);
     p = &tuned;
     const kv_kernels *row = kv_isa_row(kv_attend_isa(p));
     const int64_t heads = p->Hkv, T = p->T, tile = kv_attn_row_tile(p->H / p->Hkv);
