@@ -618,6 +618,38 @@ def test_kernel_ab_refuses_bad_arguments(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
+# ---------------------------------------------------------------------------------- fp16 widening's cost
+def test_fp16_widen_cost_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
+    """bench/fp16_widen_cost.c compiles with the avx512 row's flags on every machine (-Werror); where
+    the row runs, bench/fp16_widen_cost.py prints a header and one row per group of 2, 4 and 8
+    heads, every rate positive and each ratio the quotient of its two rates (to the printed
+    digits); a length outside (0, 100] is refused."""
+    import kvsimd
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import fp16_widen_cost
+    finally:
+        sys.path.pop(0)
+    fp16_widen_cost.build(str(tmp_path / "fwc"))
+    script = os.path.join(ROOT, "bench", "fp16_widen_cost.py")
+    p = subprocess.run([sys.executable, script, "--length", "101"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--length must be in (0, 100]" in p.stderr, p.stderr[-3000:]
+    if "avx512" not in kvsimd.isa_info()["supported"]:
+        p = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "does not run the avx512 row" in p.stderr, p.stderr[-3000:]
+        return
+    p = subprocess.run([sys.executable, script, "--length", "0.01"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].split() == ["heads", "fp32", "GFLOP/s", "fp16", "GFLOP/s", "int", "GFLOP/s", "fp16/fp32",
+                                "int/fp32"] and len(lines) == 4, p.stdout
+    for line, heads in zip(lines[1:], (2, 4, 8)):
+        n, a, b, c, ba, ca = line.split()
+        a, b, c = float(a), float(b), float(c)
+        assert int(n) == heads and min(a, b, c) > 0, line
+        assert abs(float(ba) - b / a) <= 2e-3 + 0.06 / a and abs(float(ca) - c / a) <= 2e-3 + 0.06 / a, line
+
+
 # ---------------------------------------------------------------------------------- GGUF files beside llama.cpp
 TINY = dict(vocab=320, d=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, rope_theta=10000.0, context=512,
             tied=False)

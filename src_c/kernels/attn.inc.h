@@ -992,7 +992,8 @@ KV_AINLINE void KV_FN(attn_softmax_update)(KV_FN(attn_state) *st, int64_t c0, in
    for 8 query heads in the L2 on Zen 4).  next_k: the K rows read after this chunk (prefetched in
    its last block), or NULL.  (Runs of several blocks per pass, the accumulators loaded and
    stored once per run, measured +2% for 8 query heads in the LLC on Zen 4 and -10% for 4 heads
-   beyond it on avx2: not kept.) */
+   beyond it on avx2: not kept.  Nor 8 heads as two groups of 4, whose tile is faster in L1
+   (bench/fp16_widen_cost.py): 1.07x the time beyond the LLC on Zen 4.) */
 KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, int64_t c1, const char *next_k)
 {
     const kv_attn_params *p = st->p;
@@ -1403,7 +1404,10 @@ KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_
     return kv_pf_over(base + a, base + (end - a < KV_B * row_bytes ? end : a + KV_B * row_bytes), steps);
 }
 
-/* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.]. */
+/* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.].
+   (Widening each block during the work on the block before, into a second buffer, took 1.05x the
+   time of MQA 32/1/128 in the L2 and 1.09-1.14x beyond the LLC on Zen 4, likely because the two
+   buffers and the transposed query overfill L1.  Not kept.) */
 KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, int64_t c0, int64_t c1)
 {
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
