@@ -754,10 +754,14 @@ cdef class _CacheClaim:
     cdef _KVStore cache
 
     def __enter__(self):
+        if self.cache is None:
+            raise KVSimdValueError("this claim object was not made by a cache's _claim()")
         self.cache._acquire()
         return self.cache
 
     def __exit__(self, *exc):
+        if self.cache is None:
+            raise KVSimdValueError("this claim object was not made by a cache's _claim()")
         self.cache._release()
         return False
 
@@ -1459,6 +1463,8 @@ cdef class _Tx:
 
     def __enter__(self):
         c = self.cache
+        if c is None:
+            raise KVSimdValueError("this transaction object was not made by cache.transaction()")
         if self.state != 0:
             raise KVSimdValueError("this transaction object is already %s: call cache.transaction() for each "
                                    "with-block (nested ones join the outer)" % ("open" if self.state == 1 else "used"))

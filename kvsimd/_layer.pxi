@@ -287,7 +287,7 @@ cdef class Block:
 
 cdef class Layers:
     """A stack of Blocks under one configuration: what every forward pass of a model runs."""
-    cdef readonly list blocks
+    cdef readonly tuple blocks
     cdef readonly int64_t d, H, Hkv, D
     cdef readonly bint pre_norm, parallel, gated, cross
     cdef readonly tuple windows      # per block: its attention window (0: every key of the plan's ranges)
@@ -299,7 +299,7 @@ cdef class Layers:
                   activation, bint gated, bint pre_norm, bint parallel_residual, windows=None):
         if not isinstance(activation, str) or activation not in _ACTS:
             raise KVSimdValueError("activation must be one of %s, got %r" % (", ".join(_ACTS), activation))
-        self.blocks = list(blocks)
+        self.blocks = tuple(blocks)
         for i, b in enumerate(self.blocks):
             if not isinstance(b, Block):
                 raise KVSimdTypeError("blocks[%d] must be a Block, got %s" % (i, type(b).__name__))

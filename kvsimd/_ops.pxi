@@ -164,7 +164,7 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     if q_alt is not None:
         _need_array(q_alt, "q_alt", (_F32,), q.ndim, "(q's shape)", shape=q.shape)
     if out is None:
-        out = _np.empty(q.shape, dtype=_np.float32)
+        out = _new_array(q.shape, _np.float32, "out")
     else:
         _need_array(out, "out", (_F32,), q.ndim, "(q's shape)", writeable=True, shape=q.shape)
         _need_no_overlap(out, "out", (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
@@ -399,8 +399,8 @@ def quantize_kv(x, dtype="int8", *, hadamard=False):
     cdef bint hd = _need_flag(hadamard, "hadamard")
     cdef int64_t D = x.shape[x.ndim - 1], n = x.size // D, rb = <int64_t>kv_row_bytes(dt, D)
     lead = x.shape[:x.ndim - 1]
-    q = _np.empty(lead + (rb,), dtype=_I8 if dt == KV_I8 else _U8)
-    scale = _np.empty(lead + (kv_i8_blocks(D),), dtype=_F32)
+    q = _new_array(lead + (rb,), _I8 if dt == KV_I8 else _U8, "quantize_kv's values")
+    scale = _new_array(lead + (kv_i8_blocks(D),), _F32, "quantize_kv's scales")
     cdef void *qp = _ptr(q)
     cdef float *sp = <float *>_ptr(scale)
     cdef const float *xp = <const float *>_ptr(x)
@@ -411,7 +411,7 @@ def quantize_kv(x, dtype="int8", *, hadamard=False):
 
 def _convert_out(x, out, dtype):
     if out is None:
-        return _np.empty(x.shape, dtype=dtype)
+        return _new_array(x.shape, dtype, "out")
     _need_array(out, "out", (dtype,), -1, "", writeable=True, shape=x.shape)
     _need_no_overlap(out, "out", (("x", x),))
     return out

@@ -316,6 +316,14 @@ def _threads_now():
     return kv_get_num_threads()
 
 
+def _new_array(shape, dtype, what):
+    """numpy.empty(shape, dtype) for an array kvsimd returns, or KVSimdMemoryError naming it."""
+    try:
+        return _np.empty(shape, dtype=dtype)
+    except MemoryError:
+        raise KVSimdMemoryError("%s: cannot allocate the %s array of shape %s" % (what, _np.dtype(dtype), tuple(shape))) from None
+
+
 def _workspace(int64_t H, int64_t Hkv, int64_t D, int nt, int64_t T=1, int64_t sources=1):
     """Scratch for one kv_attend call with ``nt`` threads (plus 64 bytes to align it), or with
     ``sources`` > 1 for a kv_attend_sources call over T query rows."""

@@ -117,7 +117,7 @@ cdef class QMatrix:
             self._packed_bytes = kv_x8_bytes(self.t, rows, cols)
             self._packed = <uint8_t *>malloc(<size_t>self._packed_bytes)
             if self._packed == NULL:
-                raise MemoryError("%s: no memory for the repacked copy (%d bytes)" % (name, self._packed_bytes))
+                raise KVSimdMemoryError("%s: no memory for the repacked copy (%d bytes)" % (name, self._packed_bytes))
             with nogil:
                 kv_repack_x8(self.t, self._packed, self._data, self.rows, self.row_bytes)
 
@@ -158,7 +158,7 @@ cdef class QMatrix:
 
     def dequantize(self):
         """All rows as float32 [rows, cols] (a new array)."""
-        out = _np.empty((self.rows, self.cols), _np.float32)
+        out = _new_array((self.rows, self.cols), _np.float32, "%s: dequantize's output" % self.name)
         cdef float *op = <float *>_ptr(out)
         cdef int64_t n = self.rows * self.cols
         with nogil:
@@ -174,7 +174,7 @@ cdef class QMatrix:
         if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
             bad = idx[(idx < 0) | (idx >= self.rows)][0]
             raise KVSimdValueError("%s: row id %d out of range [0, %d)" % (self.name, bad, self.rows))
-        out = _np.empty((idx.size, self.cols), _np.float32)
+        out = _new_array((idx.size, self.cols), _np.float32, "%s: take's output" % self.name)
         cdef float *op = <float *>_ptr(out)
         cdef const int64_t *ip = <const int64_t *>_ptr(idx)
         cdef int64_t i, n = idx.size, c = self.cols, rb = self.row_bytes
@@ -189,7 +189,7 @@ cdef class QMatrix:
         if x.shape[1] != self.cols:
             raise KVSimdValueError("x must be [B, %d] for %r, got %s" % (self.cols, self, x.shape))
         if out is None:
-            out = _np.empty((x.shape[0], self.rows), _np.float32)
+            out = _new_array((x.shape[0], self.rows), _np.float32, "%s: the product's output" % self.name)
         else:
             _need_array(out, "out", (_F32,), 2, "[B, %d]" % self.rows, writeable=True,
                         shape=(x.shape[0], self.rows))

@@ -1,0 +1,96 @@
+"""What an attacker's probe of the API found (stop 51), each case in a child process: before the
+fixes the first two ended the interpreter with SIGSEGV, the third raised a bare MemoryError.
+
+* A cache's claim and transaction objects made with ``__new__`` (no cache behind them) are refused
+  with a KVSimdValueError when entered or exited.
+* ``Layers.blocks`` is a tuple: appending or replacing a block after the sizes were checked (when
+  the Layers was built) is impossible, so a forward pass never reads past its per-layer tables.
+* Arrays kvsimd allocates for its results (``out`` of attend and the conversions, quantize_kv's
+  values, QMatrix.dequantize) raise KVSimdMemoryError naming the array when the allocation fails.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(code, timeout=120):
+    env = dict(os.environ, KVSIMD_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                       cwd=ROOT)
+    assert p.returncode == 0, "child exited %d\n%s" % (p.returncode, p.stderr[-3000:])
+    return p.stdout
+
+
+@pytest.mark.parametrize("make, what", [("c._claim()", "claim object"), ("c.transaction()", "transaction object")])
+@pytest.mark.parametrize("method", ["__enter__()", "__exit__(None, None, None)"])
+def test_claim_and_transaction_objects_without_a_cache_are_refused(make, what, method):
+    out = run_child("""
+import kvsimd
+c = kvsimd.KVCache(1, 1, 8, 4)
+T = type(%s)
+try:
+    T.__new__(T).%s
+except kvsimd.KVSimdValueError as e:
+    print("refused:", e)
+""" % (make, method))
+    assert out.startswith("refused:") and ("%s was not made" % what in out or "not open" in out), out
+
+
+def test_layers_blocks_cannot_be_changed_after_the_sizes_were_checked():
+    out = run_child("""
+import numpy as np
+import kvsimd
+from kvsimd.testing import random_decoder
+a = random_decoder(64, 32, 2, 4, 2, 8, 48, seed=1)
+a._ensure_valid()
+L = a._packed.layers
+print(type(L.blocks).__name__, len(L.blocks))
+for change in (lambda: L.blocks.append(L.blocks[0]), lambda: L.blocks.__setitem__(0, 5)):
+    try:
+        change()
+    except (AttributeError, TypeError) as e:
+        print("refused")
+logits = a.forward([1, 2, 3])
+print("forward", np.asarray(logits).shape, bool(np.isfinite(logits).all()))
+""")
+    lines = out.split("\n")
+    assert lines[0] == "tuple 2" and lines[1:3] == ["refused", "refused"], out
+    assert lines[3].startswith("forward") and lines[3].endswith("True"), out
+
+
+MEMORY_CASES = {
+    "to_float32": ("x = np.ones(1 << 26, np.float16)", "ops.to_float32(x)", "out: cannot allocate the float32 array"),
+    "to_float16": ("x = np.ones(1 << 26, np.float32)", "ops.to_float16(x)", "out: cannot allocate the float16 array"),
+    "quantize_kv": ("x = np.ones((1 << 21, 64), np.float32)", "ops.quantize_kv(x, 'int8')",
+                    "quantize_kv's values: cannot allocate the int8 array"),
+    "dequantize": ("w = kvsimd.QMatrix(np.zeros(1 << 27, np.uint8), 'f32', (4096, 8192), name='w')",
+                   "w.dequantize()", "w: dequantize's output: cannot allocate the float32 array"),
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child caps its address space (RLIMIT_AS)")
+@pytest.mark.parametrize("name", sorted(MEMORY_CASES))
+def test_result_arrays_that_cannot_be_allocated_are_kvsimd_memory_errors(name):
+    """The child's address space is capped 32 MiB above what it maps once its input exists, and the
+    result needs 128 MiB or more."""
+    setup, call, message = MEMORY_CASES[name]
+    out = run_child("""
+import resource
+import numpy as np
+import kvsimd
+from kvsimd import ops
+%s
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    %s
+    print("allocated")
+except kvsimd.KVSimdMemoryError as e:
+    print("refused:", e)
+""" % (setup, call), timeout=300)
+    assert out.startswith("refused:") and message in out, out
