@@ -1001,30 +1001,42 @@ cdef class KVCache(_KVStore):
         begin_prefill / end_prefill for callers that run attention themselves (the transformers
         integration).  Like begin_prefill, only before the sequence's ring has wrapped; under
         "reevaluate" ``tokens`` are required (a discard prefills them again)."""
-        cdef int64_t s, k, start
+        with self._claim():
+            self._append(self._seq(seq), _need_int(n, "n"), tokens, "append")
+
+    def commit(self, n, seq=0):
+        """Commit ``n`` tokens of sequence ``seq`` written with :meth:`write`: on a KVCache what
+        ``append(seq, n)`` does (their positions and ``seen``, token ids unknown), so that a later
+        step's discard finds the bookkeeping it keeps; ``n`` = 0 changes nothing.  Under
+        "reevaluate", which prefills the kept token ids again, append them with their tokens."""
+        cdef int64_t k = _need_int(n, "n")
         with self._claim():
             s = self._seq(seq)
-            k = _need_int(n, "n")
-            start = self._lengths[s]
-            if self._head[s] != self.n_keep or self._seen[s] != start:
-                raise KVSimdValueError("sequence %d has wrapped its ring buffer: append works before that; feed "
-                                       "further tokens with begin_step" % s)
-            if k < 1 or start + k > self.capacity:
-                raise KVSimdCapacityError("cannot append %d tokens after %d cached: n must be in 1..%d (capacity %d, "
-                                          "sequence %d)" % (k, start, self.capacity - start, self.capacity, s))
-            if tokens is None:
-                if self._policy == _P_REEVALUATE:
-                    raise KVSimdValueError("policy 'reevaluate' prefills the kept token ids again after a discard: "
-                                           "append needs tokens")
-                ids = [-1] * k
-            else:
-                _need_array(tokens, "tokens", (_I64,), 1, "[n]", shape=(k,))
-                ids = tokens.tolist()
-            if self._tx is not None:
-                self._tx.save_row(s)
-            self._pos[s, start:start + k] = _np.arange(start, start + k)
-            self._took(s, k, ids)
-            self._recent_append(s, start, k)      # the float rows write() stored, if it stored them all
+            if k != 0:
+                self._append(s, k, None, "commit")
+
+    cdef int _append(self, int64_t s, int64_t k, tokens, str verb) except -1:
+        cdef int64_t start = self._lengths[s]
+        if self._head[s] != self.n_keep or self._seen[s] != start:
+            raise KVSimdValueError("sequence %d has wrapped its ring buffer: %s works before that; feed "
+                                   "further tokens with begin_step" % (s, verb))
+        if k < 1 or start + k > self.capacity:
+            raise KVSimdCapacityError("cannot %s %d tokens after %d cached: n must be in 1..%d (capacity %d, "
+                                      "sequence %d)" % (verb, k, start, self.capacity - start, self.capacity, s))
+        if tokens is None:
+            if self._policy == _P_REEVALUATE:
+                raise KVSimdValueError("policy 'reevaluate' prefills the kept token ids again after a discard: "
+                                       "%s needs them (append(seq, n, tokens))" % verb)
+            ids = [-1] * k
+        else:
+            _need_array(tokens, "tokens", (_I64,), 1, "[n]", shape=(k,))
+            ids = tokens.tolist()
+        if self._tx is not None:
+            self._tx.save_row(s)
+        self._pos[s, start:start + k] = _np.arange(start, start + k)
+        self._took(s, k, ids)
+        self._recent_append(s, start, k)      # the float rows write() stored, if it stored them all
+        return 0
 
     # ------------------------------------------------------------------ decode step
     def begin_step(self, tokens, *, rope=None, alibi_slopes=None, n_heads=None, scale=None, softcap=None,

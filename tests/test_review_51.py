@@ -7,6 +7,8 @@ fixes the first two ended the interpreter with SIGSEGV, the third raised a bare 
   the Layers was built) is impossible, so a forward pass never reads past its per-layer tables.
 * Arrays kvsimd allocates for its results (``out`` of attend and the conversions, quantize_kv's
   values, QMatrix.dequantize) raise KVSimdMemoryError naming the array when the allocation fails.
+* KVCache.commit keeps the positions and ``seen`` that a step's discard reads, as append does
+  (before, a sink_query step after write + commit raised a bare IndexError).
 """
 import os
 import subprocess
@@ -94,3 +96,46 @@ except kvsimd.KVSimdMemoryError as e:
     print("refused:", e)
 """ % (setup, call), timeout=300)
     assert out.startswith("refused:") and message in out, out
+
+
+@pytest.mark.parametrize("policy", ["sink_query", "shift", "fixed"])
+def test_commit_on_a_kvcache_keeps_the_bookkeeping_a_step_reads(policy):
+    """KVCache.commit after write() records the tokens' positions and ``seen`` (ids unknown) as
+    append does; before, it moved only the length, and the discard of the next step under
+    "sink_query" raised a bare IndexError, under "shift" left 2 token ids for 4 tokens."""
+    import numpy as np
+    import kvsimd
+    from kvsimd.cache import RopeSpec
+    c = kvsimd.KVCache(1, 1, 8, 4, n_keep=1, policy=policy)
+    k = np.ones((1, 4, 8), np.float32)
+    c.write(0, k, k)
+    c.commit(4)
+    assert c.seen[0] == 4 and list(c.positions[0]) == [0, 1, 2, 3] and list(c.tokens[0]) == [-1] * 4
+    if policy == "fixed":   # a full cache with no discard: the step is refused, the cache unchanged
+        with pytest.raises(kvsimd.KVSimdError):
+            c.begin_step(np.array([7]), rope=RopeSpec(1e4, "gptj", None, 8))
+        assert c.seen[0] == 4 and list(c.tokens[0]) == [-1] * 4
+        return
+    c.begin_step(np.array([7]), rope=RopeSpec(1e4, "gptj", None, 8))
+    # the step discarded token 1 (the oldest after the sink) and writes token 4 into its slot:
+    # "sink_query" at position 4, keys kept where they were; "shift" moves tokens 2 and 3 to
+    # positions 1 and 2 (rotated once) and writes the new token at position 3
+    assert int(c.lengths[0]) == 3 and c.seen[0] == 4 and list(c.tokens[0]) == [-1] * 3
+    if policy == "sink_query":
+        assert list(c.positions[0]) == [0, 4, 2, 3] and list(c.rotations[0]) == [0, 0, 0, 0]
+    else:
+        assert list(c.positions[0]) == [0, 3, 1, 2] and list(c.rotations[0]) == [0, 0, 1, 1]
+
+
+def test_commit_under_reevaluate_needs_the_token_ids():
+    import numpy as np
+    import kvsimd
+    c = kvsimd.KVCache(1, 1, 8, 4, n_keep=1, policy="reevaluate")
+    k = np.ones((1, 2, 8), np.float32)
+    c.write(0, k, k)
+    with pytest.raises(kvsimd.KVSimdValueError, match="reevaluate.*append"):
+        c.commit(2)
+    assert int(c.lengths[0]) == 0
+    c.commit(0)
+    c.append(0, 2, np.array([5, 6]))
+    assert list(c.tokens[0]) == [5, 6] and int(c.lengths[0]) == 2
