@@ -841,7 +841,9 @@ cdef class KVCache(_KVStore):
     cdef _Tx _tx                             # the open transaction, or None
 
     def __cinit__(self, n_layers, n_kv_heads, head_dim, capacity, *, batch=1, dtype="float16", hadamard=None, n_keep=0,
-                  policy="fixed", n_discard=None, recent=0):
+                  policy="fixed", n_discard=None, recent=0, **unexpected):
+        if unexpected:
+            raise KVSimdTypeError("KVCache got unexpected arguments %s" % ", ".join(sorted(unexpected)))
         n_keep = _need_int(n_keep, "n_keep")
         # more than the capacity keeps every token's: as many as it holds
         cdef int64_t rn = min(_cache_recent(recent, self._dtype_name, "int8" if kv_dtype_scaled(self._kv_dtype) else ""),

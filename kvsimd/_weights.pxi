@@ -67,9 +67,11 @@ cdef class QMatrix:
     cdef readonly int ggml_type
     cdef int t
 
-    def __cinit__(self, data, wtype, shape, *, str name="w", activations=None):
+    def __cinit__(self, data, wtype, shape, *, name="w", activations=None):
         self._held = False
         self._packed = NULL
+        if not isinstance(name, str):
+            raise KVSimdTypeError("QMatrix: name must be a str, got %r" % (name,))
         if not isinstance(wtype, str) or wtype.lower() not in _WTYPES:
             raise KVSimdValueError("%s: wtype must be one of %s, got %r" % (name, ", ".join(_WTYPES), wtype))
         wt = wtype.lower()
@@ -167,7 +169,10 @@ cdef class QMatrix:
 
     def take(self, ids):
         """Rows ``ids`` (integers in [0, rows)) as float32 [len(ids), cols]: an embedding lookup."""
-        idx = _np.asarray(ids)
+        try:
+            idx = _np.asarray(ids)
+        except (TypeError, ValueError):   # ragged nested sequences, objects numpy cannot read
+            raise KVSimdTypeError("%s: ids must be a 1-D sequence of integers, got %r" % (self.name, ids)) from None
         if idx.ndim != 1 or not (idx.dtype.kind in "iu" or idx.size == 0):
             raise KVSimdTypeError("%s: ids must be a 1-D sequence of integers, got %r" % (self.name, ids))
         idx = idx.astype(_np.int64)

@@ -139,3 +139,19 @@ def test_commit_under_reevaluate_needs_the_token_ids():
     c.commit(0)
     c.append(0, 2, np.array([5, 6]))
     assert list(c.tokens[0]) == [5, 6] and int(c.lengths[0]) == 2
+
+
+def test_wrong_keyword_arguments_and_ragged_ids_are_kvsimd_type_errors():
+    """Three more of the probe's bare exceptions: an unknown KVCache keyword (a Cython TypeError
+    before), a QMatrix name that is not a str (the same), ragged take() ids (numpy's ValueError)."""
+    import numpy as np
+    import kvsimd
+    with pytest.raises(kvsimd.KVSimdTypeError, match="KVCache got unexpected arguments foo"):
+        kvsimd.KVCache(1, 1, 8, 4, foo=1)
+    buf = np.zeros(4 * 32 * 4, np.uint8)
+    with pytest.raises(kvsimd.KVSimdTypeError, match="name must be a str, got 1"):
+        kvsimd.QMatrix(buf, "f32", (4, 32), name=1)
+    w = kvsimd.QMatrix(buf, "f32", (4, 32), name="emb")
+    with pytest.raises(kvsimd.KVSimdTypeError, match="emb: ids must be a 1-D sequence of integers"):
+        w.take([[1], [1, 2]])
+    assert w.take([1, 3]).shape == (2, 32)
