@@ -864,10 +864,15 @@ cdef class KVCache(_KVStore):
                                    % (self.capacity, "n_discard must be in 1..%d" % (window - 1) if window > 1
                                       else "the capacity must be at least 2", n_discard))
         self.n_keep, self.n_discard, self._policy = n_keep, n_discard, POLICIES.index(policy)
-        self._pos = _np.zeros((self.batch, self.capacity), dtype=_np.int64)
+        try:   # 12 bytes per slot beside the K/V: what the up-front memory check does not count
+            self._pos = _np.zeros((self.batch, self.capacity), dtype=_np.int64)
+            self._rot = _np.zeros((self.batch, self.capacity), dtype=_np.int32)
+        except MemoryError:
+            raise KVSimdMemoryError("a KVCache of batch %d and capacity %d: its positions and rotations (%d bytes) "
+                                    "cannot be allocated" % (self.batch, self.capacity,
+                                                             12 * self.batch * self.capacity)) from None
         self._head = _np.full(self.batch, n_keep, dtype=_np.int64)
         self._seen = _np.zeros(self.batch, dtype=_np.int64)
-        self._rot = _np.zeros((self.batch, self.capacity), dtype=_np.int32)
         self._tokens = [[] for _ in range(self.batch)]
         self._tx = None
         if rn:

@@ -75,6 +75,25 @@ MEMORY_CASES = {
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child caps its address space (RLIMIT_AS)")
+def test_a_kvcache_whose_bookkeeping_cannot_be_allocated_is_a_kvsimd_memory_error():
+    """batch 16 x 2**24 slots of head_dim 1: 1 GiB of float16 K/V, which the child's cap (1.25 GiB
+    above what it maps) leaves room for, and 3 GiB of positions and rotations, which it does not."""
+    out = run_child("""
+import resource
+import kvsimd
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (5 << 28), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    kvsimd.KVCache(1, 1, 1, 1 << 24, batch=16)
+    print("allocated")
+except kvsimd.KVSimdMemoryError as e:
+    print("refused:", e)
+""", timeout=300)
+    assert out.startswith("refused:") and "positions and rotations" in out, out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child caps its address space (RLIMIT_AS)")
 @pytest.mark.parametrize("name", sorted(MEMORY_CASES))
 def test_result_arrays_that_cannot_be_allocated_are_kvsimd_memory_errors(name):
     """The child's address space is capped 32 MiB above what it maps once its input exists, and the
