@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsimd import _kvsimd, reference
-from kvsimd.errors import KVSimdValueError
+from kvsimd.errors import KVSimdTypeError, KVSimdValueError
 
 __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND_TOL",
            "attend_scale", "attend_bound", "score_chain", "score_rounding_error", "alibi_score_error", "SOFTCAP_REL",
@@ -22,6 +22,27 @@ __all__ = ["U16", "U32", "rope_coefficients", "rope_bound", "pair_norm", "ATTEND
 
 U16 = 2.0 ** -11
 U32 = 2.0 ** -24
+
+
+def _f64(x, name):
+    """x as a float64 array, or KVSimdTypeError naming the argument (ragged lists, strings, objects)."""
+    try:
+        return np.asarray(x, np.float64)
+    except (TypeError, ValueError):
+        raise KVSimdTypeError("%s must be an array of numbers, got %s" % (name, _short(x))) from None
+
+
+def _num(x, name):
+    """x as a Python float, or KVSimdTypeError naming the argument."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise KVSimdTypeError("%s must be a number, got %s" % (name, _short(x))) from None
+
+
+def _short(x):
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 # Per call and per component:  |out - exact| <= a * |out| + b * |pair| + c.
 #
@@ -54,7 +75,10 @@ _ROPE = {
 def rope_coefficients(isa: str, dtype) -> tuple[float, float, float]:
     """(a, b, c) of the per-call, per-component bound ``a |out| + b |pair| + c`` of
     ``apply_rope`` / ``shift_keys`` on ISA row ``isa`` for ``dtype`` (float16 or float32)."""
-    key = (np.dtype(dtype).name, isa)
+    try:
+        key = (np.dtype(dtype).name, isa)
+    except TypeError:
+        raise KVSimdTypeError("dtype must be float16 or float32, got %s" % _short(dtype)) from None
     if key not in _ROPE:
         raise KVSimdValueError("no rotation bound for isa=%r dtype=%r" % (isa, np.dtype(dtype).name))
     return _ROPE[key]
@@ -64,7 +88,7 @@ def pair_norm(x, style: str, rotary_dim: int):
     """|pair| of every component of ``x [..., D]`` (0 for the dims beyond ``rotary_dim``)."""
     if style not in ("gptj", "neox"):
         raise KVSimdValueError("style must be 'gptj' or 'neox', got %r" % (style,))
-    x = np.asarray(x, np.float64)
+    x = _f64(x, "x")
     _kvsimd._need_int(rotary_dim, "rotary_dim", 0, x.shape[-1] if x.ndim else 0)
     n = np.zeros_like(x)
     rd = rotary_dim
@@ -93,16 +117,14 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
     scales the (cos, sin) multiplier and so the pairs every product rounds: |pair| counts
     ``max(1, factor)`` times."""
     a, b, c = rope_coefficients(isa, dtype)
-    if not 1 <= calls <= 8:
-        raise KVSimdValueError("calls must be in 1..8, got %r" % (calls,))
-    if not (np.isfinite(factor) and factor > 0):
+    calls = _kvsimd._need_int(calls, "calls", 1, 8)
+    if not (np.isfinite(_num(factor, "factor")) and factor > 0):
         raise KVSimdValueError("factor must be finite and > 0, got %r" % (factor,))
-    calls = _kvsimd._need_int(calls, "calls", 1)
     if pair is None or out is None:
         raise KVSimdValueError("pair and out must be arrays (pair_norm of the input, the exact result), got %s"
                                % ("pair=None" if pair is None else "out=None"))
-    pair = np.asarray(pair, np.float64) * (1.0 + 2.0 ** -8 if calls > 1 else 1.0) * max(1.0, float(factor))
-    last = a * np.abs(np.asarray(out, np.float64)) + b * pair + c
+    pair = _f64(pair, "pair") * (1.0 + 2.0 ** -8 if calls > 1 else 1.0) * max(1.0, float(factor))
+    last = a * np.abs(_f64(out, "out")) + b * pair + c
     return last + (calls - 1) * ((a + np.sqrt(2.0) * b) * pair + np.sqrt(2.0) * c)
 
 
@@ -137,18 +159,18 @@ def score_rounding_error(q, k, scale=None, q_alt=None):
     scores' own size, but a score of 100 carries an error of up to ~1e-3, and through the softmax
     the output moves by as much relative to its scale: more than ``ATTEND_TOL`` covers once
     scores reach the tens (q of norm ~60 over D = 64)."""
-    qa = np.abs(np.asarray(q, np.float64))
+    qa = np.abs(_f64(q, "q"))
     if q_alt is not None:
         if np.shape(q_alt) != qa.shape:
             raise KVSimdValueError("q_alt must have q's shape %s, got %s" % (qa.shape, np.shape(q_alt)))
-        qa = np.maximum(qa, np.abs(np.asarray(q_alt, np.float64)))
+        qa = np.maximum(qa, np.abs(_f64(q_alt, "q_alt")))
     return (score_chain(qa.shape[-1]) + 1) * U32 * _score_magnitude(qa, k, scale)
 
 
 def _score_magnitude(qa, k, scale):
     """``|scale| * sum_c qa_c |k_jc|`` ``[H, N]`` for query magnitudes qa ``[H, D]`` (``scale`` None:
     1 / sqrt(D)): the size of what a score's roundings act on."""
-    ka = np.abs(np.asarray(k, np.float64))
+    ka = np.abs(_f64(k, "k"))
     if qa.ndim != 2 or ka.ndim != 3 or qa.shape[1] != ka.shape[2] or ka.shape[0] < 1 or qa.shape[0] % ka.shape[0]:
         raise KVSimdValueError("q [H, D] and k [Hkv, N, D] must agree, with Hkv dividing H, got shapes %s and %s"
                                % (qa.shape, ka.shape))
@@ -166,7 +188,7 @@ def quantized_step_bound(scale, D: int):
     :func:`kvsimd.ops.quantize_kv` to int8 or int4 (``scale`` its ``[..., blocks]`` scales: the
     step, max |block| / 127 for int8, signed for int4: :func:`kvsimd.reference.int4_scale`), plus
     the float32 rounding of the product (2**-24 relative)."""
-    scale = np.asarray(scale, np.float64)
+    scale = _f64(scale, "scale")
     blocks = scale.shape[-1] if scale.ndim else 0
     D = _kvsimd._need_int(D, "D", max(1, 32 * blocks - 31), 32 * blocks)   # the head dim these blocks hold
     per = np.repeat(np.abs(scale), 32, axis=-1)[..., :D]
@@ -183,7 +205,7 @@ def hadamard_step_bound(scale, x):
     D = np.shape(x)[-1]
     w = D // 32 * 32
     bound = quantized_step_bound(scale, D)
-    per = np.repeat(np.abs(np.asarray(scale, np.float64)), 32, axis=-1)[..., :w]
+    per = np.repeat(np.abs(_f64(scale, "scale")), 32, axis=-1)[..., :w]
     bound[..., :w] = per * 32 * (0.5 + 2.0 ** -23) + 12 * 2.0 ** -24 * _block_sums(x)[..., :w]
     return bound
 
@@ -191,7 +213,7 @@ def hadamard_step_bound(scale, x):
 def _block_sums(x):
     """``|H| |x|``: the sum of ``|x|`` over each whole block of 32 values of the last axis, in
     every component of the block; 0 on a shorter last block (never turned)."""
-    x = np.abs(np.asarray(x, np.float64))
+    x = np.abs(_f64(x, "x"))
     w = x.shape[-1] // 32 * 32
     sums = np.zeros_like(x)
     sums[..., :w] = np.repeat(x[..., :w].reshape(x.shape[:-1] + (-1, 32)).sum(axis=-1), 32, axis=-1)
@@ -212,7 +234,7 @@ def quantized_shift_bound(isa: str, pair, out, new_scale, hadamard=False):
         step = quantized_step_bound(new_scale, np.shape(out)[-1])
     else:
         step = hadamard_step_bound(new_scale, out) + \
-            10 * 2.0 ** -24 * np.sum(np.asarray(pair, np.float64), axis=-1, keepdims=True)
+            10 * 2.0 ** -24 * np.sum(_f64(pair, "pair"), axis=-1, keepdims=True)
     return rope_bound(isa, "float32", pair, out) + step + 2.0 ** -24 * np.abs(out)
 
 
@@ -225,8 +247,8 @@ def alibi_score_error(alibi_slopes, distances):
     counts in :func:`score_rounding_error`), plus one more when ``|distance| >= 2**24`` is
     not exact in fp32.  Note the *absolute* error grows with the distance: a bias of 1000
     carries ~1e-4 of score error, whatever the weights."""
-    d = np.abs(np.asarray(distances, np.float64))
-    bias = np.abs(np.asarray(alibi_slopes, np.float64))[:, None] * d
+    d = np.abs(_f64(distances, "distances"))
+    bias = np.abs(_f64(alibi_slopes, "alibi_slopes"))[:, None] * d
     return (2.0 + (d >= 2.0 ** 24)) * U32 * bias
 
 
@@ -262,14 +284,14 @@ def softcap_score_error(capped_scores, softcap):
     """Bound ``[H, N]`` on the rounding of the soft cap itself in each score (the derivation
     above): ``SOFTCAP_REL * |c| + softcap * 2**-146 + 2**-148``, ``c`` the float64 capped scores
     (:func:`kvsimd.reference.attention_scores` without ALiBi; keys outside the ranges: 0)."""
-    c = np.abs(np.asarray(capped_scores, np.float64))
+    c = np.abs(_f64(capped_scores, "capped_scores"))
     c = np.where(np.isfinite(c), c, 0.0)
-    return SOFTCAP_REL * c + float(softcap) * 2.0 ** -146 + 2.0 ** -148
+    return SOFTCAP_REL * c + _num(softcap, "softcap") * 2.0 ** -146 + 2.0 ** -148
 
 
 def _weights_and_scale(q, k, v, kw):
     p = reference.attention_weights(q, k, **kw)
-    va = np.repeat(np.abs(np.asarray(v, np.float64)), p.shape[0] // k.shape[0], axis=0)
+    va = np.repeat(np.abs(_f64(v, "v")), p.shape[0] // k.shape[0], axis=0)
     return p, va, np.einsum("hn,hnd->hd", p, va)
 
 
@@ -324,6 +346,13 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     Not covered: overflow -- the kernel's sum of the weighted values past float32's range (values
     near 3.4e38 / N over N keys of equal weight: see :func:`kvsimd.ops.attend`) -- and NaN or
     infinite inputs."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, np.ndarray):
+            raise KVSimdTypeError("%s must be a NumPy array, got %s" % (name, _short(x)))
+    if q.ndim not in (2, 3) or k.ndim != 3 or v.shape != k.shape or q.shape[-1] != k.shape[2] or \
+            not k.shape[0] or q.shape[-2] % k.shape[0]:
+        raise KVSimdValueError("q [H, D] or [T, H, D] over k and v [Hkv, N, D] (Hkv dividing H), got q %s, k %s, v %s"
+                               % (q.shape, k.shape, v.shape))
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
         return np.stack([attend_bound(q[t], k, v, dtype=dtype, hadamard=hadamard, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
@@ -351,9 +380,9 @@ def _turned_attend_bound(q, k, v, dtype, kw):
     turned = dict(kw)
     bq = _block_sums(q)
     if kw.get("q_alt") is not None:
-        turned["q_alt"] = reference.hadamard_rows(np.asarray(kw["q_alt"], np.float64))
+        turned["q_alt"] = reference.hadamard_rows(_f64(kw["q_alt"], "q_alt"))
         bq = np.maximum(bq, _block_sums(kw["q_alt"]))
-    qt = reference.hadamard_rows(np.asarray(q, np.float64))
+    qt = reference.hadamard_rows(_f64(q, "q"))
     inner = attend_bound(qt, k, v, dtype=dtype, **turned)
     p, va, scale = _weights_and_scale(qt, k, v, turned)
     pe = p * (6 * U32 * _score_magnitude(bq, k, kw.get("scale")))
@@ -431,8 +460,8 @@ def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitu
     [rows, k] (``QMatrix.dequantize()``, or ``gguf.quants.dequantize`` of the same bytes).
     ``activations="int8"`` (a QMatrix's ``activations``): sections 4 and 5 above, with
     ``block_magnitude`` = ``x8_block_magnitude(qm.raw(), qm.wtype)``."""
-    x = np.asarray(x, np.float64)
-    w = np.asarray(w_deq, np.float64)
+    x = _f64(x, "x")
+    w = _f64(w_deq, "w_deq")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise KVSimdValueError("matmul_bound needs x [B, k] and w_deq [rows, k], got x %s and w_deq %s"
                                % (x.shape, w.shape))
@@ -444,7 +473,7 @@ def matmul_bound(x, w_deq, isa: str, activations: str = "float32", block_magnitu
         gamma = h * U32 / (1.0 - h * U32)
         return (gamma + k * 2.0 ** -52) * (np.abs(x) @ np.abs(w).T) + k * 2.0 ** -148
     matmul_depth(k, isa)                          # (checks isa)
-    mag = np.asarray(block_magnitude, np.float64) if block_magnitude is not None else None
+    mag = _f64(block_magnitude, "block_magnitude") if block_magnitude is not None else None
     if k % 32 or mag is None or mag.shape != (w.shape[0], k // 32):
         raise KVSimdValueError("int8 activations need k a multiple of 32 and block_magnitude [rows, k / 32] "
                                "(x8_block_magnitude), got k %d and %s" % (k, None if mag is None else mag.shape))
@@ -473,7 +502,11 @@ def x8_block_magnitude(raw, wtype: str):
     size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176}
     if wtype not in size:
         raise KVSimdValueError("int8 activations exist for %s, got %r" % (", ".join(size), wtype))
-    b = np.ascontiguousarray(raw, np.uint8).reshape(raw.shape[0], -1, size[wtype])
+    if not isinstance(raw, np.ndarray) or raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % size[wtype]:
+        raise KVSimdValueError("raw must be uint8 [rows, row bytes] of whole %d-byte %s blocks, got %s"
+                               % (size[wtype], wtype, "%s %s" % (raw.dtype, raw.shape) if isinstance(raw, np.ndarray)
+                                  else _short(raw)))
+    b = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size[wtype])
     d = np.abs(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
     if wtype in ("q4_k", "q5_k"):     # per sub-block of 32: |d sc| q_max + |dmin mn|
         sc, mn = _kquant_scales(b)

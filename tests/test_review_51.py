@@ -174,3 +174,29 @@ def test_wrong_keyword_arguments_and_ragged_ids_are_kvsimd_type_errors():
     with pytest.raises(kvsimd.KVSimdTypeError, match="emb: ids must be a 1-D sequence of integers"):
         w.take([[1], [1, 2]])
     assert w.take([1, 3]).shape == (2, 32)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    ("bounds.attend_bound([1], [2], [3])", "KVSimdTypeError", "q must be a NumPy array, got [1]"),
+    ("bounds.attend_bound(np.ones((4, 8)), np.ones((3, 5, 8)), np.ones((3, 5, 8)))", "KVSimdValueError",
+     "got q (4, 8), k (3, 5, 8), v (3, 5, 8)"),
+    ("bounds.attend_bound(np.ones((4, 8)), np.ones((2, 5, 8)), np.ones((2, 5, 4)))", "KVSimdValueError",
+     "v (2, 5, 4)"),
+    ("bounds.quantized_step_bound('a', 3)", "KVSimdTypeError", "scale must be an array of numbers, got 'a'"),
+    ("bounds.alibi_score_error([0.5], [[1, 2], [3]])", "KVSimdTypeError", "distances must be an array of numbers"),
+    ("bounds.x8_block_magnitude(b'abc', 'q4_0')", "KVSimdValueError", "raw must be uint8 [rows, row bytes]"),
+    ("bounds.x8_block_magnitude(np.zeros((2, 20), np.uint8), 'q4_0')", "KVSimdValueError", "uint8 (2, 20)"),
+    ("bounds.rope_coefficients('avx2', 'x')", "KVSimdTypeError", "dtype must be float16 or float32, got 'x'"),
+    ("bounds.rope_bound('avx2', np.float16, [1.0], [1.0], factor='big')", "KVSimdTypeError",
+     "factor must be a number, got 'big'"),
+    ("bounds.softcap_score_error([1.0], None)", "KVSimdTypeError", "softcap must be a number, got None"),
+])
+def test_bounds_refuse_arguments_of_the_wrong_kind(call, error, message):
+    """kvsimd.bounds is public (users check kvsimd on their own data with it): arguments of the
+    wrong kind raise a KVSimdError naming them, not numpy's or Python's own exceptions."""
+    import numpy as np  # noqa: F401  (used by the calls)
+    import kvsimd
+    from kvsimd import bounds  # noqa: F401
+    with pytest.raises(getattr(kvsimd, error)) as e:
+        eval(call)
+    assert message in str(e.value), str(e.value)
