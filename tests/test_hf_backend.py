@@ -542,3 +542,63 @@ def test_smollm2_through_transformers_gguf(smollm2):
     assert not torch.equal(ref_tok4, ref_tok)
     sink_tok, _ = run(m, ids, kt.NAME, kt.KVSimdSinkCache(m, window=256, n_keep=4), n=32)
     assert torch.equal(sink_tok, ref_tok)          # inside the window the sink cache is the plain one
+
+
+# ------------------------------------------------------------------ an attacker's probe (stop 51)
+def test_a_cache_made_for_a_deeper_model_is_refused_not_silently_never_filled():
+    """A KVSimdCache of a 2-layer model used by a 1-layer one (same heads and head dim) never saw
+    its last layer attended, so no pass ever joined it and every step attended to its own tokens
+    only, with no error; now the first attention refuses it and leaves it empty."""
+    shallow, deep = tiny("llama", num_hidden_layers=1), tiny("llama", num_hidden_layers=2)
+    kt.enable(shallow)
+    kt.enable(deep)
+    cache = kt.KVSimdCache(deep)
+    ids = torch.tensor([[5, 9, 11, 3]])
+    with pytest.raises(KVSimdValueError, match="made for a model of 2 layers.*model of 1"):
+        shallow.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert cache.get_seq_length() == 0
+    own = kt.KVSimdCache(shallow)      # the right cache still works
+    out = shallow.generate(ids, past_key_values=own, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 8) and own.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("call, error, message", [
+    ("cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), '0')", KVSimdValueError,
+     "layer '0' updated out of order"),
+    ("kt.attention(Mod(), torch.randn(2, 4, 3, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), "
+     "torch.ones(1, 5, dtype=torch.bool))", KVSimdValueError, "attention_mask has 1 rows for a batch of 2"),
+    ("kt.attention(Mod(), torch.randn(4, 3, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), None)",
+     KVSimdValueError, "query must be a [batch, heads, tokens, head_dim] tensor, got (4, 3, 16)"),
+    ("kt.attention(Mod(), torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None, "
+     "softcap='a')", KVSimdTypeError, "softcap must be a number, got 'a'"),
+    ("kt.attention(Mod(), torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None, "
+     "dropout=torch.ones(2))", KVSimdTypeError, "dropout must be a number"),
+    ("kt.attention_mask(1, 3, 5, attention_mask=np.ones((1, 5)))", KVSimdValueError,
+     "must be a 2-D tensor [batch, keys], got ndarray"),
+])
+def test_malformed_backend_arguments_are_kvsimd_errors(call, error, message):
+    """Direct calls of the backend's functions with arguments transformers never passes: each
+    raised numpy's, torch's or Python's own exception before."""
+    class Mod:
+        is_causal = True
+    cache = kt.KVSimdCache(tiny("llama"))   # noqa: F841  (used by the calls)
+    with pytest.raises(error) as e:
+        eval(call, {"torch": torch, "np": np, "kt": kt, "Mod": Mod, "cache": cache})
+    assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("m.config.rope_parameters = {'rope_type': 'default', 'rope_theta': 10000.0, 'partial_rotary_factor': float('nan')}",
+     "partial_rotary_factor"),
+    ("m.config.rope_parameters = {'rope_type': 'default', 'rope_theta': 10000.0, 'partial_rotary_factor': float('inf')}",
+     "partial_rotary_factor"),
+    # past transformers' own check (a config object filled in another way)
+    ("m.config.__dict__['layer_types'] = [['full_attention'], 'x']", "layer_types must be a list of 2 strings"),
+    ("m.config.model_type = ['llama']", "model family ['llama'] is not supported"),
+])
+def test_from_transformers_refuses_odd_config_values(edit, message):
+    m = tiny("qwen2")
+    exec(edit, {"m": m})
+    with pytest.raises(KVSimdError) as e:
+        Decoder.from_transformers(m)
+    assert message in str(e.value), str(e.value)

@@ -200,3 +200,33 @@ def test_bounds_refuse_arguments_of_the_wrong_kind(call, error, message):
     with pytest.raises(getattr(kvsimd, error)) as e:
         eval(call)
     assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("field", ["final_softcap", "embed_scale", "norm_eps"])
+def test_config_reals_beyond_float32_are_refused(field):
+    """Finite as float64 but inf as the float32 the passes use: the logits were NaN, with no error."""
+    import kvsimd
+    from kvsimd.testing import random_decoder
+    with pytest.raises(kvsimd.KVSimdValueError, match="%s must be within float32's range" % field):
+        random_decoder(64, 32, 2, 4, 2, 8, 48, **{field: 1e39})
+
+
+def test_attn_windows_cannot_be_edited_in_place():
+    """A list given as attn_windows is stored as a tuple: an edit in place was silently ignored
+    (the model kept the windows it had checked); assigning a new value is checked and used."""
+    import numpy as np
+    import kvsimd
+    from kvsimd.testing import random_decoder
+    d = random_decoder(64, 32, 2, 4, 2, 8, 48, attn_windows=[0, 0])
+    assert d.cfg.attn_windows == (0, 0)
+    with pytest.raises(TypeError):
+        d.cfg.attn_windows[0] = 2
+    ids = [1, 2, 3, 4, 5]
+    full = d.forward(ids)
+    d.cfg.attn_windows = [2, 0]
+    windowed = d.forward(ids)
+    ref = random_decoder(64, 32, 2, 4, 2, 8, 48, attn_windows=(2, 0)).forward(ids)
+    assert np.array_equal(windowed, ref) and not np.array_equal(windowed, full)
+    with pytest.raises(kvsimd.KVSimdValueError, match="attn_windows"):
+        d.cfg.attn_windows = [-5, 0]
+        d.forward(ids)

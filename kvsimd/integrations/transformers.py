@@ -86,6 +86,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                "sequences, non-causal attention, ...): refused rather than ignored"
                                % (", ".join("%s=%r" % (k, kwargs[k]) for k in unknown) or "is_causal=False",
                                   type(module).__name__))
+    dropout, cap = _number(dropout, "dropout"), _number(softcap, "softcap")
     if dropout:
         raise KVSimdValueError("kvsimd attention runs inference only, got dropout=%r (is the model in training "
                                "mode? call model.eval())" % (dropout,))
@@ -96,20 +97,36 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                "%s: a 4-D or custom mask (packed sequences, multimodal overlays) is not supported"
                                % ((tuple(attention_mask.shape) if hasattr(attention_mask, "shape")
                                    else type(attention_mask).__name__),))
+    if not isinstance(query, torch.Tensor) or query.ndim != 4:
+        raise KVSimdValueError("query must be a [batch, heads, tokens, head_dim] tensor, got %s"
+                               % (tuple(query.shape) if hasattr(query, "shape") else type(query).__name__,))
     B, H, T, D = query.shape
+    if attention_mask is not None and attention_mask.shape[0] != B:
+        raise KVSimdValueError("attention_mask has %d rows for a batch of %d" % (attention_mask.shape[0], B))
     q = query.detach()
     q = (q if q.dtype == torch.float32 else q.float()).numpy()
     mask = None if attention_mask is None else attention_mask.detach().to(torch.bool).numpy()
     out = np.empty((B, T, H, D), dtype=np.float32)
     window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else None
+    cap = cap if cap else None
     tag = getattr(key, "_kvsimd", None)
     if tag is not None:
+        tag[0]._check_model(module)
         tag[0]._attend(tag[1], q, out, mask, scaling, cap, window)
     else:
         _attend_tensors(q, key, value, out, mask, scaling, cap, window)
     res = torch.from_numpy(out)
     return (res if query.dtype == torch.float32 else res.to(query.dtype)), None
+
+
+def _number(x, name):
+    """x (None: 0) as a float, or KVSimdTypeError naming the argument (a tensor of one element passes)."""
+    if x is None:
+        return 0.0
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):   # strings, tensors of several elements
+        raise KVSimdTypeError("%s must be a number, got %r" % (name, x)) from None
 
 
 def _kv_array(t):
@@ -192,9 +209,10 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
                                "it does not support" % getattr(mask_function, "__qualname__", mask_function))
     if attention_mask is None:
         return None
-    if attention_mask.ndim != 2:
-        raise KVSimdValueError("the attention mask must be 2-D [batch, keys], got shape %s"
-                               % (tuple(attention_mask.shape),))
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+        raise KVSimdValueError("the attention mask must be a 2-D tensor [batch, keys], got %s"
+                               % (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                                  else type(attention_mask).__name__,))
     m = attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
     return None if bool(m.all()) else m
 
@@ -342,7 +360,7 @@ class _KVSimdCacheBase(Cache):
         p = self._pending
         if p is None or layer != p["next"] or B != p["B"] or T != p["T"]:
             self._abort()
-            raise KVSimdValueError("%s: layer %d updated out of order (each forward pass updates layers 0..%d once, "
+            raise KVSimdValueError("%s: layer %r updated out of order (each forward pass updates layers 0..%d once, "
                                    "with the same batch and tokens)" % (type(self).__name__, layer, self.n_layers - 1))
         k, v = _kv_f32(key_states), _kv_f32(value_states)
         rows = []
@@ -414,6 +432,16 @@ class _KVSimdCacheBase(Cache):
         committed ones before them, KVCache.attend's ``float_rows``)."""
         self.kv.attend(layer, np.ascontiguousarray(q[b, :, 0, :]), seq=b, length=N, scale=scale, softcap=softcap,
                        out=out[b, 0], float_rows=bool(self.recent))
+
+    def _check_model(self, module):
+        """Refuse a model of another depth than the one the cache was made for: its last layer would
+        never be the cache's, and no pass would ever join the cache."""
+        cfg = getattr(module, "config", None)
+        n = getattr(cfg, "num_hidden_layers", None) if cfg is not None else None
+        if isinstance(n, int) and n != self.n_layers:
+            self._abort()
+            raise KVSimdValueError("%s was made for a model of %d layers; %s runs in a model of %d: make a cache "
+                                   "for that model" % (type(self).__name__, self.n_layers, type(module).__name__, n))
 
     def _attend(self, layer, q, out, mask, scale, softcap, window):
         p = self._pending

@@ -110,6 +110,8 @@ def _rope_params(cfg):
 
 
 def _rotary_dim(Dh, frac):
+    if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 < frac <= 1:
+        raise KVSimdValueError("partial_rotary_factor must be a number in (0, 1], got %r" % (frac,))
     rd = int(Dh * frac)
     if rd % 2 or rd <= 0:
         raise KVSimdValueError("rotary dims = int(head_dim %d * %g) = %d: must be even and positive" % (Dh, frac, rd))
@@ -145,7 +147,7 @@ def decoder_from_transformers(cls, model, weights="float32"):
     family = getattr(model.config, "model_type", type(model).__name__)
     builders = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
                 "gemma2": _llama, "gpt_neox": _neox, "gpt2": _gpt2, "bloom": _bloom}
-    if family not in builders:
+    if not isinstance(family, str) or family not in builders:
         raise KVSimdValueError("Decoder.from_transformers: model family %r is not supported (supported: %s)"
                                % (family, ", ".join(sorted(builders))))
     return store_weights(cls(**builders[family](model)), weights)
@@ -157,6 +159,9 @@ def _windows(c):
     n, W = c.num_hidden_layers, getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
     if types is not None:
+        if isinstance(types, (str, bytes)) or not all(isinstance(t, str) for t in types) or len(types) != n:
+            raise KVSimdValueError("layer_types must be a list of %d strings (full_attention / sliding_attention), "
+                                   "got %r" % (n, types))
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise KVSimdValueError("layer types %s are not supported (supported: full_attention, sliding_attention)"

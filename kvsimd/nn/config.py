@@ -26,6 +26,8 @@ ROPE_SCALING = {
     "yarn": (("factor", "original_max_position_embeddings"),
              ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")),
 }
+_F32_MAX = float(np.finfo(np.float32).max)
+
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": 0.0,
                   "mscale_all_dim": 0.0, "truncate": True}
 
@@ -112,7 +114,11 @@ class ModelConfig(_Tracked):
     rope_scaling: Optional[Dict[str, Any]] = None
 
     def __setattr__(self, name, value):
-        super().__setattr__(name, _frozen_scaling(value) if name == "rope_scaling" else value)
+        if name == "rope_scaling":
+            value = _frozen_scaling(value)
+        elif name == "attn_windows" and isinstance(value, list):   # a tuple: no edit in place goes unchecked
+            value = tuple(value)
+        super().__setattr__(name, value)
 
     def __post_init__(self):
         if self.rotary_dim is None and isinstance(self.head_dim, (int, np.integer)):
@@ -167,6 +173,9 @@ def check_config(cfg, what="config"):
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
                                    % (what, name, "" if lo is None else " and >= 0", v))
+        if name != "rope_theta" and abs(v) > _F32_MAX:   # the passes use it as a float32
+            raise KVSimdValueError("%s.%s must be within float32's range (|x| <= %.7g), got %r"
+                                   % (what, name, _F32_MAX, v))
     try:      # the kernel's rule for the score cap (ops.attend, the plans), named as the config's field
         _kvsimd._need_softcap(cfg.attn_softcap)
     except KVSimdError as e:
