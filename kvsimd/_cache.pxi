@@ -1027,7 +1027,7 @@ cdef class KVCache(_KVStore):
         if self._head[s] != self.n_keep or self._seen[s] != start:
             raise KVSimdValueError("sequence %d has wrapped its ring buffer: %s works before that; feed "
                                    "further tokens with begin_step" % (s, verb))
-        if k < 1 or start + k > self.capacity:
+        if k < 1 or k > self.capacity - start:   # not start + k: that can wrap
             raise KVSimdCapacityError("cannot %s %d tokens after %d cached: n must be in 1..%d (capacity %d, "
                                       "sequence %d)" % (verb, k, start, self.capacity - start, self.capacity, s))
         if tokens is None:

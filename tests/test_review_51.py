@@ -154,6 +154,8 @@ def test_commit_under_reevaluate_needs_the_token_ids():
     c.write(0, k, k)
     with pytest.raises(kvsimd.KVSimdValueError, match="reevaluate.*append"):
         c.commit(2)
+    with pytest.raises(kvsimd.KVSimdCapacityError, match="cannot append 9223372036854775807 tokens"):
+        c.append(0, 2 ** 63 - 1)   # start + n wrapped to a negative sum before: a bare MemoryError
     assert int(c.lengths[0]) == 0
     c.commit(0)
     c.append(0, 2, np.array([5, 6]))
@@ -207,7 +209,7 @@ def test_config_reals_beyond_float32_are_refused(field):
     """Finite as float64 but inf as the float32 the passes use: the logits were NaN, with no error."""
     import kvsimd
     from kvsimd.testing import random_decoder
-    with pytest.raises(kvsimd.KVSimdValueError, match="%s must be within float32's range" % field):
+    with pytest.raises(kvsimd.KVSimdValueError, match="%s must be finite and within float32 range" % field):
         random_decoder(64, 32, 2, 4, 2, 8, 48, **{field: 1e39})
 
 

@@ -173,8 +173,9 @@ def check_config(cfg, what="config"):
         if not math.isfinite(v) or (lo is not None and v < lo):
             raise KVSimdValueError("%s.%s must be finite%s, got %r"
                                    % (what, name, "" if lo is None else " and >= 0", v))
-        if name != "rope_theta" and abs(v) > _F32_MAX:   # the passes use it as a float32
-            raise KVSimdValueError("%s.%s must be within float32's range (|x| <= %.7g), got %r"
+        # the passes use these as float32 (attn_scale has the kernels' own rule, _need_scale below)
+        if name in ("norm_eps", "embed_scale", "final_softcap") and abs(v) > _F32_MAX:
+            raise KVSimdValueError("%s.%s must be finite and within float32 range (|x| <= %.7g), got %r"
                                    % (what, name, _F32_MAX, v))
     try:      # the kernel's rule for the score cap (ops.attend, the plans), named as the config's field
         _kvsimd._need_softcap(cfg.attn_softcap)
