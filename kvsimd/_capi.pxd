@@ -23,6 +23,7 @@ cdef extern from "kvsimd.h" nogil:
 
     int KV_MAX_HEAD_DIM
     long long KV_MAX_TOKENS
+    int KV_V_SPAN
     int KV_MAX_THREADS
     const char *KV_VERSION
     uint32_t KV_FEAT_AVX2, KV_FEAT_AVX512, KV_FEAT_AVX512FP16, KV_FEAT_OSXSAVE, KV_FEAT_OS_YMM, KV_FEAT_OS_ZMM

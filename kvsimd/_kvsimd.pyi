@@ -15,6 +15,7 @@ from kvsimd.errors import (KVSimdBusyError as KVSimdBusyError, KVSimdCapacityErr
 __version__: str
 MAX_THREADS: int
 MAX_TOKENS: int
+_V_SPAN: int
 POLICIES: Tuple[str, ...]
 
 _Array = npt.NDArray[Any]

@@ -138,6 +138,7 @@ def show_runtime(file=None):
 
 MAX_THREADS = KV_MAX_THREADS
 MAX_TOKENS = KV_MAX_TOKENS     # the most tokens a cache holds or one call takes
+_V_SPAN = KV_V_SPAN             # kvsimd/bounds.py: the grid of int16 weight spans (kvsimd.h)
 
 
 def _set_kernel_threads(n):

@@ -135,6 +135,26 @@ def rope_bound(isa: str, dtype, pair, out, calls: int = 1, factor: float = 1.0):
 # int8 and int4 K/V: each row is widened to exactly the float32 values q * scale
 # (reference.dequantize_kv), so against float64 math on those values the float32 tolerance holds.
 ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
+# Int8 and int4 values on the rows with VPDPWSSD (avx512, avx512fp16; kernels/attn.inc.h
+# kv_accumulate_i16), when a KV head has several query vectors: per span of at most V_SPAN keys
+# that are consecutive on the k / v arrays' axis N (the bound takes the largest weight and scale of
+# the key's cell of V_SPAN and the cells on either side, so the kernel's grid may sit anywhere), query
+# vector and value block b (32 values), the weight p_j s_jb of key j (s_jb its block's scale) is
+# rounded to a multiple of the step (P / 32766) max_j |s_jb|, P the span's largest weight: off by
+# half a step, plus the fp32 roundings of the quotient that is rounded (four, of a number at most
+# 32766: 2**-9 of a step), W16_STEPS steps in all.  Value q_jd of key j weighs |v_jd| / |s_jb|,
+# so over the span that adds at most
+#     W16_STEPS / 32766 * P * max_j |s_jb| * sum_j |v_jd| / |s_jb|
+# to |out_d - ref_d|.  The scales come from the values: |s_jb| >= A_jb / 127 (int8) or / 8 (int4),
+# A_jb = max over the block of |v_jd|, as no int8 value passes 127 nor int4 one -8; and
+# max |s_jb| <= max A_jb / 127 (int8: the block's largest value is +-127 steps) or / 7 (int4:
+# +-7 or -8 steps, reference.int4_scale; float32 values of normal size), so V_SCALE_RATIO
+# (127 / 127, 8 / 7) times max A_jb sum_j |v_jd| / A_jb.  Every row is bounded so; only those rows
+# round.  The other fp32 roundings there (the int32 sums' conversion, two products) are relative
+# to the span's sum_j p_j |v_jd|, within ATTEND_TOL.
+V_SPAN = _kvsimd._V_SPAN
+W16_STEPS = 0.5 + 2.0 ** -9
+V_SCALE_RATIO = {"int8": 1.0 + 2.0 ** -20, "int4": 8.0 / 7.0 * (1.0 + 2.0 ** -20)}
 # The softmax weight of a key far below the maximum: kernels/attn.inc.h's vf_exp clamps its
 # argument at -87.34, e^-87.34 = 2**-126 (FLT_MIN), with its polynomial's error a little more.
 EXP_FLOOR = 2.0 ** -125
@@ -343,6 +363,10 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
     block's sum of ``attend_scale`` (each stated as 6 * 2**-24 for the higher-order terms).  A
     shorter last block is not turned: the bound above.
 
+    Int8 or int4 values (``dtype`` naming them, alone or as the V of "K/V"): plus the int16
+    weights' term (the comment at V_SPAN): the keys of a kernel's span (a range's consecutive keys)
+    must be consecutive on k and v's axis N, as they are when the ranges are laid end to end.
+
     Not covered: overflow -- the kernel's sum of the weighted values past float32's range (values
     near 3.4e38 / N over N keys of equal weight: see :func:`kvsimd.ops.attend`) -- and NaN or
     infinite inputs."""
@@ -372,7 +396,42 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
         plain = {key: val for key, val in kw.items() if key not in ("alibi_slopes", "key_positions", "query_position")}
         err = err + softcap_score_error(reference.attention_scores(q, k, **plain), kw["softcap"])
     pe = p * err
-    return bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
+    bound = bound + np.einsum("hn,hnd->hd", pe, va) + pe.sum(axis=1)[:, None] * scale
+    if names[-1] in V_SCALE_RATIO:
+        # the kernel's weights are the reference's within e^(2 max e) (the score errors above), and at most 1
+        grow = np.exp(np.minimum(2.0 * err.max(axis=1, initial=0.0), 700.0))[:, None]
+        bound = bound + _int16_weight_bound(np.minimum(p * grow, 1.0), v, names[-1])
+    return bound
+
+
+def _near_max(x):
+    """The largest of cells c - 1, c, c + 1 along axis 1 of x."""
+    y = np.pad(x, [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2))
+    return np.maximum(np.maximum(y[:, :-2], y[:, 1:-1]), y[:, 2:])
+
+
+def _int16_weight_bound(p, v, name):
+    """The int16 weights' term of attend_bound (above V_SPAN): ``[H, D]`` for weights p ``[H, N]``
+    over int8 or int4 values v ``[Hkv, N, D]`` (the values they stand for)."""
+    va = np.abs(_f64(v, "v"))
+    Hkv, N, D = va.shape
+    w = D // 32 * 32
+    out = np.zeros((p.shape[0], D))
+    if w < D or N == 0:   # a head dim that is not whole blocks never takes the int16 weights
+        return out
+    A = np.repeat(va.reshape(Hkv, N, D // 32, 32).max(axis=-1), 32, axis=-1)    # [Hkv, N, D]: A_jb
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(A > 0, va / A, 0.0)
+    cells = -(-N // V_SPAN)
+    pad = cells * V_SPAN - N
+    Ac = np.pad(A, ((0, 0), (0, pad), (0, 0))).reshape(Hkv, cells, V_SPAN, D).max(axis=2)       # [Hkv, cells, D]
+    rc = np.pad(rel, ((0, 0), (0, pad), (0, 0))).reshape(Hkv, cells, V_SPAN, D).sum(axis=2)
+    pc = np.pad(p, ((0, 0), (0, pad))).reshape(p.shape[0], cells, V_SPAN).max(axis=2)           # [H, cells]
+    # a span holding a key of cell c lies within cells c - 1 .. c + 1 whatever the grid's offset
+    Ac, pc = _near_max(Ac), _near_max(pc)
+    G = p.shape[0] // Hkv
+    per = np.repeat(Ac * rc, G, axis=0)                                                         # [H, cells, D]
+    return W16_STEPS / 32766.0 * V_SCALE_RATIO[name] * np.einsum("hc,hcd->hd", pc, per)
 
 
 def _turned_attend_bound(q, k, v, dtype, kw):

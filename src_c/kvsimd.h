@@ -106,6 +106,11 @@ typedef enum kv_wtype {
 #define KV_MAX_GROUP 8   /* query heads per pass over a block */
 #define KV_MAX_KP 2      /* keys per vector of the scores loop (a query is stored KV_KP times) */
 #define KV_MAX_CHUNK 1024 /* tokens per two-pass chunk */
+/* Attention over int8 / int4 values on the rows with VPDPWSSD (attn.inc.h kv_accumulate_i16): the
+   weights of a span of whole blocks, at most KV_V_SPAN tokens inside one cell of the KV_V_SPAN grid
+   of key indices, are rounded to int16 with one step per query head and value block (32 values);
+   kvsimd/bounds.py attend_bound states what that costs. */
+#define KV_V_SPAN 64
 /* How far ahead the attention kernels prefetch K and V rows (attn.inc.h kv_pf_distance), in values:
    KV_PF_VALUES, or on a core that splits 512-bit operations (Zen 4) KV_PF_VALUES_SPLIT512
    (kv_prefetch_values, which kv_attend passes as kv_attn_params.pf_values); the read probe of the

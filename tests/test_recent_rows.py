@@ -89,7 +89,7 @@ class Seq:
         ranges = ([(0, len(old), False)] if old else []) + [(len(old), len(keep), True)]
         kw = dict(ranges=ranges, q_alt=q, scale=scale)
         ref = reference.attend(qr, Kf, Vf, **kw)
-        bound = attend_bound(qr, Ks64, Vs64, dtype="float16", hadamard=had, **kw)
+        bound = attend_bound(qr, Ks64, Vs64, dtype="float16/" + vd, hadamard=had, **kw)   # float rows, int values
         # and the same keys all read quantized: what the float rows change
         Kq = as_stored_quant(K[:, keep], kd, had).astype(np.float64)
         Vq = as_stored_quant(V[:, keep], vd, had).astype(np.float64)

@@ -24,7 +24,8 @@
  * keys on the lanes; kv_lane_scores_i8: query vectors on the lanes; int4 keys unpacked to int8
  * rows in the workspace block first, kv_i4_rows_i8).  A single query vector (MHA) takes them too:
  * with the tile's transposes unrolled, 0.75-0.93x the time of its fp32 widening on Zen 5.
- * Other blocks read the same rounded query in fp32.
+ * Other blocks read the same rounded query in fp32.  Int8 and int4 values with several query
+ * vectors, on the rows with VPDPWSSD, are multiplied by int16 weights (kv_accumulate_i16).
  */
 #include "kvsimd.h"
 
@@ -628,6 +629,128 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #undef KV_CASE_SI
 #endif
 
+/* ---- Int8 / int4 values with integer products (the rows with VPDPWSSD) ----
+ * A block of fp32 weights times int8 values costs one FMA per value and head, plus the value's
+ * widening and scale.  With the weights rounded to int16, VPDPWSSD takes two keys per lane and
+ * instruction, and the values are only sign-extended (once for all heads of the group).  Over a
+ * span of S keys (whole blocks, at most KV_V_SPAN, inside one cell of the KV_V_SPAN grid) and per
+ * query vector i and value block b (32 values), the weight of key j, p_ij s_jb (s_jb: the key's
+ * scale of block b), is rounded to w_ijb = round(32766 (p_ij / P_i) (s_jb / A_b)), P_i = max_j p_ij,
+ * A_b = max_j |s_jb|; the int32 sums of w_ijb q_jd (exact: |sum| <= 64 x 32767 x 128 < 2^31) times
+ * (P_i / 32766) A_b are added to the fp32 accumulators.  Each weight is off by at most half a step,
+ * (P_i / 32766) A_b / 2, plus the fp32 roundings of forming it: kvsimd/bounds.py attend_bound's
+ * int16 term.  Quotients, not reciprocals: P_i and A_b may be subnormal.  A NaN or infinite weight
+ * or scale in the span makes its sums NaN, as fp32 products would. */
+#if KV_INT_DOT && defined(KV_HAVE_DPWSSD)
+#define KV_INT_V 1
+#else
+#define KV_INT_V 0
+#endif
+#if KV_INT_V
+#define KV_W16_TOP 32766.0f   /* the largest |w_ijb| (32767 less a step: the quotients' roundings never saturate) */
+_Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK == 2 * KV_W,
+               "a span is whole blocks and vectors of keys; a value block is two vectors");
+/* the weights (int16) and the scales by block (floats) in the free K block, int4 rows unpacked in the V block */
+_Static_assert(KV_GS * KV_V_SPAN * 2 + KV_V_SPAN * 4 <= KV_I8_BLOCK * KV_B * 4 && KV_V_SPAN <= 4 * KV_B,
+               "the span's weights, scales and rows fit the workspace's [KV_B, Dp] blocks");
+
+/* acc_i = acc_i * corr_i (corr NULL: acc_i) + sum_j p_ij v_j for NH query vectors (weights
+ * pw + i * ws, acc rows of stride Dp) over S int8 rows at vb (D values each, D a multiple of 32;
+ * vsc: their block scales) as above.  w16: NH x D / 32 x S int16 of scratch; vn: D / 32 x S floats.
+ * Prefetches the S rows at pf (rows pf_row bytes) spread over the work. */
+KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw, int64_t ws, const int8_t *vb,
+                                  const float *vsc, int64_t D, int64_t Dp, const int NH, int64_t S, int16_t *w16,
+                                  float *vn, const char *pf, size_t pf_row)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], pstep[KV_GS];
+    for (int64_t j0 = 0; j0 < S; j0 += KV_W) {   /* vn[b S + j] = s_jb */
+        vkf cols[KV_MAX_HEAD_DIM / KV_I8_BLOCK];
+        vkf_cols(cols, vsc + j0 * nb, nb);
+        for (int64_t b = 0; b < nb; b++)
+            vkf_store(vn + b * S + j0, cols[b]);
+    }
+    for (int64_t b = 0; b < nb; b++) {   /* A_b, and vn <- s_jb / A_b */
+        float *x = vn + b * S;
+        vf mx = vf_zero(), z = vf_zero();
+        for (int64_t j = 0; j < S; j += KV_W) {
+            const vf v = vf_load(x + j);
+            mx = vf_max(mx, vf_max(v, vf_sub(vf_zero(), v)));
+            z = vf_add(z, vf_mul(v, vf_zero()));   /* NaN when a scale is NaN or infinite */
+        }
+        const float a = vf_hmax(mx);
+        const vf av = vf_set1(a > 0.0f ? a : 1.0f);
+        amax[b] = a + vf_hsum(z);
+        for (int64_t j = 0; j < S; j += KV_W)
+            vf_store(x + j, vf_div(vf_load(x + j), av));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NH; i++) {   /* P_i, and the weights w_ijb */
+        const float *p = pw + i * ws;
+        vf mx = vf_zero(), z = vf_zero();
+        for (int64_t j = 0; j < S; j += KV_W) {
+            const vf x = vf_load(p + j);
+            mx = vf_max(mx, x);
+            z = vf_add(z, vf_mul(x, vf_zero()));
+        }
+        const float m = vf_hmax(mx);
+        const vf mv = vf_set1(m > 0.0f ? m : 1.0f), top = vf_set1(KV_W16_TOP);
+        pstep[i] = m / KV_W16_TOP + vf_hsum(z);
+        for (int64_t j = 0; j < S; j += KV_W) {
+            const vf pn = vf_mul(vf_div(vf_load(p + j), mv), top);
+            for (int64_t b = 0; b < nb; b++)
+                vf_store_i16(w16 + (i * nb + b) * S + j, vf_mul(pn, vf_load(vn + b * S + j)));
+        }
+    }
+    kv_pf pc = {NULL, NULL, 0};
+    if (pf)
+        pc = kv_pf_over(pf, pf + (size_t)S * pf_row, nb * S / 2);
+    for (int64_t b = 0; b < nb; b++) {
+        vw lo[KV_GS], hi[KV_GS];
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++)
+            lo[i] = hi[i] = vw_zero();
+        const int8_t *r = vb + b * KV_I8_BLOCK;
+        const int16_t *w = w16 + b * S;
+        for (int64_t j = 0; j < S; j += 2) {
+            kv_pf_step(&pc);
+            vw x0, x1;
+            vw_pairs(r + j * D, r + (j + 1) * D, &x0, &x1);
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++) {
+                lo[i] = vw_dot(lo[i], x0, w + i * nb * S + j);
+                hi[i] = vw_dot(hi[i], x1, w + i * nb * S + j);
+            }
+        }
+        const vf ab = vf_set1(amax[b]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NH; i++) {
+            vf f0, f1;
+            vw_cols(lo[i], hi[i], &f0, &f1);
+            float *o = acc + i * Dp + b * KV_I8_BLOCK;
+            vf a0 = vf_load(o), a1 = vf_load(o + KV_W);
+            if (corr) {
+                a0 = vf_mul(a0, vf_set1(corr[i]));
+                a1 = vf_mul(a1, vf_set1(corr[i]));
+            }
+            const vf ps = vf_set1(pstep[i]);
+            vf_store(o, vf_fmadd(vf_mul(f0, ps), ab, a0));
+            vf_store(o + KV_W, vf_fmadd(vf_mul(f1, ps), ab, a1));
+        }
+    }
+    kv_pf_finish(&pc);
+}
+
+#define KV_CASE_AI(n) case n: kv_accumulate_i16(acc, corr, pw, ws, vb, vsc, D, Dp, n, S, w16, vn, pf, pf_row); break;
+static void KV_FN(accumulate_i16_n)(float *acc, const float *corr, const float *pw, int64_t ws, const int8_t *vb,
+                                    const float *vsc, int64_t D, int64_t Dp, int nh, int64_t S, int16_t *w16, float *vn,
+                                    const char *pf, size_t pf_row)
+{
+    KV_NH_SWITCH(nh, KV_CASE_AI)
+}
+#undef KV_CASE_AI
+#endif
+
 static void KV_FN(accumulate_n)(float *acc, const float *corr, const float *pw, int64_t ws, const void *vb, int mode,
                                 int64_t vs, const float *vsc, int64_t Dp, int nh, const char *pf, size_t pf_row)
 {
@@ -734,6 +857,7 @@ typedef struct KV_FN(attn_state) {
     int qround;             /* int8 or int4 keys: queries are rounded (round_query) */
     int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
+    int vint;               /* int8 or int4 values, D a multiple of 32: full spans take kv_accumulate_i16 */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
@@ -783,6 +907,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     /* whole blocks: int8 rows are read in place, int4 ones unpacked to int8 rows (kv_i4_rows_i8) */
     st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;
     st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
+    /* int8 / int4 values, whole blocks: integer products with int16 weights (kv_accumulate_i16) */
+    st->vint = KV_INT_V && (p->v_dtype == KV_I8 || p->v_dtype == KV_I4) && st->D % KV_I8_BLOCK == 0;
 }
 
 /* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
@@ -1022,6 +1148,27 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         tn = kv_grid_end(t, KV_B, c1);
         const int64_t nb = tn - t;
         const char *vpf = kv_ahead(st->vbase, t, c1, st->vrb, st->vpf, next_k);
+#if KV_INT_V
+        if (st->vint && nb == KV_B && M > 1) {   /* a span of whole blocks (one query vector: memory-bound, fp32) */
+            tn = kv_grid_end(t, KV_V_SPAN, c1);
+            tn = t + (tn - t) / KV_B * KV_B;
+            const int8_t *vb = (const int8_t *)(st->vbase + (size_t)t * st->vrb);
+            if (p->v_dtype == KV_I4)
+                vb = kv_i4_rows_i8((int8_t *)st->vblk, vb, tn - t, D);
+            const float *vsc = st->vscale + t * kv_i8_blocks(D);
+            /* the next span's rows (of this chunk, else the next pass's first) over this one */
+            const char *span_pf = tn + KV_V_SPAN < c1 ? st->vbase + (size_t)(tn + KV_V_SPAN) * st->vrb : next_k;
+            int16_t *w16 = (int16_t *)st->kblk;   /* free in pass 2 */
+            float *vn = (float *)(w16 + KV_GS * (D / KV_I8_BLOCK) * KV_V_SPAN);
+            for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
+                const int nh = (int)(M - i0 < KV_GS ? M - i0 : KV_GS);
+                KV_FN(accumulate_i16_n)(st->acc + i0 * Dp, (t == c0 && i0 == 0) ? st->corr : NULL,
+                                        st->sc + i0 * KV_CHUNK + (t - c0), KV_CHUNK, vb, vsc, D, Dp, nh, tn - t, w16, vn,
+                                        i0 ? NULL : span_pf, st->vrb);
+            }
+            continue;
+        }
+#endif
         int64_t vs;
         int rmode;
         const float *vsc;

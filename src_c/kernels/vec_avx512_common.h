@@ -320,6 +320,39 @@ static inline void kv_i4_unpack(int8_t *dst, const uint8_t *src, int64_t bytes)
         _mm_storeu_si128((__m128i *)(dst + 2 * o + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), s8));
     }
 }
+/* attn.inc.h kv_accumulate_i16: int8 values times int16 weights, two keys per VPDPWSSD.
+   vw_pairs: values c..c+31 of two rows r0, r1 as 32 int16 pairs (r0's first), in two vectors: lo
+   holds values 0-3, 8-11, 16-19, 24-27 (four per 128-bit lane), hi 4-7, 12-15, 20-23, 28-31 (the
+   in-lane unpack of the widened rows); vw_cols puts the sums back in order. */
+#define KV_HAVE_DPWSSD 1
+typedef __m512i vw;
+static inline vw vw_zero(void) { return _mm512_setzero_si512(); }
+static inline void vw_pairs(const int8_t *r0, const int8_t *r1, vw *lo, vw *hi)
+{
+    const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r0));
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r1));
+    *lo = _mm512_unpacklo_epi16(a, b);
+    *hi = _mm512_unpackhi_epi16(a, b);
+}
+/* acc + per lane the pair's two products with the int16 weights w[0] (r0's) and w[1] */
+static inline vw vw_dot(vw acc, vw pair, const int16_t *w)
+{
+    int32_t x;
+    memcpy(&x, w, 4);
+    return _mm512_dpwssd_epi32(acc, pair, _mm512_set1_epi32(x));
+}
+/* the sums of a (lo, hi) pair of vw_pairs as floats in value order: values 0-15 in *f0, 16-31 in *f1 */
+static inline void vw_cols(vw lo, vw hi, vf *f0, vf *f1)
+{
+    const __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
+    *f0 = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), b);
+    *f1 = _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), b);
+}
+/* a's lanes rounded to the nearest integer (ties to even), saturated to int16, at p */
+static inline void vf_store_i16(int16_t *p, vf a)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(a)));
+}
 static inline vki vki_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vki vki_dot(vki acc, vkb u, vkb s) { return _mm512_dpbusd_epi32(acc, u, s); }
 static inline vkf vkf_from(vki a) { return _mm512_cvtepi32_ps(a); }
