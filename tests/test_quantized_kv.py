@@ -271,7 +271,7 @@ def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-@pytest.mark.parametrize("H,Hkv,N,D", [(8, 2, 1100, 64), (12, 3, 300, 128), (16, 1, 200, 32)])
+@pytest.mark.parametrize("H,Hkv,N,D", [(16, 2, 1100, 64), (12, 3, 300, 128), (16, 1, 200, 32)])
 def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     """Values with several query vectors per KV head (on the VNNI rows: int16 weights per span of
     up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16) within attend_bound: spans cut by the
@@ -294,13 +294,13 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
 def test_attend_quantized_values_non_finite_scale_reads_nan(row, rng, dtype):
     """A NaN value scale in a block of keys a query sees makes its output NaN on every row, as fp32
     products would (also under the int16 weights: the span's sums take the NaN)."""
-    H, Hkv, N, D = 8, 2, 128, 64
+    H, Hkv, N, D = 16, 2, 128, 64
     q = rng.standard_normal((H, D)).astype(np.float32)
     _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
     _, vq, vs = quantized(rng, (Hkv, N, D), dtype=dtype)
     vs[0, 70, 1] = np.nan
     out = row.attend(q, kq, vq, k_scale=ks, v_scale=vs)
-    assert np.isnan(out[:4, 32:]).all() and np.isfinite(out[:4, :32]).all() and np.isfinite(out[4:]).all()
+    assert np.isnan(out[:8, 32:]).all() and np.isfinite(out[:8, :32]).all() and np.isfinite(out[8:]).all()
 
 
 @pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 70, 64), (32, 1, 40, 128), (2, 2, 33, 64)])
