@@ -285,6 +285,10 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     vq, vs = ops.quantize_kv(x, sides(dtype)[1])
     check(row, q, kq, ks, vq, vs, "all")
     check(row, q * np.float32(4), kq, ks, vq, vs, "peaked")
+    ks_, kq_ = ks.copy(), kq.copy()   # an attention sink: key 0 takes almost all of each head's weight
+    sink = q.reshape(Hkv, H // Hkv, D).sum(axis=1, keepdims=True) * np.float32(3)
+    kq_[:, :1], ks_[:, :1] = ops.quantize_kv(np.ascontiguousarray(sink), sides(dtype)[0])
+    check(row, q, kq_, ks_, vq, vs, "sink")
     check(row, q, kq, ks, vq, vs, "ranges", ranges=[(N - 77, N), (3, 70), (90, 91)])
     rows = rng.standard_normal((5, H, D)).astype(np.float32)
     check(row, rows, kq, ks, vq, vs, "rows, window", window=100)
