@@ -141,8 +141,8 @@ ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
 # the key's cell of V_SPAN and the cells on either side, so the kernel's grid may sit anywhere), query
 # vector and value block b (32 values), the weight p_j s_jb of key j (s_jb its block's scale) is
 # rounded to a multiple of the step (P / 32766) max_j |s_jb|, P the span's largest weight: off by
-# half a step, plus the fp32 roundings of the quotient that is rounded (four, of a number at most
-# 32766: 2**-9 of a step), W16_STEPS steps in all.  Value q_jd of key j weighs |v_jd| / |s_jb|,
+# half a step, plus the fp32 roundings of the quotient that is rounded (four, each of at most
+# 2**-24 of a number at most 32766: 2**-9 of a step), W16_STEPS steps in all.  Value q_jd of key j weighs |v_jd| / |s_jb|,
 # so over the span that adds at most
 #     W16_STEPS / 32766 * P * max_j |s_jb| * sum_j |v_jd| / |s_jb|
 # to |out_d - ref_d|.  The scales come from the values: |s_jb| >= A_jb / 127 (int8) or / 8 (int4),
@@ -153,7 +153,7 @@ ATTEND_TOL = {"float32": 1e-5, "float16": 1e-4, "int8": 1e-5, "int4": 1e-5}
 # round.  The other fp32 roundings there (the int32 sums' conversion, two products) are relative
 # to the span's sum_j p_j |v_jd|, within ATTEND_TOL.
 V_SPAN = _kvsimd._V_SPAN
-W16_STEPS = 0.5 + 2.0 ** -9
+W16_STEPS = 0.5 + 4 * 2.0 ** -9
 V_SCALE_RATIO = {"int8": 1.0 + 2.0 ** -20, "int4": 8.0 / 7.0 * (1.0 + 2.0 ** -20)}
 # The softmax weight of a key far below the maximum: kernels/attn.inc.h's vf_exp clamps its
 # argument at -87.34, e^-87.34 = 2**-126 (FLT_MIN), with its polynomial's error a little more.
@@ -377,6 +377,8 @@ def attend_bound(q, k, v, *, dtype=None, hadamard=False, **kw):
             not k.shape[0] or q.shape[-2] % k.shape[0]:
         raise KVSimdValueError("q [H, D] or [T, H, D] over k and v [Hkv, N, D] (Hkv dividing H), got q %s, k %s, v %s"
                                % (q.shape, k.shape, v.shape))
+    if not k.shape[1]:   # as ops.attend
+        raise KVSimdValueError("k and v are empty (N=0): attention needs at least one key")
     if np.ndim(q) == 3:   # several query rows: each row's bound (reference.query_rows)
         return np.stack([attend_bound(q[t], k, v, dtype=dtype, hadamard=hadamard, **rkw)
                          for t, rkw in enumerate(reference.query_rows(len(q), k.shape[1], **kw))])
@@ -417,7 +419,7 @@ def _int16_weight_bound(p, v, name):
     Hkv, N, D = va.shape
     w = D // 32 * 32
     out = np.zeros((p.shape[0], D))
-    if w < D or N == 0:   # a head dim that is not whole blocks never takes the int16 weights
+    if w < D:   # a head dim that is not whole blocks never takes the int16 weights
         return out
     A = np.repeat(va.reshape(Hkv, N, D // 32, 32).max(axis=-1), 32, axis=-1)    # [Hkv, N, D]: A_jb
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -703,6 +703,8 @@ def test_attend_bound_names_a_pair_of_dtypes(rng):
     assert np.allclose(attend_bound(q, k, v, dtype="float16/int8") - f16, i8 - f32, rtol=1e-9, atol=0)
     with pytest.raises(KVSimdValueError, match="got 'int3/int4'"):
         attend_bound(q, k, v, dtype="int3/int4")
+    with pytest.raises(KVSimdValueError, match="N=0"):   # a bare ValueError of NumPy's before
+        attend_bound(q, k[:, :0], v[:, :0], dtype="int8")
 
 
 def _full_ring(dtype, policy, D=64, C=8):
