@@ -119,6 +119,13 @@ def empty_aligned(shape, dtype, align=64):
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
+def like_cache(a):
+    """A copy of array a, 64-byte aligned like a KV cache's storage (empty_aligned)."""
+    out = empty_aligned(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
 def fill(shape, dtype, seed=0):
     """A large array with realistic values, 64-byte aligned like a KV cache's storage, made
     quickly by tiling a random block."""

@@ -7,7 +7,7 @@ import numpy as np
 from kvsimd import ops
 from kvsimd.testing import use_isa
 
-from kvsimd.bench.common import Evictor, fill, fma_peak, llc_bytes, median_ci
+from kvsimd.bench.common import Evictor, fill, fma_peak, like_cache, llc_bytes, median_ci
 
 
 def paired_roofline(kind, nbytes):
@@ -151,8 +151,9 @@ def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=
     keys, int4 values) with block scales (ops.quantize_kv; turned by H when K or V is int4, as
     KVCache stores them), the calls alternated
     repeat by repeat, each cold (the LLC evicted first: what a decode step that streams a cache larger
-    than the LLC sees).  ``ratio`` is the median per-repeat quantized / float16 time with a 95%
-    interval; bytes are K + V (+ scales) as stored, per token of context."""
+    than the LLC sees), every array 64-byte aligned as fill's and a cache's are (like_cache).
+    ``ratio`` is the median per-repeat quantized / float16 time with a 95% interval; bytes are
+    K + V (+ scales) as stored, per token of context."""
     import kvsimd
     evict = Evictor()
     llc = llc_bytes() or (32 << 20)
@@ -162,10 +163,10 @@ def bench_attention_quantized(isas, shapes, contexts, threads, repeat, progress=
         for name, H, Hkv, D in shapes:
             for N in contexts:
                 k32, v32 = fill((Hkv, N, D), np.float32, 1), fill((Hkv, N, D), np.float32, 2)
-                k16, v16 = k32.astype(np.float16), v32.astype(np.float16)
+                k16, v16 = like_cache(k32.astype(np.float16)), like_cache(v32.astype(np.float16))
                 sides = [(dt.split("/") * 2)[:2] for dt in dtypes]
-                quant = [(ops.quantize_kv(k32, kd, hadamard="int4" in (kd, vd)),
-                          ops.quantize_kv(v32, vd, hadamard="int4" in (kd, vd))) for kd, vd in sides]
+                quant = [tuple(tuple(like_cache(a) for a in ops.quantize_kv(x, dt, hadamard="int4" in (kd, vd)))
+                               for x, dt in ((k32, kd), (v32, vd))) for kd, vd in sides]
                 del k32, v32
                 q, out = fill((H, D), np.float32, 3), np.empty((H, D), np.float32)
                 b16 = k16.nbytes + v16.nbytes
