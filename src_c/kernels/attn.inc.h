@@ -647,6 +647,12 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #define KV_INT_V 0
 #endif
 #if KV_INT_V
+/* The span's prefetch of the next span's rows goes to L2 (locality 1), not L1: a span ahead is 8 KiB
+   of int8 head_dim 128, which in L1 evicted rows still to be read (Zen 4, G8 64/8/128 int8 beyond
+   the LLC: 0.96x the time of an L1 prefetch of the span after next; int4 the same time) */
+#ifndef KV_I16_LOC
+#define KV_I16_LOC 1
+#endif
 #define KV_W16_TOP 32766.0f   /* the largest |w_ijb| (32767 less a step: the quotients' roundings never saturate) */
 _Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK == 2 * KV_W,
                "a span is whole blocks and vectors of keys; a value block is two vectors");
@@ -657,7 +663,7 @@ _Static_assert(KV_GS * KV_V_SPAN * 2 + KV_V_SPAN * 4 <= KV_I8_BLOCK * KV_B * 4 &
 /* acc_i = acc_i * corr_i (corr NULL: acc_i) + sum_j p_ij v_j for NH query vectors (weights
  * pw + i * ws, acc rows of stride Dp) over S int8 rows at vb (D values each, D a multiple of 32;
  * vsc: their block scales) as above.  w16: NH x D / 32 x S int16 of scratch; vn: D / 32 x S floats.
- * Prefetches the S rows at pf (rows pf_row bytes) spread over the work. */
+ * Prefetches the S rows at pf (rows pf_row bytes) into L2 (KV_I16_LOC), spread over the work. */
 KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw, int64_t ws, const int8_t *vb,
                                   const float *vsc, int64_t D, int64_t Dp, const int NH, int64_t S, int16_t *w16,
                                   float *vn, const char *pf, size_t pf_row)
@@ -713,7 +719,8 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
         const int8_t *r = vb + b * KV_I8_BLOCK;
         const int16_t *w = w16 + b * S;
         for (int64_t j = 0; j < S; j += 2) {
-            kv_pf_step(&pc);
+            for (int64_t i = 0; i < pc.n && pc.p < pc.end; i++, pc.p += 64)
+                __builtin_prefetch(pc.p, 0, KV_I16_LOC);
             vw x0, x1;
             vw_pairs(r + j * D, r + (j + 1) * D, &x0, &x1);
 #pragma GCC unroll 8
@@ -1158,8 +1165,15 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
             if (p->v_dtype == KV_I4)
                 vb = kv_i4_rows_i8((int8_t *)st->vblk, vb, tn - t, D);
             const float *vsc = st->vscale + t * kv_i8_blocks(D);
-            /* the next span's rows (of this chunk, else the next pass's first) over this one */
-            const char *span_pf = tn + KV_V_SPAN < c1 ? st->vbase + (size_t)(tn + KV_V_SPAN) * st->vrb : next_k;
+            /* the next span's rows (of this chunk, else the next pass's first) over this one; the
+               pass's first span also its own rows past the first block at once (pass 1's last block
+               prefetched that one; nothing else would) */
+            const char *span_pf = tn + (tn - t) <= c1 ? st->vbase + (size_t)tn * st->vrb : next_k;
+            if (t == c0) {
+                const char *own = st->vbase + (size_t)(t + KV_B) * st->vrb;
+                kv_pf pc = kv_pf_over(own, own + (size_t)(tn - t - KV_B) * st->vrb, 1);
+                kv_pf_finish(&pc);
+            }
             int16_t *w16 = (int16_t *)st->kblk;   /* free in pass 2 */
             float *vn = (float *)(w16 + KV_GS * (D / KV_I8_BLOCK) * KV_V_SPAN);
             for (int64_t i0 = 0; i0 < M; i0 += KV_GS) {
