@@ -719,8 +719,10 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
         const int8_t *r = vb + b * KV_I8_BLOCK;
         const int16_t *w = w16 + b * S;
         for (int64_t j = 0; j < S; j += 2) {
-            for (int64_t i = 0; i < pc.n && pc.p < pc.end; i++, pc.p += 64)
+            if (pc.p < pc.end) {   /* one line per pair step: S int8 rows of D bytes are nb * S / 2 lines */
                 __builtin_prefetch(pc.p, 0, KV_I16_LOC);
+                pc.p += 64;
+            }
             vw x0, x1;
             vw_pairs(r + j * D, r + (j + 1) * D, &x0, &x1);
 #pragma GCC unroll 8

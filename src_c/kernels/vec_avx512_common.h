@@ -339,7 +339,9 @@ static inline vw vw_dot(vw acc, vw pair, const int16_t *w)
 {
     int32_t x;
     memcpy(&x, w, 4);
-    return _mm512_dpwssd_epi32(acc, pair, _mm512_set1_epi32(x));
+    /* asm: GCC 12 copies the accumulator through another register around _mm512_dpwssd_epi32 */
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(pair), "v"(_mm512_set1_epi32(x)));
+    return acc;
 }
 /* the sums of a (lo, hi) pair of vw_pairs as floats in value order: values 0-15 in *f0, 16-31 in *f1 */
 static inline void vw_cols(vw lo, vw hi, vf *f0, vf *f1)
