@@ -437,7 +437,7 @@ KV_AINLINE void kv_accumulate_cols(float *acc, const float *corr, const float *p
             continue;
         }
         enum { VPB = KV_I8_BLOCK / KV_W };   /* vectors per int8 block */
-        if (mode == KV_ROWS_I8 && NH == 1 && CG % VPB == 0 && c % KV_I8_BLOCK == 0) {
+        if (VPB <= KV_ACC /* not the scalar row */ && mode == KV_ROWS_I8 && NH == 1 && CG % VPB == 0 && c % KV_I8_BLOCK == 0) {
             /* one head: the block's scale folded into its weight once, not times each of its VPB
                vectors (MHA 32/32/128 int8 beyond the LLC, bench/kernel_ab.py, 1 thread: 0.96x the
                time on avx512, 0.90x on avx2; int4 0.96x / 0.99x; 2 heads took 1.03x: not for them) */
