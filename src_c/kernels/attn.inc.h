@@ -540,6 +540,9 @@ static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
 #define vkb_flip v8b_flip
 #define vkb_bcast4 v8b_bcast4
 #define vki_set1 v8i_set1
+#define vki_load v8i_load
+#define vkb_load v8b_load
+#define vkf_load v8f_load
 #define vki_dot v8i_dot
 #define vkf_from v8f_from
 #define vkf_set1 v8f_set1
@@ -915,7 +918,11 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->qround = p->dtype == KV_I8 || p->dtype == KV_I4;
     /* whole blocks: int8 rows are read in place, int4 ones unpacked to int8 rows (kv_i4_rows_i8) */
     st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;
-    st->lqint = st->qint && KV_W % 8 == 0;   /* whole 8-lane vectors in every vector of query lanes */
+#if KV_INT_DOT
+    st->lqint = st->qint && KV_W % KV_KL == 0;   /* whole KV_KL-lane vectors in every vector of query lanes */
+#else
+    st->lqint = 0;
+#endif
     /* int8 / int4 values, whole blocks: integer products with int16 weights (kv_accumulate_i16) */
     st->vint = KV_INT_V && (p->v_dtype == KV_I8 || p->v_dtype == KV_I4) && st->D % KV_I8_BLOCK == 0;
 }
@@ -1437,82 +1444,78 @@ KV_AINLINE void KV_FN(lane_int_query)(float *reg, int64_t MP, int64_t D, int64_t
 }
 
 #if KV_INT_DOT
-#define KV_LIQ 4   /* 8-lane vectors of query lanes per register tile (int8 keys) */
-#define KV_LIJ 2   /* keys per register tile */
+#define KV_LIQ (32 / KV_KL)   /* KV_KL-lane vectors of query lanes per register tile (int8 keys) */
+#define KV_LIJ (KV_KL / 4)    /* keys per register tile */
 /* sT[j][u] = the scores of keys j < NJ (int8 rows of D values at kb, block scales ksc, D / 32 per
-   row) for NQ 8-lane vectors of query lanes (reg: lane_int_query's region, all from the first):
-   per 32-value block, 8 integer dot products of 4 values per lane from the offsets (exact), one
-   conversion, times the product of the lanes' steps and the key's block scale (the product
-   first, as kv_scores_i8), added in block order. */
+   row) for NQ KV_KL-lane vectors of query lanes (reg: lane_int_query's region, all from the
+   first): per 32-value block, 8 integer dot products of 4 values per lane from the offsets
+   (exact), one conversion, times the product of the lanes' steps and the key's block scale (the
+   product first, as kv_scores_i8), added in block order.  The tile is 32 query lanes by KV_LIJ
+   keys either way: 16 lanes (the AVX-512 rows) do in one VPDPBUSD what 8 lanes do in two. */
 KV_AINLINE void kv_lane_scores_i8(const float *reg, int64_t MP, int64_t u0, const int8_t *kb, const float *ksc,
                                   int64_t D, float *sT, const int NQ, const int NJ)
 {
     const int64_t nb = D / KV_I8_BLOCK;
     const int32_t *off = (const int32_t *)(reg + nb * MP);
     const uint8_t *q8 = (const uint8_t *)(reg + 2 * nb * MP);
-    v8f s[KV_LIJ][KV_LIQ];
+    vkf s[KV_LIJ][KV_LIQ];
 #pragma GCC unroll 4
     for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 4
         for (int u = 0; u < NQ; u++)
-            s[j][u] = v8f_zero();
+            s[j][u] = vkf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        v8i a[KV_LIJ][KV_LIQ];
+        vki a[KV_LIJ][KV_LIQ];
 #pragma GCC unroll 4
         for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 4
             for (int u = 0; u < NQ; u++)
-                a[j][u] = v8i_load(off + b * MP + u0 + 8 * u);
+                a[j][u] = vki_load(off + b * MP + u0 + KV_KL * u);
 #pragma GCC unroll 8
         for (int d = 0; d < 8; d++) {
-            v8b qv[KV_LIQ];
+            vkb qv[KV_LIQ];
 #pragma GCC unroll 4
             for (int u = 0; u < NQ; u++)
-                qv[u] = v8b_load(q8 + ((b * 8 + d) * MP + u0 + 8 * u) * 4);
+                qv[u] = vkb_load(q8 + ((b * 8 + d) * MP + u0 + KV_KL * u) * 4);
 #pragma GCC unroll 4
             for (int j = 0; j < NJ; j++) {
-                const v8b kq = v8b_flip(v8b_bcast4(kb + j * D + b * KV_I8_BLOCK + 4 * d));
+                const vkb kq = vkb_flip(vkb_bcast4(kb + j * D + b * KV_I8_BLOCK + 4 * d));
 #pragma GCC unroll 4
                 for (int u = 0; u < NQ; u++)
-                    a[j][u] = v8i_dot(a[j][u], kq, qv[u]);
+                    a[j][u] = vki_dot(a[j][u], kq, qv[u]);
             }
         }
 #pragma GCC unroll 4
         for (int j = 0; j < NJ; j++) {
-            const v8f kscv = v8f_set1(ksc[j * nb + b]);
+            const vkf kscv = vkf_set1(ksc[j * nb + b]);
 #pragma GCC unroll 4
             for (int u = 0; u < NQ; u++)
-                s[j][u] = v8f_fmadd(v8f_from(a[j][u]), v8f_mul(v8f_load(reg + b * MP + u0 + 8 * u), kscv), s[j][u]);
+                s[j][u] = vkf_fmadd(vkf_from(a[j][u]), vkf_mul(vkf_load(reg + b * MP + u0 + KV_KL * u), kscv), s[j][u]);
         }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 4
         for (int u = 0; u < NQ; u++)
-            v8f_store(sT + j * MP + u0 + 8 * u, s[j][u]);
+            vkf_store(sT + j * MP + u0 + KV_KL * u, s[j][u]);
 }
 
-/* One block: the scores of its nk int8 keys (kb, ksc) for nq8 8-lane vectors of query lanes. */
-#define KV_LSI(nq, nj) kv_lane_scores_i8(reg, MP, u0 * 8, kb + j0 * D, ksc + j0 * nb, D, sT + j0 * MP, nq, nj)
+/* One block: the scores of its nk int8 keys (kb, ksc) for nqk KV_KL-lane vectors of query lanes. */
+#define KV_LSI(nq, nj) kv_lane_scores_i8(reg, MP, u0 * KV_KL, kb + j0 * D, ksc + j0 * nb, D, sT + j0 * MP, nq, nj)
 #define KV_LSI_Q(nq) { int64_t j0 = 0;                        \
         for (; j0 + KV_LIJ <= nk; j0 += KV_LIJ)               \
             KV_LSI(nq, KV_LIJ);                               \
-        if (j0 < nk)                                          \
+        for (; j0 < nk; j0++)                                 \
             KV_LSI(nq, 1); }
-_Static_assert(KV_LIJ == 2, "lane_scores_i8_block's key tail is one key");
 static void KV_FN(lane_scores_i8_block)(const float *reg, int64_t MP, const int8_t *kb, const float *ksc, int64_t D,
-                                        float *sT, int64_t nq8, int64_t nk)
+                                        float *sT, int64_t nqk, int64_t nk)
 {
     const int64_t nb = D / KV_I8_BLOCK;
     int64_t u0 = 0;
-    for (; u0 + KV_LIQ <= nq8; u0 += KV_LIQ)
+    for (; u0 + KV_LIQ <= nqk; u0 += KV_LIQ)
         KV_LSI_Q(KV_LIQ)
-    switch (nq8 - u0) {
-    case 1: KV_LSI_Q(1) break;
-    case 2: KV_LSI_Q(2) break;
-    case 3: KV_LSI_Q(3) break;
-    default: break;
-    }
+    for (; u0 < nqk; u0++)
+        KV_LSI_Q(1)
 }
 #undef KV_LSI_Q
 #undef KV_LSI
@@ -1606,7 +1609,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
                 ? kv_i4_rows_i8((int8_t *)st->kblk, st->kbase + (size_t)t * st->krb, tn - t, D)
                 : (const int8_t *)st->kbase + t * D;
             KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, kb, st->kscale + t * (D / KV_I8_BLOCK), D,
-                                        st->sc + (t - c0) * MP, nqv * KV_W / 8, tn - t);
+                                        st->sc + (t - c0) * MP, nqv * KV_W / KV_KL, tn - t);
             continue;
         }
 #endif

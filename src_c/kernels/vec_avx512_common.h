@@ -356,6 +356,9 @@ static inline void vf_store_i16(int16_t *p, vf a)
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(a)));
 }
 static inline vki vki_set1(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vki vki_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline vkb vkb_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline vkf vkf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vki vki_dot(vki acc, vkb u, vkb s) { return _mm512_dpbusd_epi32(acc, u, s); }
 static inline vkf vkf_from(vki a) { return _mm512_cvtepi32_ps(a); }
 static inline vkf vkf_set1(float a) { return _mm512_set1_ps(a); }
