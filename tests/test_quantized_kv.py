@@ -271,10 +271,12 @@ def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-@pytest.mark.parametrize("H,Hkv,N,D", [(16, 2, 1100, 64), (12, 3, 300, 128), (16, 1, 200, 32)])
+@pytest.mark.parametrize("H,Hkv,N,D", [(16, 2, 1100, 64), (12, 3, 300, 128), (16, 1, 200, 32), (32, 1, 1100, 128),
+                                       (64, 1, 300, 64), (96, 1, 200, 32)])
 def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     """Values with several query vectors per KV head (on the VNNI rows: int16 weights per span of
-    up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16) within attend_bound: spans cut by the
+    up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16; with 32 to 64 query vectors on the
+    lanes, per block of keys, lane_accum_i16; 96 keep fp32) within attend_bound: spans cut by the
     grid, by ranges that start and end off it, by a window and by the chunk (1,024 keys, where the
     softmax rescales); a peaked softmax (large scores), where the weights of a span differ most; the
     outliers of some values' blocks at 100x the others (a span's largest scale far above a key's)."""
@@ -294,17 +296,19 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     check(row, rows, kq, ks, vq, vs, "rows, window", window=100)
 
 
+@pytest.mark.parametrize("H,Hkv", [(16, 2), (32, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attend_quantized_values_non_finite_scale_reads_nan(row, rng, dtype):
+def test_attend_quantized_values_non_finite_scale_reads_nan(row, rng, dtype, H, Hkv):
     """A NaN value scale in a block of keys a query sees makes its output NaN on every row, as fp32
-    products would (also under the int16 weights: the span's sums take the NaN)."""
-    H, Hkv, N, D = 16, 2, 128, 64
+    products would (also under the int16 weights: the span's sums take the NaN), with the query
+    vectors on the lanes (32/1) too."""
+    N, D, G = 128, 64, H // Hkv
     q = rng.standard_normal((H, D)).astype(np.float32)
     _, kq, ks = quantized(rng, (Hkv, N, D), dtype=dtype)
     _, vq, vs = quantized(rng, (Hkv, N, D), dtype=dtype)
     vs[0, 70, 1] = np.nan
     out = row.attend(q, kq, vq, k_scale=ks, v_scale=vs)
-    assert np.isnan(out[:8, 32:]).all() and np.isfinite(out[:8, :32]).all() and np.isfinite(out[8:]).all()
+    assert np.isnan(out[:G, 32:]).all() and np.isfinite(out[:G, :32]).all() and np.isfinite(out[G:]).all()
 
 
 @pytest.mark.parametrize("H,Hkv,N,D", [(9, 3, 70, 64), (32, 1, 40, 128), (2, 2, 33, 64)])

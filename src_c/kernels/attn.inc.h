@@ -870,6 +870,7 @@ typedef struct KV_FN(attn_state) {
     int qint;               /* ... and full blocks are scored with integer dot products (kv_scores_i8) */
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     int vint;               /* int8 or int4 values, D a multiple of 32: full spans take kv_accumulate_i16 */
+    int lvint;              /* ... and on the lanes path, with MP <= KV_QVECS: full blocks take lane_accum_i16 */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
@@ -925,6 +926,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
 #endif
     /* int8 / int4 values, whole blocks: integer products with int16 weights (kv_accumulate_i16) */
     st->vint = KV_INT_V && (p->v_dtype == KV_I8 || p->v_dtype == KV_I4) && st->D % KV_I8_BLOCK == 0;
+    st->lvint = st->vint && st->MP <= KV_QVECS;
 }
 
 /* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
@@ -1424,6 +1426,114 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 #undef KV_LA_Q
 #undef KV_LA_D
 
+#if KV_INT_V
+/* The lanes path's int8 / int4 values with integer products: kv_accumulate_i16's rounding with the
+ * query vectors on the lanes.  Per full block of KV_B keys (a span inside one cell of the
+ * KV_V_SPAN grid), lane u's weight of key j times its block scale, (p_ju / P_u) (s_jb / A_b), is
+ * rounded to int16, keys j and j + 1 side by side in each 32-bit lane (weight pairs [nb][KV_B / 2]
+ * [MP] in the free K block); the values as int16 pairs of the same keys (vw_pairs: [KV_B / 2][D],
+ * in the V block; int4 rows unpacked past them).  One VPDPWSSD per value pair broadcast and
+ * vector of lanes does what two fp32 FMAs did, with no widened copy of V; the int32 sums times
+ * (P_u / 32766) A_b are added to acc.  MP <= KV_QVECS: the weight pairs (D MP bytes) fit the K
+ * block (64 Dp bytes). */
+KV_AINLINE void kv_lane_accum_i16_tile(float *accT, int64_t MP, const int32_t *wq, const int32_t *vpr, int64_t D,
+                                       const float *pst, float ab, kv_pf *pf, const int NQ)
+{
+    vw a[KV_LJ][KV_LQ];
+    kv_pf_step(pf);
+#pragma GCC unroll 8
+    for (int e = 0; e < KV_LJ; e++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            a[e][u] = vw_zero();
+    for (int jp = 0; jp < KV_B / 2; jp++) {
+        vw w[KV_LQ];
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            w[u] = vw_load(wq + jp * MP + u * KV_W);
+#pragma GCC unroll 8
+        for (int e = 0; e < KV_LJ; e++) {   /* value e of the tile: vw_pairs' lo (e < 4) or hi half */
+            const int16_t *pair = (const int16_t *)(vpr + jp * D + (e >= 4 ? KV_W : 0) + e % 4);
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                a[e][u] = vw_dot(a[e][u], w[u], pair);
+        }
+    }
+    const vf abv = vf_set1(ab);
+#pragma GCC unroll 8
+    for (int e = 0; e < KV_LJ; e++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++) {
+            float *o = accT + e * MP + u * KV_W;
+            vf_store(o, vf_fmadd(vf_mul(vw_float(a[e][u]), vf_load(pst + u * KV_W)), abv, vf_load(o)));
+        }
+}
+_Static_assert(KV_LJ == 8 && KV_I8_BLOCK == 4 * KV_LJ && KV_W == 2 * KV_LJ,
+               "a tile's 8 values are 4 of vw_pairs' lo half and 4 of its hi half");
+
+/* One full block at t of the chunk's weights pT ([KV_B, MP]) times int8 rows vb (block scales vsc). */
+static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const int8_t *vb, const float *vsc,
+                                  int64_t nqv, kv_pf *pf)
+{
+    const int64_t D = st->D, MP = st->MP, nb = D / KV_I8_BLOCK;
+    int32_t *wq = (int32_t *)st->kblk, *vpr = (int32_t *)st->vblk;
+    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], sn[KV_B][KV_MAX_HEAD_DIM / KV_I8_BLOCK], pst[KV_QVECS];
+    for (int64_t b = 0; b < nb; b++) {   /* A_b, and sn = s_jb / A_b */
+        float a = 0.0f, z = 0.0f;
+        for (int j = 0; j < KV_B; j++) {
+            const float x = vsc[j * nb + b], m = x < 0.0f ? -x : x;
+            a = m > a ? m : a;
+            z += x * 0.0f;   /* NaN when a scale is NaN or infinite */
+        }
+        const float d = a > 0.0f ? a : 1.0f;
+        amax[b] = a + z;
+        for (int j = 0; j < KV_B; j++)
+            sn[j][b] = vsc[j * nb + b] / d;
+    }
+    const vf top = vf_set1(KV_W16_TOP), one = vf_set1(1.0f);
+    for (int64_t u = 0; u < nqv; u++) {   /* P_u lane by lane, and the weight pairs */
+        const float *p = pT + u * KV_W;
+        vf mx = vf_zero(), z = vf_zero();
+        for (int j = 0; j < KV_B; j++) {
+            const vf x = vf_load(p + j * MP);
+            mx = vf_max(mx, x);
+            z = vf_add(z, vf_mul(x, vf_zero()));
+        }
+        const vf mv = vf_select_lt(vf_zero(), mx, mx, one);
+        vf_store(pst + u * KV_W, vf_add(vf_div(mx, top), z));
+        for (int jp = 0; jp < KV_B / 2; jp++) {
+            const vf p0 = vf_mul(vf_div(vf_load(p + 2 * jp * MP), mv), top);
+            const vf p1 = vf_mul(vf_div(vf_load(p + (2 * jp + 1) * MP), mv), top);
+            for (int64_t b = 0; b < nb; b++)
+                vw_store(wq + (b * (KV_B / 2) + jp) * MP + u * KV_W,
+                         vw_wpair(vf_mul(p0, vf_set1(sn[2 * jp][b])), vf_mul(p1, vf_set1(sn[2 * jp + 1][b]))));
+        }
+    }
+    for (int jp = 0; jp < KV_B / 2; jp++)   /* the value pairs */
+        for (int64_t c = 0; c < D; c += KV_I8_BLOCK) {
+            vw lo, hi;
+            vw_pairs(vb + 2 * jp * D + c, vb + (2 * jp + 1) * D + c, &lo, &hi);
+            vw_store(vpr + jp * D + c, lo);
+            vw_store(vpr + jp * D + c + KV_W, hi);
+        }
+    int64_t u0 = 0;
+    for (; u0 < nqv; u0 += KV_LQ) {
+        const int two = nqv - u0 >= KV_LQ;
+        for (int64_t e0 = 0; e0 < D; e0 += KV_LJ) {
+            const int64_t b = e0 / KV_I8_BLOCK;
+            float *o = st->acc + e0 * MP + u0 * KV_W;
+            const int32_t *w = wq + b * (KV_B / 2) * MP + u0 * KV_W;
+            const int32_t *v = vpr + b * KV_I8_BLOCK + (e0 % KV_I8_BLOCK) / KV_LJ * 4;
+            if (two)
+                kv_lane_accum_i16_tile(o, MP, w, v, D, pst + u0 * KV_W, amax[b], pf, KV_LQ);
+            else
+                kv_lane_accum_i16_tile(o, MP, w, v, D, pst + u0 * KV_W, amax[b], pf, 1);
+        }
+    }
+}
+_Static_assert(KV_LQ == 2, "lane_accum_i16 takes the query vectors two at a time, then one");
+#endif
+
 /* The lanes path over int8 keys (lqint): the rounded queries with the query vectors on the lanes,
  * in the int8 query region of the workspace (qi or qia): steps (times the softmax scale) [nb, MP],
  * offsets -128 sum(q) [nb, MP], then the int8 values in groups of 4 [D / 4, MP] (lane i of group
@@ -1679,6 +1789,16 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_LANE_ACCUM_STEPS(nqv, D));
+#if KV_INT_V
+        if (st->lvint && tn - t == KV_B) {   /* int8 rows read in place, int4 ones unpacked past the value pairs */
+            const int8_t *vb = st->p->v_dtype == KV_I4
+                ? kv_i4_rows_i8((int8_t *)st->vblk + (KV_B / 2) * D * 4, st->vbase + (size_t)t * st->vrb, KV_B, D)
+                : (const int8_t *)st->vbase + t * D;
+            KV_FN(lane_accum_i16)(st, st->sc + (t - c0) * MP, vb, st->vscale + t * (D / KV_I8_BLOCK), nqv, &pf);
+            kv_pf_finish(&pf);
+            continue;
+        }
+#endif
         KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv, &pf);
         kv_pf_finish(&pf);

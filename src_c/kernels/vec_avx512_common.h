@@ -343,6 +343,16 @@ static inline vw vw_dot(vw acc, vw pair, const int16_t *w)
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(pair), "v"(_mm512_set1_epi32(x)));
     return acc;
 }
+/* attn.inc.h lane_accum_i16 (query vectors on the lanes): per lane the int16 pair (w0, w1), each
+   rounded to the nearest integer, ties to even (|w| <= 32766.5, so it fits; NaN gives a garbage
+   pair, and the span's step NaN then makes the sums NaN), and an int32 sum vector as floats */
+static inline vw vw_wpair(vf w0, vf w1)
+{
+    return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_cvtps_epi32(w0), _mm512_slli_epi32(_mm512_cvtps_epi32(w1), 16));
+}
+static inline vw vw_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline void vw_store(int32_t *p, vw a) { _mm512_storeu_si512(p, a); }
+static inline vf vw_float(vw a) { return _mm512_cvtepi32_ps(a); }
 /* the sums of a (lo, hi) pair of vw_pairs as floats in value order: values 0-15 in *f0, 16-31 in *f1 */
 static inline void vw_cols(vw lo, vw hi, vf *f0, vf *f1)
 {
