@@ -663,16 +663,11 @@ _Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W &
 _Static_assert(KV_GS * KV_V_SPAN * 2 + KV_V_SPAN * 4 <= KV_I8_BLOCK * KV_B * 4 && KV_V_SPAN <= 4 * KV_B,
                "the span's weights, scales and rows fit the workspace's [KV_B, Dp] blocks");
 
-/* acc_i = acc_i * corr_i (corr NULL: acc_i) + sum_j p_ij v_j for NH query vectors (weights
- * pw + i * ws, acc rows of stride Dp) over S int8 rows at vb (D values each, D a multiple of 32;
- * vsc: their block scales) as above.  w16: NH x D / 32 x S int16 of scratch; vn: D / 32 x S floats.
- * Prefetches the S rows at pf (rows pf_row bytes) into L2 (KV_I16_LOC), spread over the work. */
-KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw, int64_t ws, const int8_t *vb,
-                                  const float *vsc, int64_t D, int64_t Dp, const int NH, int64_t S, int16_t *w16,
-                                  float *vn, const char *pf, size_t pf_row)
+/* The value blocks' side of the rounding, for S keys (a multiple of KV_W) with block scales vsc (nb
+   per key): A_b = max_j |s_jb| into amax[b] (NaN when a scale is NaN or infinite) and
+   vn[b S + j] = s_jb / A_b. */
+KV_AINLINE void kv_i16_scales(const float *vsc, int64_t nb, int64_t S, float *vn, float *amax)
 {
-    const int64_t nb = D / KV_I8_BLOCK;
-    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], pstep[KV_GS];
     for (int64_t j0 = 0; j0 < S; j0 += KV_W) {   /* vn[b S + j] = s_jb */
         vkf cols[KV_MAX_HEAD_DIM / KV_I8_BLOCK];
         vkf_cols(cols, vsc + j0 * nb, nb);
@@ -693,6 +688,19 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
         for (int64_t j = 0; j < S; j += KV_W)
             vf_store(x + j, vf_div(vf_load(x + j), av));
     }
+}
+
+/* acc_i = acc_i * corr_i (corr NULL: acc_i) + sum_j p_ij v_j for NH query vectors (weights
+ * pw + i * ws, acc rows of stride Dp) over S int8 rows at vb (D values each, D a multiple of 32;
+ * vsc: their block scales) as above.  w16: NH x D / 32 x S int16 of scratch; vn: D / 32 x S floats.
+ * Prefetches the S rows at pf (rows pf_row bytes) into L2 (KV_I16_LOC), spread over the work. */
+KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw, int64_t ws, const int8_t *vb,
+                                  const float *vsc, int64_t D, int64_t Dp, const int NH, int64_t S, int16_t *w16,
+                                  float *vn, const char *pf, size_t pf_row)
+{
+    const int64_t nb = D / KV_I8_BLOCK;
+    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], pstep[KV_GS];
+    kv_i16_scales(vsc, nb, S, vn, amax);
 #pragma GCC unroll 8
     for (int i = 0; i < NH; i++) {   /* P_i, and the weights w_ijb */
         const float *p = pw + i * ws;
@@ -1477,19 +1485,8 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
 {
     const int64_t D = st->D, MP = st->MP, nb = D / KV_I8_BLOCK;
     int32_t *wq = (int32_t *)st->kblk, *vpr = (int32_t *)st->vblk;
-    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], sn[KV_B][KV_MAX_HEAD_DIM / KV_I8_BLOCK], pst[KV_QVECS];
-    for (int64_t b = 0; b < nb; b++) {   /* A_b, and sn = s_jb / A_b */
-        float a = 0.0f, z = 0.0f;
-        for (int j = 0; j < KV_B; j++) {
-            const float x = vsc[j * nb + b], m = x < 0.0f ? -x : x;
-            a = m > a ? m : a;
-            z += x * 0.0f;   /* NaN when a scale is NaN or infinite */
-        }
-        const float d = a > 0.0f ? a : 1.0f;
-        amax[b] = a + z;
-        for (int j = 0; j < KV_B; j++)
-            sn[j][b] = vsc[j * nb + b] / d;
-    }
+    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], vn[KV_MAX_HEAD_DIM / KV_I8_BLOCK * KV_B], pst[KV_QVECS];
+    kv_i16_scales(vsc, nb, KV_B, vn, amax);
     const vf top = vf_set1(KV_W16_TOP), one = vf_set1(1.0f);
     for (int64_t u = 0; u < nqv; u++) {   /* P_u lane by lane, and the weight pairs */
         const float *p = pT + u * KV_W;
@@ -1506,7 +1503,7 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
             const vf p1 = vf_mul(vf_div(vf_load(p + (2 * jp + 1) * MP), mv), top);
             for (int64_t b = 0; b < nb; b++)
                 vw_store(wq + (b * (KV_B / 2) + jp) * MP + u * KV_W,
-                         vw_wpair(vf_mul(p0, vf_set1(sn[2 * jp][b])), vf_mul(p1, vf_set1(sn[2 * jp + 1][b]))));
+                         vw_wpair(vf_mul(p0, vf_set1(vn[b * KV_B + 2 * jp])), vf_mul(p1, vf_set1(vn[b * KV_B + 2 * jp + 1]))));
         }
     }
     for (int jp = 0; jp < KV_B / 2; jp++)   /* the value pairs */
