@@ -260,9 +260,10 @@ def test_attend_quantized_rows(row, rng, T, H, Hkv, N, D, dtype):
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("T,H,Hkv,N,D", [(20, 4, 2, 37, 64), (40, 1, 1, 45, 96)])
 def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
-    """Tiles of 40 query vectors on the query-on-lanes path (over int8 keys: 8-lane vectors of
-    queries in tiles of 4 and a tail of 2) and a last block of an odd number of keys (tiles of 2
-    keys and a tail of 1)."""
+    """Tiles of 40 query vectors on the query-on-lanes path (over int8 keys on the AVX-512 rows:
+    three 16-lane vectors of queries, a tile of 2 and a tail of 1) and a last block of an odd
+    number of keys (tiles of 4 keys and a tail of 1 to 3); the values' int16 products take the
+    full blocks, fp32 the last."""
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     _, kq, ks = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[0])
     _, vq, vs = quantized(rng, (Hkv, N, D), dtype=sides(dtype)[1])
