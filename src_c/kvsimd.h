@@ -53,8 +53,10 @@ typedef enum kv_dtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3 } kv_dtype;
 #define KV_I4_BLOCK_BYTES (KV_I8_BLOCK / 2)
 static inline int64_t kv_i8_blocks(int64_t D) { return (D + KV_I8_BLOCK - 1) / KV_I8_BLOCK; }  /* scales per row */
 /* Floats of one query vector rounded for int8 or int4 keys in the attention workspace (attn.inc.h
-   round_query): per 32-value block of Dp values its step and int32 offset, then Dp int8 values. */
-static inline int64_t kv_qint_floats(int64_t Dp) { return 2 * kv_i8_blocks(Dp) + (Dp + 3) / 4; }
+   round_query): per 32-value block of Dp values its step and int32 offset, then Dp int8 values,
+   then (from kv_qint_q16 floats on) the same values as int16, each group of 4 as q0 q2 q1 q3. */
+static inline int64_t kv_qint_q16(int64_t Dp) { return 2 * kv_i8_blocks(Dp) + (Dp + 3) / 4; }
+static inline int64_t kv_qint_floats(int64_t Dp) { return kv_qint_q16(Dp) + (Dp + 3) / 4 * 2; }
 static inline int kv_dtype_scaled(kv_dtype d) { return d == KV_I8 || d == KV_I4; }   /* has block scales */
 /* Bytes of one row of D values (a token of a KV head) as stored. */
 static inline size_t kv_row_bytes(kv_dtype d, int64_t D)

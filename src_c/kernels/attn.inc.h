@@ -25,7 +25,9 @@
  * rows in the workspace block first, kv_i4_rows_i8).  A single query vector (MHA) takes them too:
  * with the tile's transposes unrolled, 0.75-0.93x the time of its fp32 widening on Zen 5.
  * Other blocks read the same rounded query in fp32.  Int8 and int4 values with several query
- * vectors, on the rows with VPDPWSSD, are multiplied by int16 weights (kv_accumulate_i16).
+ * vectors, on the SIMD rows (VPDPWSSD; VPMADDWD on avx2), are multiplied by int16 weights
+ * (kv_accumulate_i16).  The avx2 row has no VNNI: its vec header gives the integer dot products
+ * as VPMADDWD over 16-bit halves of the bytes (vec_avx2.h), exact all the same.
  */
 #include "kvsimd.h"
 
@@ -543,7 +545,9 @@ static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
 #define vki_load v8i_load
 #define vkb_load v8b_load
 #define vkf_load v8f_load
+#ifndef KV_HAVE_VKI_DOT
 #define vki_dot v8i_dot
+#endif
 #define vkf_from v8f_from
 #define vkf_set1 v8f_set1
 #define vkf_zero v8f_zero
@@ -553,6 +557,18 @@ static inline void vkb_rows(vkb r[8], const uint8_t *p, int64_t stride)
 #define vkf_cols v8f_cols
 #endif
 _Static_assert(KV_B % KV_KL == 0, "kv_scores_i8 takes a block's keys KV_KL at a time");
+/* kv_scores_i8's query operand for values e..e+3 (q8 + e: the int8 values; q16 + e: round_query's
+   int16 copy) and its dot product with a key tile: the 4 bytes in every lane (VPDPBUSD), unless
+   the row's vec header has its own (vec_avx2.h: int16 pairs for VPMADDWD) */
+#ifndef KV_HAVE_VKQ
+typedef vkb vkq;
+static inline vkq vkq_bcast(const int8_t *q8, const int16_t *q16)
+{
+    (void)q16;
+    return vkb_bcast4(q8);
+}
+#define vki_dotq vki_dot
+#endif
 
 /* The KV_B scores of NH query vectors rounded to int8 (round_query: vector i's at qi + i * QF) with
  * the full block of int8 keys at kb (rows of D values, D a multiple of 32; ksc: the block scales
@@ -569,6 +585,7 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
 {
     const int64_t nb = D / KV_I8_BLOCK;
     const int64_t qoff = 2 * nb;   /* the int8 values of a rounded query, in floats from its start */
+    const int64_t q16off = kv_qint_q16(D);   /* their int16 copy */
     for (int j0 = 0; j0 < KV_B; j0 += KV_KL) {
         const char *pl = pf ? kv_line_floor(pf + (size_t)j0 * pf_row) : NULL;
         const int64_t nl = pf ? kv_lines(pl, pf + (size_t)(j0 + KV_KL) * pf_row) : 0, per = (nl + nb - 1) / nb;
@@ -586,16 +603,23 @@ KV_AINLINE void kv_scores_i8(const float *qi, int64_t QF, const int8_t *kb, cons
 #pragma GCC unroll 8
             for (int d = 0; d < 8; d++)
                 r[d] = vkb_flip(r[d]);
+            vki acc[KV_GS];
 #pragma GCC unroll 8
-            for (int i = 0; i < NH; i++) {
-                const float *q = qi + i * QF;
-                const int8_t *q8 = (const int8_t *)(q + qoff) + b * KV_I8_BLOCK;
-                vki acc = vki_set1(((const int32_t *)(q + nb))[b]);
+            for (int i = 0; i < NH; i++)
+                acc[i] = vki_set1(((const int32_t *)(qi + i * QF + nb))[b]);
+            /* each group of 4 values for every vector in turn: a row's halves of a key group
+               (vec_avx2.h) live only while its vectors take them */
 #pragma GCC unroll 8
-                for (int d = 0; d < 8; d++)
-                    acc = vki_dot(acc, r[d], vkb_bcast4(q8 + 4 * d));
-                tot[i] = vkf_fmadd(vkf_from(acc), vkf_mul(vkf_set1(q[b]), ks[b]), tot[i]);
-            }
+            for (int d = 0; d < 8; d++)
+#pragma GCC unroll 8
+                for (int i = 0; i < NH; i++) {
+                    const float *q = qi + i * QF;
+                    const int64_t e = b * KV_I8_BLOCK + 4 * d;
+                    acc[i] = vki_dotq(acc[i], r[d], vkq_bcast((const int8_t *)(q + qoff) + e, (const int16_t *)(q + q16off) + e));
+                }
+#pragma GCC unroll 8
+            for (int i = 0; i < NH; i++)
+                tot[i] = vkf_fmadd(vkf_from(acc[i]), vkf_mul(vkf_set1(qi[i * QF + b]), ks[b]), tot[i]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
@@ -632,7 +656,7 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #undef KV_CASE_SI
 #endif
 
-/* ---- Int8 / int4 values with integer products (the rows with VPDPWSSD) ----
+/* ---- Int8 / int4 values with integer products (VPDPWSSD; avx2: VPMADDWD and VPADDD) ----
  * A block of fp32 weights times int8 values costs one FMA per value and head, plus the value's
  * widening and scale.  With the weights rounded to int16, VPDPWSSD takes two keys per lane and
  * instruction, and the values are only sign-extended (once for all heads of the group).  Over a
@@ -649,6 +673,9 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #else
 #define KV_INT_V 0
 #endif
+/* ... and on the lanes path, whose tile of 8 values is 4 of vw_pairs' lo half and 4 of its hi
+   half: the rows of 16 lanes and 32 registers (KV_LJ 8; not avx2's 8 lanes and tiles of 4) */
+#define KV_LANE_INT_V (KV_INT_V && KV_W == 16 && KV_VREGS >= 32)
 #if KV_INT_V
 /* The span's prefetch of the next span's rows goes to L2 (locality 1), not L1: a span ahead is 8 KiB
    of int8 head_dim 128, which in L1 evicted rows still to be read (Zen 4, G8 64/8/128 int8 beyond
@@ -657,8 +684,8 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #define KV_I16_LOC 1
 #endif
 #define KV_W16_TOP 32766.0f   /* the largest |w_ijb| (32767 less a step: the quotients' roundings never saturate) */
-_Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK == 2 * KV_W,
-               "a span is whole blocks and vectors of keys; a value block is two vectors");
+_Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK % (2 * KV_W) == 0,
+               "a span is whole blocks and vectors of keys; a value block is whole pairs of vectors");
 /* the weights (int16) and the scales by block (floats) in the free K block, int4 rows unpacked in the V block */
 _Static_assert(KV_GS * KV_V_SPAN * 2 + KV_V_SPAN * 4 <= KV_I8_BLOCK * KV_B * 4 && KV_V_SPAN <= 4 * KV_B,
                "the span's weights, scales and rows fit the workspace's [KV_B, Dp] blocks");
@@ -722,15 +749,16 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
     kv_pf pc = {NULL, NULL, 0};
     if (pf)
         pc = kv_pf_over(pf, pf + (size_t)S * pf_row, nb * S / 2);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t c = 0; c < D; c += 2 * KV_W) {   /* values c..c + 2 KV_W - 1 (all of a block on the AVX-512 rows) */
+        const int64_t b = c / KV_I8_BLOCK;
         vw lo[KV_GS], hi[KV_GS];
 #pragma GCC unroll 8
         for (int i = 0; i < NH; i++)
             lo[i] = hi[i] = vw_zero();
-        const int8_t *r = vb + b * KV_I8_BLOCK;
+        const int8_t *r = vb + c;
         const int16_t *w = w16 + b * S;
         for (int64_t j = 0; j < S; j += 2) {
-            if (pc.p < pc.end) {   /* one line per pair step: S int8 rows of D bytes are nb * S / 2 lines */
+            if (pc.p < pc.end) {   /* one line per pair step until done: S int8 rows of D bytes are nb * S / 2 lines */
                 __builtin_prefetch(pc.p, 0, KV_I16_LOC);
                 pc.p += 64;
             }
@@ -747,7 +775,7 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
         for (int i = 0; i < NH; i++) {
             vf f0, f1;
             vw_cols(lo[i], hi[i], &f0, &f1);
-            float *o = acc + i * Dp + b * KV_I8_BLOCK;
+            float *o = acc + i * Dp + c;
             vf a0 = vf_load(o), a1 = vf_load(o + KV_W);
             if (corr) {
                 a0 = vf_mul(a0, vf_set1(corr[i]));
@@ -934,7 +962,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
 #endif
     /* int8 / int4 values, whole blocks: integer products with int16 weights (kv_accumulate_i16) */
     st->vint = KV_INT_V && (p->v_dtype == KV_I8 || p->v_dtype == KV_I4) && st->D % KV_I8_BLOCK == 0;
-    st->lvint = st->vint && st->MP <= KV_QVECS;
+    st->lvint = KV_LANE_INT_V && st->vint && st->MP <= KV_QVECS;
 }
 
 /* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
@@ -963,13 +991,15 @@ KV_AINLINE void KV_FN(attn_row_keys)(const kv_attn_params *p, int64_t r, int64_t
  * to even; step NaN and q 0 when a value is NaN or infinite), so that full blocks of keys are scored with exact integer dot
  * products (kv_scores_i8); every path then reads that same query.  x: Dp floats (0 past D), in
  * place: x <- q * (step * scale); qi (kv_qint_floats(Dp) floats): per block step * scale and
- * -KV_KDOT_OFF * sum(q) (what the unsigned keys of kv_scores_i8 add), then the Dp int8 q. */
+ * -KV_KDOT_OFF * sum(q) (what the unsigned keys of kv_scores_i8 add), then the Dp int8 q, then
+ * the same q as int16 (kv_qint_q16: each group of 4 as q0 q2 q1 q3, vec_avx2.h's vkq_bcast). */
 KV_AINLINE void KV_FN(round_query)(float *x, int64_t Dp, float scale, float *qi)
 {
     const int64_t nb = kv_i8_blocks(Dp);
     float *stp = qi;
     int32_t *off = (int32_t *)(qi + nb);
     int8_t *q8 = (int8_t *)(qi + 2 * nb);
+    int16_t *q16 = (int16_t *)(qi + kv_qint_q16(Dp));
     for (int64_t d0 = 0, b = 0; d0 < Dp; d0 += KV_I8_BLOCK, b++) {
         const int64_t d1 = d0 + KV_I8_BLOCK < Dp ? d0 + KV_I8_BLOCK : Dp;
         vf mx = vf_zero(), z = vf_zero();
@@ -988,6 +1018,7 @@ KV_AINLINE void KV_FN(round_query)(float *x, int64_t Dp, float scale, float *qi)
             vf_store(x + c, r);
             for (int64_t e = c; e < c + KV_W; e++) {
                 q8[e] = (int8_t)x[e];
+                q16[e - e % 4 + (e % 2) * 2 + (e % 4) / 2] = q8[e];   /* q0 q2 q1 q3 */
                 sum += q8[e];
             }
             vf_store(x + c, vf_mul(r, vf_set1(ss)));
@@ -1175,9 +1206,10 @@ KV_AINLINE void KV_FN(attn_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         const int64_t nb = tn - t;
         const char *vpf = kv_ahead(st->vbase, t, c1, st->vrb, st->vpf, next_k);
 #if KV_INT_V
-        /* a span of whole blocks: int4 values from 2 query vectors on, int8 from KV_GS (one: memory-bound;
-           int8 with 4 per KV head beyond the LLC took 1.0-1.12x the time of fp32, 8 0.82x; Zen 4) */
-        if (st->vint && nb == KV_B && (M >= KV_GS || (M > 1 && p->v_dtype == KV_I4))) {
+        /* a span of whole blocks: int4 values from 2 query vectors on, int8 from 8 (one: memory-bound;
+           int8 with 4 per KV head beyond the LLC took 1.0-1.12x the time of fp32, 8 0.82x, on Zen 4's
+           avx512 row; avx2 on Zen 3, 32/8/128 at 32,768 keys: 1.12x) */
+        if (st->vint && nb == KV_B && (M >= 8 || (M > 1 && p->v_dtype == KV_I4))) {
             tn = kv_grid_end(t, KV_V_SPAN, c1);
             tn = t + (tn - t) / KV_B * KV_B;
             const int8_t *vb = (const int8_t *)(st->vbase + (size_t)t * st->vrb);
@@ -1434,7 +1466,7 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 #undef KV_LA_Q
 #undef KV_LA_D
 
-#if KV_INT_V
+#if KV_LANE_INT_V
 /* The lanes path's int8 / int4 values with integer products: kv_accumulate_i16's rounding with the
  * query vectors on the lanes.  Per full block of KV_B keys (a span inside one cell of the
  * KV_V_SPAN grid), lane u's weight of key j times its block scale, (p_ju / P_u) (s_jb / A_b), is
@@ -1786,7 +1818,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
         kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_LANE_ACCUM_STEPS(nqv, D));
-#if KV_INT_V
+#if KV_LANE_INT_V
         if (st->lvint && tn - t == KV_B) {   /* int8 rows read in place, int4 ones unpacked past the value pairs */
             const int8_t *vb = st->p->v_dtype == KV_I4
                 ? kv_i4_rows_i8((int8_t *)st->vblk + (KV_B / 2) * D * 4, st->vbase + (size_t)t * st->vrb, KV_B, D)

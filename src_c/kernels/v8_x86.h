@@ -64,6 +64,27 @@ static inline void v8b_transpose8(v8b r[8])
     }
 }
 static inline v8i v8i_add(v8i a, v8i b) { return _mm256_add_epi32(a, b); }
+/* attn.inc.h kv_i4_rows_i8 on every x86 row: int4 rows as int8 ones, 32 bytes (2 blocks) to 64 at a
+   time -- each block's low nibbles, then its high ones, minus 8 */
+#define KV_HAVE_I4_UNPACK 1
+static inline void kv_i4_unpack(int8_t *dst, const uint8_t *src, int64_t bytes)
+{
+    const __m256i m = _mm256_set1_epi8(15), e8 = _mm256_set1_epi8(8);
+    int64_t o = 0;
+    for (; o + 32 <= bytes; o += 32) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(src + o));
+        const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(x, m), e8);
+        const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), m), e8);
+        _mm256_storeu_si256((__m256i *)(dst + 2 * o), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + 2 * o + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+    for (; o < bytes; o += 16) {   /* bytes: whole blocks of 16 */
+        const __m128i x = _mm_loadu_si128((const __m128i *)(src + o));
+        const __m128i m4 = _mm256_castsi256_si128(m), s8 = _mm256_castsi256_si128(e8);
+        _mm_storeu_si128((__m128i *)(dst + 2 * o), _mm_sub_epi8(_mm_and_si128(x, m4), s8));
+        _mm_storeu_si128((__m128i *)(dst + 2 * o + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), s8));
+    }
+}
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KV_HAVE_DPBUSD 1
 #define KV_INT_DOT 1   /* attention scores over int8 keys as integer dot products (attn.inc.h) */

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fp16_soft.h"
 
@@ -195,5 +196,82 @@ static inline float kv_half(const uint8_t *p) { return _mm_cvtss_f32(_mm_cvtph_p
 static inline vf vf_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_set1_epi16((short)(p[0] | p[1] << 8))); }
 
 #include "v8_x86.h"   /* the int8-activation product's 8-lane forms */
+
+/* ---- Integer products for attention over int8 / int4 K and V (attn.inc.h), without VNNI ----
+ * VPMADDWD multiplies 16 int16 pairs and adds each pair into an int32 lane: 16 products per
+ * instruction where an FMA takes 8, at the same throughput (2 per cycle on Zen 3), and exact.
+ * VPMADDUBSW would take 32 bytes but saturates its 16-bit sums on these operands (unsigned keys
+ * k + 128 times the query's int8 values: 2 x 255 x 127 > 2^15), so the bytes go to 16-bit halves
+ * first: a 32-bit lane's bytes 0 and 2 (the AND), 1 and 3 (the shift).  The sums go into the
+ * accumulator through asm: GCC 12 reassociates integer adds, summing a block's products as a tree
+ * after all of them, which spilled nearly every product of kv_scores_i8 to the stack. */
+static inline __m256i kv_avx2_add2(__m256i acc, __m256i a, __m256i b)
+{
+    __asm__("vpaddd %1, %0, %0\n\tvpaddd %2, %0, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
+#define KV_INT_DOT 1   /* attention scores over int8 keys as integer dot products */
+#define KV_HAVE_VKI_DOT 1
+/* acc + the sums of 4 products u * s per lane (u unsigned bytes, s signed), as VPDPBUSD */
+static inline __m256i vki_dot(__m256i acc, __m256i u, __m256i s)
+{
+    const __m256i ue = _mm256_and_si256(u, _mm256_set1_epi16(0xFF)), uo = _mm256_srli_epi16(u, 8);
+    const __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return kv_avx2_add2(acc, _mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so));
+}
+/* kv_scores_i8's query operand, from the query's int16 copy (round_query: values 4d, 4d + 2,
+   4d + 1, 4d + 3 of each group of 4): the even and the odd pair in every lane, so that a key
+   tile's halves meet them with no per-query shifts */
+#define KV_HAVE_VKQ 1
+typedef struct { __m256i e, o; } vkq;
+static inline vkq vkq_bcast(const int8_t *q8, const int16_t *q16)
+{
+    int32_t e, o;
+    (void)q8;
+    memcpy(&e, q16, 4);
+    memcpy(&o, q16 + 2, 4);
+    vkq r = {_mm256_set1_epi32(e), _mm256_set1_epi32(o)};
+    return r;
+}
+static inline __m256i vki_dotq(__m256i acc, __m256i u, vkq q)
+{
+    const __m256i ue = _mm256_and_si256(u, _mm256_set1_epi16(0xFF)), uo = _mm256_srli_epi16(u, 8);
+    return kv_avx2_add2(acc, _mm256_madd_epi16(ue, q.e), _mm256_madd_epi16(uo, q.o));
+}
+/* kv_accumulate_i16: int8 values times int16 weights, two keys per VPMADDWD.  vw_pairs: values
+   c..c+15 of two rows r0, r1 as 16 int16 pairs (r0's first) in two vectors: lo holds values 0-3
+   and 8-11 (four per 128-bit lane), hi 4-7 and 12-15; vw_cols puts the sums back in order. */
+#define KV_HAVE_DPWSSD 1
+typedef __m256i vw;
+static inline vw vw_zero(void) { return _mm256_setzero_si256(); }
+static inline void vw_pairs(const int8_t *r0, const int8_t *r1, vw *lo, vw *hi)
+{
+    const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)r0));
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)r1));
+    *lo = _mm256_unpacklo_epi16(a, b);
+    *hi = _mm256_unpackhi_epi16(a, b);
+}
+/* acc + per lane the pair's two products with the int16 weights w[0] (r0's) and w[1] */
+static inline vw vw_dot(vw acc, vw pair, const int16_t *w)
+{
+    int32_t x;
+    memcpy(&x, w, 4);
+    const __m256i t = _mm256_madd_epi16(pair, _mm256_set1_epi32(x));
+    __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));   /* as kv_avx2_add2 */
+    return acc;
+}
+/* the sums of a (lo, hi) pair of vw_pairs as floats in value order: values 0-7 in *f0, 8-15 in *f1 */
+static inline void vw_cols(vw lo, vw hi, vf *f0, vf *f1)
+{
+    const __m256 a = _mm256_cvtepi32_ps(lo), b = _mm256_cvtepi32_ps(hi);
+    *f0 = _mm256_permute2f128_ps(a, b, 0x20);
+    *f1 = _mm256_permute2f128_ps(a, b, 0x31);
+}
+/* a's lanes rounded to the nearest integer (ties to even), saturated to int16, at p */
+static inline void vf_store_i16(int16_t *p, vf a)
+{
+    const __m256i x = _mm256_cvtps_epi32(a);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+}
 
 #endif

@@ -298,28 +298,6 @@ static inline vkb vkb_bcast4(const int8_t *p)
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
-/* attn.inc.h kv_i4_rows_i8: int4 key rows as int8 ones, 64 bytes (4 blocks) to 128 at a time --
-   each block's low nibbles, then its high ones, minus 8 */
-#define KV_HAVE_I4_UNPACK 1
-static inline void kv_i4_unpack(int8_t *dst, const uint8_t *src, int64_t bytes)
-{
-    const __m512i m = _mm512_set1_epi8(15), e8 = _mm512_set1_epi8(8);
-    const __m512i a = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), b = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    int64_t o = 0;
-    for (; o + 64 <= bytes; o += 64) {
-        const __m512i x = _mm512_loadu_si512((const void *)(src + o));
-        const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(x, m), e8);
-        const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), m), e8);
-        _mm512_storeu_si512((void *)(dst + 2 * o), _mm512_permutex2var_epi64(lo, a, hi));
-        _mm512_storeu_si512((void *)(dst + 2 * o + 64), _mm512_permutex2var_epi64(lo, b, hi));
-    }
-    const __m128i m4 = _mm512_castsi512_si128(m), s8 = _mm512_castsi512_si128(e8);
-    for (; o < bytes; o += 16) {   /* bytes: whole blocks of 16 */
-        const __m128i x = _mm_loadu_si128((const __m128i *)(src + o));
-        _mm_storeu_si128((__m128i *)(dst + 2 * o), _mm_sub_epi8(_mm_and_si128(x, m4), s8));
-        _mm_storeu_si128((__m128i *)(dst + 2 * o + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), s8));
-    }
-}
 /* attn.inc.h kv_accumulate_i16: int8 values times int16 weights, two keys per VPDPWSSD.
    vw_pairs: values c..c+31 of two rows r0, r1 as 32 int16 pairs (r0's first), in two vectors: lo
    holds values 0-3, 8-11, 16-19, 24-27 (four per 128-bit lane), hi 4-7, 12-15, 20-23, 28-31 (the
