@@ -275,9 +275,10 @@ def test_attend_quantized_rows_lane_tails(row, rng, T, H, Hkv, N, D, dtype):
 @pytest.mark.parametrize("H,Hkv,N,D", [(16, 2, 1100, 64), (12, 3, 300, 128), (16, 1, 200, 32), (32, 1, 1100, 128),
                                        (64, 1, 300, 64), (96, 1, 200, 32)])
 def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
-    """Values with several query vectors per KV head (on the VNNI rows: int16 weights per span of
-    up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16; with 32 to 64 query vectors on the
-    lanes, per block of keys, lane_accum_i16; 96 keep fp32) within attend_bound: spans cut by the
+    """Values with several query vectors per KV head (on the SIMD rows: int16 weights per span of
+    up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16, VPDPWSSD or on avx2 VPMADDWD over
+    half-blocks of 16 values; with 32 to 64 query vectors on the lanes of the AVX-512 rows, per
+    block of keys, lane_accum_i16; 96 keep fp32) within attend_bound: spans cut by the
     grid, by ranges that start and end off it, by a window and by the chunk (1,024 keys, where the
     softmax rescales); a peaked softmax (large scores), where the weights of a span differ most; the
     outliers of some values' blocks at 100x the others (a span's largest scale far above a key's)."""
