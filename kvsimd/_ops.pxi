@@ -16,8 +16,8 @@ def attend(q, k, v, *, scale=None, alibi_slopes=None, key_positions=None, query_
     ``1/sqrt(D)``.  Over int8 and int4 keys each query vector (and ``q_alt``) is read rounded by the
     int8 keys' rule, 32 values per step (:func:`quantize_kv`; turned first with ``hadamard``), and
     the scale applies after: full blocks of keys are then scored with exact integer dot products
-    (VPDPBUSD on the AVX-512 rows; 4-bit keys read as int8 ones), and every path reads that same
-    query (``kvsimd.reference.query_as_read``).  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
+    (VPDPBUSD on the AVX-512 rows, VPMADDWD on avx2; 4-bit keys read as int8 ones), and every path
+    reads that same query (``kvsimd.reference.query_as_read``).  ALiBi: with ``alibi_slopes`` (float32 ``[H]``) the score of head h and key j
     gets ``- alibi_slopes[h] * (query_position - key_positions[j])``; ``key_positions`` (int64
     ``[N]``) defaults to ``0..N-1`` and ``query_position`` to ``N-1``.  One pass over K/V, online
     softmax, fp32 accumulation.  Returns float32 ``[H, D]`` (``out`` if given).  The weighted values
