@@ -676,6 +676,11 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 /* ... and on the lanes path, whose tile of 8 values is 4 of vw_pairs' lo half and 4 of its hi
    half: the rows of 16 lanes and 32 registers (KV_LJ 8; not avx2's 8 lanes and tiles of 4) */
 #define KV_LANE_INT_V (KV_INT_V && KV_W == 16 && KV_VREGS >= 32)
+/* the query-on-lanes path's fp32 tiles hold two head-dim elements per lane on the AVX-512 rows
+   (kv_lane_scores2: fewer 512-bit loads per FMA) */
+#ifndef KV_LANE_PAIRS
+#define KV_LANE_PAIRS (KV_W == 16 && KV_VREGS >= 32)
+#endif
 #if KV_INT_V
 /* The span's prefetch of the next span's rows goes to L2 (locality 1), not L1: a span ahead is 8 KiB
    of int8 head_dim 128, which in L1 evicted rows still to be read (Zen 4, G8 64/8/128 int8 beyond
@@ -907,6 +912,8 @@ typedef struct KV_FN(attn_state) {
     int lqint;              /* ... and so are the lanes path's blocks (kv_lane_scores_i8) */
     int vint;               /* int8 or int4 values, D a multiple of 32: full spans take kv_accumulate_i16 */
     int lvint;              /* ... and on the lanes path, with MP <= KV_QVECS: full blocks take lane_accum_i16 */
+    int lpk, lpv;           /* lanes path: fp32 scores (not lqint) / outputs (not lvint) in the pair layout (KV_LANE_PAIRS) */
+    float *pbuf;            /* [KV_B, 2 MQp] the pair layout's partial scores, then its duplicated weights */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
@@ -952,6 +959,7 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->QF = kv_qint_floats(Dp);
     st->qi = st->slope + MQp;
     st->qia = st->qi + MQp * st->QF;
+    st->pbuf = st->qia + MQp * st->QF;
     st->qround = p->dtype == KV_I8 || p->dtype == KV_I4;
     /* whole blocks: int8 rows are read in place, int4 ones unpacked to int8 rows (kv_i4_rows_i8) */
     st->qint = KV_INT_DOT && st->qround && st->D % KV_I8_BLOCK == 0;
@@ -963,6 +971,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     /* int8 / int4 values, whole blocks: integer products with int16 weights (kv_accumulate_i16) */
     st->vint = KV_INT_V && (p->v_dtype == KV_I8 || p->v_dtype == KV_I4) && st->D % KV_I8_BLOCK == 0;
     st->lvint = KV_LANE_INT_V && st->vint && st->MP <= KV_QVECS;
+    st->lpk = KV_LANE_PAIRS && !st->lqint;
+    st->lpv = KV_LANE_PAIRS && !st->lvint;
 }
 
 /* The state's KV head g (its K/V rows and int8 block scales) and rows r0..r1-1 (both paths). */
@@ -1466,6 +1476,176 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 #undef KV_LA_Q
 #undef KV_LA_D
 
+#if KV_LANE_PAIRS
+/* The pair layout of the AVX-512 rows: two head-dim elements per lane, so that each broadcast
+ * (vf_bcast2: one 8-byte load) feeds twice the FMAs.  Lane 2u + p of the pair arrays holds query
+ * vector u's element 2e + p: the query q2 [Dh, 2 MP] (Dh = ceil(D / 2)), the outputs acc
+ * [Dh, 2 MP]; the weights w2 [KV_B, 2 MP] hold each of a block's weights twice (vf_dup_lo /
+ * vf_dup_hi).  A register tile is KV_LP_Q pair vectors (8 query vectors each) by 6 keys (scores)
+ * or 6 element pairs (outputs): 24 FMAs per 10 loads, where the 2 x 8 tile of one element per
+ * lane took 16 per 10.  Why: an Ice Lake Xeon issues 1.37 512-bit loads (VMOVAPS zmm, or even
+ * VBROADCASTSS zmm of 4 bytes) per TSC cycle against 2.47 256-bit broadcasts, and the 2 x 8 tile
+ * needs 1.25 per FMA cycle (python bench/lane_tile_loads.py, per TSC cycle, L1-resident: FMAs
+ * alone 1.93, the 2 x 8 tile 1.60, the 4 x 6 pair tile 1.78).  A score is the sum of its two lanes' chains (vf_pair_sums, once
+ * per key after the last partial): KV_LP_SB pairs per partial sum, so KV_LP_SB + Dh / KV_LP_SB + 1
+ * roundings, 35 for D = 128 (the one-element layout: 24; kvsimd.bounds.score_chain allows the
+ * scalar row's 69).  32 pairs per partial rather than 16: MQA 32/1/128 0.94-0.97x the time. */
+#define KV_LP_Q 4    /* pair vectors per register tile */
+#define KV_LP_J 6    /* keys (scores) or element pairs (outputs) per tile of KV_LP_Q pair vectors */
+#define KV_LP_J2 8   /* ... per tile of 2 pair vectors */
+#define KV_LP_SB 32  /* element pairs per partial sum of a score */
+_Static_assert(KV_B == 16 && KV_W == 16, "lane_scores2_block tiles 16 keys as 6 + 6 + 4 or 8 + 8; a pair vector is 8 lanes");
+
+/* Scores of NJ keys (kb rows of stride Dp) for NQ pair vectors (q2 and the pair partials s2 of
+   stride MP2, from the tile's first pair vector): sT [NJ][MP] from the tile's first lane. */
+KV_AINLINE void kv_lane_scores2(const float *q2, int64_t MP2, const float *kb, int64_t Dp, int64_t Dh, float *s2,
+                                float *sT, int64_t MP, kv_pf *pf, const int NQ, const int NJ)
+{
+    vf a[KV_LP_J2][KV_LP_Q];
+    for (int64_t e0 = 0; e0 < Dh; e0 += KV_LP_SB) {
+        kv_pf_step(pf);
+        const int64_t e1 = Dh - e0 > KV_LP_SB ? e0 + KV_LP_SB : Dh;
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                a[j][u] = vf_zero();
+        for (int64_t e = e0; e < e1; e++) {
+            vf q[KV_LP_Q];
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                q[u] = vf_load(q2 + e * MP2 + u * KV_W);
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++) {
+                const vf b = vf_bcast2(kb + j * Dp + 2 * e);
+#pragma GCC unroll 4
+                for (int u = 0; u < NQ; u++)
+                    a[j][u] = vf_fmadd(b, q[u], a[j][u]);
+            }
+        }
+        if (e0 > 0)
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+                for (int u = 0; u < NQ; u++)
+                    a[j][u] = vf_add(vf_load(s2 + j * MP2 + u * KV_W), a[j][u]);
+        if (e1 < Dh) {
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+                for (int u = 0; u < NQ; u++)
+                    vf_store(s2 + j * MP2 + u * KV_W, a[j][u]);
+        } else {
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 2
+                for (int u = 0; u < NQ; u += 2)
+                    vf_store(sT + j * MP + u / 2 * KV_W, vf_pair_sums(a[j][u], a[j][u + 1]));
+        }
+    }
+}
+
+/* acc2 [NE][.] += sum_j w2[j][.] (vb[j][2e], vb[j][2e + 1]) for NE element pairs (acc2 and vb
+   from the first) and NQ pair vectors, over the nb keys of a block. */
+KV_AINLINE void kv_lane_accum2(float *acc2, int64_t MP2, const float *w2, const float *vb, int64_t Dp, int64_t nb,
+                               kv_pf *pf, const int NQ, const int NE)
+{
+    vf a[KV_LP_J2][KV_LP_Q];
+    kv_pf_step(pf);
+#pragma GCC unroll 8
+    for (int e = 0; e < NE; e++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            a[e][u] = vf_load(acc2 + e * MP2 + u * KV_W);
+    for (int64_t j = 0; j < nb; j++) {
+        vf w[KV_LP_Q];
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            w[u] = vf_load(w2 + j * MP2 + u * KV_W);
+#pragma GCC unroll 8
+        for (int e = 0; e < NE; e++) {
+            const vf b = vf_bcast2(vb + j * Dp + 2 * e);
+#pragma GCC unroll 4
+            for (int u = 0; u < NQ; u++)
+                a[e][u] = vf_fmadd(b, w[u], a[e][u]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int e = 0; e < NE; e++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NQ; u++)
+            vf_store(acc2 + e * MP2 + u * KV_W, a[e][u]);
+}
+
+/* Prefetch steps per block (kv_pf_step calls) of the two functions below, for nq2 pair vectors */
+#define KV_LP_DH(D) (((D) + 1) / 2)
+#define KV_LANE_SCORE2_STEPS(nq2, D) \
+    (((nq2) / KV_LP_Q * 3 + (nq2) % KV_LP_Q / 2 * 2) * ((KV_LP_DH(D) + KV_LP_SB - 1) / KV_LP_SB))
+#define KV_LANE_ACCUM2_STEPS(nq2, D) \
+    ((nq2) / KV_LP_Q * ((KV_LP_DH(D) + KV_LP_J - 1) / KV_LP_J) + (nq2) % KV_LP_Q / 2 * ((KV_LP_DH(D) + KV_LP_J2 - 1) / KV_LP_J2))
+
+/* One block: the scores of its KV_B keys (kb: zero-padded fp32 rows, Dp >= 2 Dh) for nq2 pair
+   vectors (an even number), into sT [KV_B][MP]; s2 [KV_B][2 MP] holds the partial sums. */
+#define KV_LS2(nq, j0, nj) kv_lane_scores2(q2 + u0 * KV_W, 2 * MP, kb + (j0) * Dp, Dp, Dh, s2 + (j0) * 2 * MP + u0 * KV_W, \
+                                           sT + (j0) * MP + u0 / 2 * KV_W, MP, pf, nq, nj)
+static void KV_FN(lane_scores2_block)(const float *q2, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
+                                      float *s2, int64_t nq2, kv_pf *pf)
+{
+    const int64_t Dh = KV_LP_DH(D);
+    int64_t u0 = 0;
+    for (; u0 + KV_LP_Q <= nq2; u0 += KV_LP_Q) {
+        KV_LS2(KV_LP_Q, 0, KV_LP_J);
+        KV_LS2(KV_LP_Q, KV_LP_J, KV_LP_J);
+        KV_LS2(KV_LP_Q, 2 * KV_LP_J, KV_B - 2 * KV_LP_J);
+    }
+    if (nq2 - u0 == 2) {
+        KV_LS2(2, 0, KV_LP_J2);
+        KV_LS2(2, KV_LP_J2, KV_LP_J2);
+    }
+}
+#undef KV_LS2
+
+/* One block: acc2 += weights (pT [nb][MP], nqv vectors of lanes; duplicated into w2) @ V rows
+   (vb), Dh element pairs and 2 nqv pair vectors. */
+#define KV_LA2(nq, ne) kv_lane_accum2(acc2 + e0 * MP2 + u0 * KV_W, MP2, w2 + u0 * KV_W, vb + 2 * e0, Dp, nb, pf, nq, ne)
+#define KV_LA2_TAIL(nq, NE) switch (Dh - e0) {                                                    \
+        case 1: KV_LA2(nq, 1); break;                                                             \
+        case 2: KV_LA2(nq, 2 < NE ? 2 : 1); break;                                                \
+        case 3: KV_LA2(nq, 3 < NE ? 3 : 1); break;                                                \
+        case 4: KV_LA2(nq, 4 < NE ? 4 : 1); break;                                                \
+        case 5: KV_LA2(nq, 5 < NE ? 5 : 1); break;                                                \
+        case 6: KV_LA2(nq, 6 < NE ? 6 : 1); break;                                                \
+        case 7: KV_LA2(nq, 7 < NE ? 7 : 1); break;                                                \
+        default: break; }
+_Static_assert(KV_LP_J < KV_LP_J2 && KV_LP_J2 <= 8, "lane_accum2_block's tails take up to 7 pairs");
+static void KV_FN(lane_accum2_block)(float *acc2, int64_t MP, const float *pT, float *w2, const float *vb, int64_t Dp,
+                                     int64_t D, int64_t nb, int64_t nqv, kv_pf *pf)
+{
+    const int64_t MP2 = 2 * MP, Dh = KV_LP_DH(D), nq2 = 2 * nqv;
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t u = 0; u < nqv; u++) {
+            const vf w = vf_load(pT + j * MP + u * KV_W);
+            vf_store(w2 + j * MP2 + 2 * u * KV_W, vf_dup_lo(w));
+            vf_store(w2 + j * MP2 + (2 * u + 1) * KV_W, vf_dup_hi(w));
+        }
+    int64_t u0 = 0;
+    for (; u0 + KV_LP_Q <= nq2; u0 += KV_LP_Q) {
+        int64_t e0 = 0;
+        for (; e0 + KV_LP_J <= Dh; e0 += KV_LP_J)
+            KV_LA2(KV_LP_Q, KV_LP_J);
+        KV_LA2_TAIL(KV_LP_Q, KV_LP_J)
+    }
+    if (nq2 - u0 == 2) {
+        int64_t e0 = 0;
+        for (; e0 + KV_LP_J2 <= Dh; e0 += KV_LP_J2)
+            KV_LA2(2, KV_LP_J2);
+        KV_LA2_TAIL(2, KV_LP_J2)
+    }
+}
+#undef KV_LA2_TAIL
+#undef KV_LA2
+#endif
+
 #if KV_LANE_INT_V
 /* The lanes path's int8 / int4 values with integer products: kv_accumulate_i16's rounding with the
  * query vectors on the lanes.  Per full block of KV_B keys (a span inside one cell of the
@@ -1662,14 +1842,29 @@ static void KV_FN(lane_scores_i8_block)(const float *reg, int64_t MP, const int8
 
 /* Start KV head g for rows r0..r1-1 on the lanes path: transposed scaled queries (zero lanes
    past M), the lane tables, a fresh softmax state. */
+/* Where element d of query vector i goes in the lanes path's qT [Dp, MP] (or q2 / acc [Dh, 2 MP] in
+   the pair layout, st->lpk / st->lpv) */
+KV_AINLINE int64_t KV_FN(lane_q_at)(const KV_FN(attn_state) *st, int64_t d, int64_t i)
+{
+    return st->lpk ? (d >> 1) * 2 * st->MP + 2 * i + (d & 1) : d * st->MP + i;
+}
+KV_AINLINE int64_t KV_FN(lane_acc_at)(const KV_FN(attn_state) *st, int64_t d, int64_t i)
+{
+    return st->lpv ? (d >> 1) * 2 * st->MP + 2 * i + (d & 1) : d * st->MP + i;
+}
+
 KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
 {
     const kv_attn_params *p = st->p;
     KV_FN(attn_bind)(st, g, r0, r1);
+    /* the stride of the tile's [., MP] arrays: its own vectors' lanes, not the workspace's (an MQA
+       decode step has 32 query vectors where the workspace holds 64, for two-row prefill tiles;
+       with a stride of 64 half of every line the tiles touch was idle) */
+    st->MP = (st->M + KV_W - 1) / KV_W * KV_W;
     const int64_t D = st->D, G = st->G, MP = st->MP, M = st->M, h0 = g * G;
     const float scale = p->scale;
     float *qT = st->qbuf, *qaT = st->qalt;
-    for (int64_t c = 0; c < D * MP; c += KV_W) {   /* MP is a multiple of KV_W */
+    for (int64_t c = 0; c < st->Dp * MP; c += KV_W) {   /* MP is a multiple of KV_W; the pair layout reads past D */
         vf_store(qT + c, vf_zero());
         vf_store(st->acc + c, vf_zero());
         if (p->q_alt)
@@ -1689,12 +1884,12 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
                     row[d] = d < D ? x[d] : 0.0f;
                 KV_FN(round_query)(row, st->Dp, scale, qr);
                 for (int64_t d = 0; d < D; d++)
-                    dT[d * MP + i] = row[d];
+                    dT[KV_FN(lane_q_at)(st, d, i)] = row[d];
                 if (st->lqint)
                     KV_FN(lane_int_query)(a ? st->qia : st->qi, MP, D, i, qr);
             } else {
                 for (int64_t d = 0; d < D; d++)
-                    dT[d * MP + i] = scale * x[d];
+                    dT[KV_FN(lane_q_at)(st, d, i)] = scale * x[d];
             }
         }
     }
@@ -1731,6 +1926,24 @@ KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_
     return kv_pf_over(base + a, base + (end - a < KV_B * row_bytes ? end : a + KV_B * row_bytes), steps);
 }
 
+/* Prefetch steps per block of the lanes path's fp32 tiles, nqv vectors of lanes */
+KV_AINLINE int64_t KV_FN(lane_score_steps)(const KV_FN(attn_state) *st, int64_t nqv)
+{
+#if KV_LANE_PAIRS
+    if (st->lpk)
+        return KV_LANE_SCORE2_STEPS(2 * nqv, st->D);
+#endif
+    return KV_LANE_SCORE_STEPS(nqv, st->D);
+}
+KV_AINLINE int64_t KV_FN(lane_accum_steps)(const KV_FN(attn_state) *st, int64_t nqv)
+{
+#if KV_LANE_PAIRS
+    if (st->lpv)
+        return KV_LANE_ACCUM2_STEPS(2 * nqv, st->D);
+#endif
+    return KV_LANE_ACCUM_STEPS(nqv, st->D);
+}
+
 /* Pass 1 over the chunk c0..c1-1: the scores of every lane (reading only K) into sc[t - c0][.].
    (Widening each block during the work on the block before, into a second buffer, took 1.05x the
    time of MQA 32/1/128 in the L2 and 1.09-1.14x beyond the LLC on Zen 4, likely because the two
@@ -1740,7 +1953,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, st->kpf, KV_LANE_SCORE_STEPS(nqv, D));
+        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, st->kpf, KV_FN(lane_score_steps)(st, nqv));
 #if KV_INT_DOT
         if (st->lqint) {   /* int8 keys read in place, int4 ones as int8 rows; every lane the softmax reads scored */
             kv_pf_finish(&pf);
@@ -1749,6 +1962,14 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
                 : (const int8_t *)st->kbase + t * D;
             KV_FN(lane_scores_i8_block)(qT == st->qalt ? st->qia : st->qi, MP, kb, st->kscale + t * (D / KV_I8_BLOCK), D,
                                         st->sc + (t - c0) * MP, nqv * KV_W / KV_KL, tn - t);
+            continue;
+        }
+#endif
+#if KV_LANE_PAIRS
+        if (st->lpk) {
+            KV_FN(load_block)(st->kblk, st->kbase, st->kscale, st->p->dtype, t, tn - t, D, Dp);
+            KV_FN(lane_scores2_block)(qT, MP, st->kblk, Dp, D, st->sc + (t - c0) * MP, st->pbuf, 2 * nqv, &pf);
+            kv_pf_finish(&pf);
             continue;
         }
 #endif
@@ -1806,6 +2027,17 @@ KV_AINLINE void KV_FN(lane_softmax)(KV_FN(attn_state) *st, int64_t c0, int64_t c
         const vf corr = vf_exp(vf_sub(m_old, m_use));
         vf_store(st->l + u * KV_W, vf_fmadd(vf_load(st->l + u * KV_W), corr, sum));
         vf_store(st->m + u * KV_W, m_new);
+#if KV_LANE_PAIRS
+        if (st->lpv) {
+            const vf c0d = vf_dup_lo(corr), c1d = vf_dup_hi(corr);
+            for (int64_t e = 0; e < KV_LP_DH(D); e++) {
+                float *a = st->acc + e * 2 * MP + 2 * u * KV_W;
+                vf_store(a, vf_mul(vf_load(a), c0d));
+                vf_store(a + KV_W, vf_mul(vf_load(a + KV_W), c1d));
+            }
+            continue;
+        }
+#endif
         for (int64_t d = 0; d < D; d++)
             vf_store(st->acc + d * MP + u * KV_W, vf_mul(vf_load(st->acc + d * MP + u * KV_W), corr));
     }
@@ -1817,7 +2049,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_LANE_ACCUM_STEPS(nqv, D));
+        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv));
 #if KV_LANE_INT_V
         if (st->lvint && tn - t == KV_B) {   /* int8 rows read in place, int4 ones unpacked past the value pairs */
             const int8_t *vb = st->p->v_dtype == KV_I4
@@ -1828,22 +2060,30 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
             continue;
         }
 #endif
+#if KV_LANE_PAIRS
+        if (st->lpv) {
+            KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
+            KV_FN(lane_accum2_block)(st->acc, MP, st->sc + (t - c0) * MP, st->pbuf, st->vblk, Dp, D, tn - t, nqv, &pf);
+            kv_pf_finish(&pf);
+            continue;
+        }
+#endif
         KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
         KV_FN(lane_accum_block)(st->acc, MP, st->sc + (t - c0) * MP, st->vblk, Dp, D, tn - t, nqv, &pf);
         kv_pf_finish(&pf);
     }
 }
 
-/* out = acc / l for the tile's vectors (acc [D, MP] back to rows). */
+/* out = acc / l for the tile's vectors (acc [D, MP], or [Dh, 2 MP] in the pair layout, back to rows). */
 KV_AINLINE void KV_FN(lane_finalize)(KV_FN(attn_state) *st)
 {
     const kv_attn_params *p = st->p;
-    const int64_t D = st->D, G = st->G, MP = st->MP;
+    const int64_t D = st->D, G = st->G;
     for (int64_t i = 0; i < st->M; i++) {
         float *o = p->out + (st->r0 + i / G) * p->out_stride + (st->h0 + i % G) * D;
         const float inv = KV_FN(attn_part)(st, i, st->m[i], st->l[i]);
         for (int64_t d = 0; d < D; d++)
-            o[d] = st->acc[d * MP + i] * inv;
+            o[d] = st->acc[KV_FN(lane_acc_at)(st, d, i)] * inv;
     }
 }
 

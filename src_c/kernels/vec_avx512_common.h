@@ -231,6 +231,28 @@ static inline void vf_reduce_rows(const vf *a, float *out)
 
 static inline vf vf_swap_pairs(vf x) { return _mm512_permute_ps(x, 0xB1); }
 
+/* The query-on-lanes path's pair layout (attn.inc.h, KV_LANE_PAIRS): lane 2i + p of a vector
+   holds element 2e + p of query vector i.  vf_bcast2: the two floats at p in every pair of lanes
+   (one 8-byte VBROADCASTSD); vf_pair_sums: lanes 2i + 2i+1 of a into lane i and of b into lane
+   8 + i; vf_dup_lo / vf_dup_hi: lanes 0..7 / 8..15 of a, each twice. */
+static inline vf vf_bcast2(const float *p)
+{
+    double x;
+    __builtin_memcpy(&x, p, sizeof x);
+    return _mm512_castpd_ps(_mm512_set1_pd(x));
+}
+static inline vf vf_pair_sums(vf a, vf b)
+{
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+static inline vf vf_dup_lo(vf a) { return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), a); }
+static inline vf vf_dup_hi(vf a)
+{
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), a);
+}
+
 /* Integer lanes for the weight decoders (wt_*.inc.h): KV_W int32 lanes. */
 #define KV_VREGS 32   /* vector registers (gemv.inc.h sizes its register tiles by it) */
 typedef __m512i vi;
