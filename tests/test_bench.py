@@ -650,6 +650,36 @@ def test_fp16_widen_cost_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
         assert abs(float(ba) - b / a) <= 2e-3 + 0.06 / a and abs(float(ca) - c / a) <= 2e-3 + 0.06 / a, line
 
 
+def test_lane_tile_loads_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
+    """bench/lane_tile_loads.c compiles with the avx512 row's flags on every machine (-Werror);
+    where the row runs, bench/lane_tile_loads.py prints a header and one row per measurement
+    (loads, FMAs, the two lanes tiles), each with positive, ordered quartiles; a length outside
+    (0, 100] is refused."""
+    import kvsimd
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import lane_tile_loads
+    finally:
+        sys.path.pop(0)
+    lane_tile_loads.build(str(tmp_path / "ltl"))
+    script = os.path.join(ROOT, "bench", "lane_tile_loads.py")
+    p = subprocess.run([sys.executable, script, "--length", "0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--length must be in (0, 100]" in p.stderr, p.stderr[-3000:]
+    if "avx512" not in kvsimd.isa_info()["supported"]:
+        p = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "does not run the avx512 row" in p.stderr, p.stderr[-3000:]
+        return
+    p = subprocess.run([sys.executable, script, "--length", "0.02"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].split()[:4] == ["what", "q1", "median", "q3"], p.stdout
+    names = [" ".join(line.split()[:-3]) for line in lines[1:]]
+    assert names == ["load zmm", "bcast zmm", "bcast ymm", "fma", "tile 2x8", "tile 4x6 pair"], p.stdout
+    for line in lines[1:]:
+        q1, med, q3 = (float(x) for x in line.split()[-3:])
+        assert 0 < q1 <= med <= q3, line
+
+
 # ---------------------------------------------------------------------------------- GGUF files beside llama.cpp
 TINY = dict(vocab=320, d=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, rope_theta=10000.0, context=512,
             tied=False)
