@@ -1842,15 +1842,23 @@ static void KV_FN(lane_scores_i8_block)(const float *reg, int64_t MP, const int8
 
 /* Start KV head g for rows r0..r1-1 on the lanes path: transposed scaled queries (zero lanes
    past M), the lane tables, a fresh softmax state. */
-/* Where element d of query vector i goes in the lanes path's qT [Dp, MP] (or q2 / acc [Dh, 2 MP] in
-   the pair layout, st->lpk / st->lpv) */
-KV_AINLINE int64_t KV_FN(lane_q_at)(const KV_FN(attn_state) *st, int64_t d, int64_t i)
+/* Query vector i's D elements x times s into column i of the lanes path's qT [Dp, MP], or of the
+   pair layout's q2 [Dh, 2 MP] (pairs: elements 2e and 2e + 1 side by side, stored together) */
+KV_AINLINE void KV_FN(lane_put_q)(float *dT, int64_t MP, int pairs, int64_t i, const float *x, int64_t D, float s)
 {
-    return st->lpk ? (d >> 1) * 2 * st->MP + 2 * i + (d & 1) : d * st->MP + i;
-}
-KV_AINLINE int64_t KV_FN(lane_acc_at)(const KV_FN(attn_state) *st, int64_t d, int64_t i)
-{
-    return st->lpv ? (d >> 1) * 2 * st->MP + 2 * i + (d & 1) : d * st->MP + i;
+    if (pairs) {
+        float *c = dT + 2 * i;
+        int64_t e = 0;
+        for (; 2 * e + 1 < D; e++) {
+            c[e * 2 * MP] = s * x[2 * e];
+            c[e * 2 * MP + 1] = s * x[2 * e + 1];
+        }
+        if (2 * e < D)
+            c[e * 2 * MP] = s * x[2 * e];
+        return;
+    }
+    for (int64_t d = 0; d < D; d++)
+        dT[d * MP + i] = s * x[d];
 }
 
 KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
@@ -1883,13 +1891,11 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
                 for (int64_t d = 0; d < st->Dp; d++)
                     row[d] = d < D ? x[d] : 0.0f;
                 KV_FN(round_query)(row, st->Dp, scale, qr);
-                for (int64_t d = 0; d < D; d++)
-                    dT[KV_FN(lane_q_at)(st, d, i)] = row[d];
+                KV_FN(lane_put_q)(dT, MP, st->lpk, i, row, D, 1.0f);
                 if (st->lqint)
                     KV_FN(lane_int_query)(a ? st->qia : st->qi, MP, D, i, qr);
             } else {
-                for (int64_t d = 0; d < D; d++)
-                    dT[KV_FN(lane_q_at)(st, d, i)] = scale * x[d];
+                KV_FN(lane_put_q)(dT, MP, st->lpk, i, x, D, scale);
             }
         }
     }
@@ -2082,8 +2088,19 @@ KV_AINLINE void KV_FN(lane_finalize)(KV_FN(attn_state) *st)
     for (int64_t i = 0; i < st->M; i++) {
         float *o = p->out + (st->r0 + i / G) * p->out_stride + (st->h0 + i % G) * D;
         const float inv = KV_FN(attn_part)(st, i, st->m[i], st->l[i]);
+        if (st->lpv) {   /* the pair layout: elements 2e and 2e + 1 side by side */
+            const float *c = st->acc + 2 * i;
+            int64_t e = 0;
+            for (; 2 * e + 1 < D; e++) {
+                o[2 * e] = c[e * 2 * st->MP] * inv;
+                o[2 * e + 1] = c[e * 2 * st->MP + 1] * inv;
+            }
+            if (2 * e < D)
+                o[2 * e] = c[e * 2 * st->MP] * inv;
+            continue;
+        }
         for (int64_t d = 0; d < D; d++)
-            o[d] = st->acc[KV_FN(lane_acc_at)(st, d, i)] * inv;
+            o[d] = st->acc[d * st->MP + i] * inv;
     }
 }
 
