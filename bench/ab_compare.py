@@ -15,6 +15,9 @@ times them:
   the "weights floor", the step's matrix products alone (plain BLAS), timed step by step beside it;
 * ``prefill`` (``--sections ...,prefill``): median seconds of one prefill of 128 and 1024 random
   tokens through the same random SmolLM2-shaped model (no control);
+* ``lanes`` (``--sections ...,lanes``): median seconds of one warm ``ops.attend`` call of T rows over
+  N float16 keys (causal, the last T keys the rows' own) and of an MQA decode step: the cases the
+  query-on-lanes path computes (tiles of 32 or more query vectors; no control);
 * ``gguf`` (``--sections gguf --model PATH [--depth N ...] [--kv KIND ...]``): median seconds of
   one decode step of a GGUF model at each context depth (random K/V up to it, as ``python -m
   kvsimd.bench decode --fill random`` fills it: ``kvsimd.bench.peers.KVSimdRunner``) with each
@@ -58,10 +61,14 @@ ENV = dict(os.environ)        # before kvsimd is imported here (it sets OMP_WAIT
 FULL = {"sections": ["decode", "attention"], "models": ["smollm2-shaped", "bart-shaped"],
         "contexts": [128, 2048, 8192], "steps": 24,
         "shapes": ["smollm2-gqa", "llama-gqa", "mha-128"], "attn_contexts": [512, 2048, 8192],
-        "dtypes": ["float16", "float32"], "repeat": 11, "prefill_tokens": [128, 1024], "prefill_repeat": 3}
+        "dtypes": ["float16", "float32"], "repeat": 11, "prefill_tokens": [128, 1024], "prefill_repeat": 3,
+        # lanes: (T, H, Hkv, D, N)
+        "lanes": [(128, 9, 3, 64, 128), (256, 9, 3, 64, 4096), (256, 32, 8, 128, 4096), (64, 32, 32, 128, 4096),
+                  (1, 32, 1, 128, 16384), (1, 64, 1, 64, 16384)], "lanes_repeat": 21}
 CONTROL = "control"       # a case's control: the same process's plain-BLAS step, or plain read of the same bytes
 QUICK = dict(FULL, models=["smollm2-shaped"], contexts=[128], steps=8, shapes=["smollm2-gqa"],
-             attn_contexts=[512, 2048], repeat=3, prefill_tokens=[64], prefill_repeat=1)
+             attn_contexts=[512, 2048], repeat=3, prefill_tokens=[64], prefill_repeat=1,
+             lanes=[(64, 9, 3, 64, 256), (1, 32, 1, 64, 1024)], lanes_repeat=3)
 
 
 # ------------------------------------------------------------------------------------ in a side
@@ -103,6 +110,21 @@ def worker(spec):
                 run.start(1)
                 ts = run.steps(spec["steps"])["times"]
                 times["gguf %s %s depth=%d" % (os.path.basename(spec["model"]), kind, depth)] = statistics.median(ts)
+    if "lanes" in spec["sections"]:
+        import numpy as np
+        from kvsimd import ops
+        kvsimd.set_num_threads(threads)
+        rng = np.random.default_rng(0)
+        for T, H, Hkv, D, N in spec["lanes"]:
+            q = rng.standard_normal((T, H, D) if T > 1 else (H, D)).astype(np.float32)
+            k, v = rng.standard_normal((2, Hkv, N, D)).astype(np.float16)
+            ops.attend(q, k, v)
+            ts = []
+            for _ in range(spec["lanes_repeat"]):
+                t0 = time.perf_counter()
+                ops.attend(q, k, v)
+                ts.append(time.perf_counter() - t0)
+            times["lanes T=%d %d/%d/%d N=%d" % (T, H, Hkv, D, N)] = statistics.median(ts)
     if "prefill" in spec["sections"]:
         # a whole prompt through the random SmolLM2-shaped model (no control: prefill is
         # BLAS-bound matrix products plus attention over the prompt so far)
@@ -212,7 +234,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="kvsimd threads on both sides (default 1)")
     ap.add_argument("--isa", help="force this ISA path on both sides (KVSIMD_FORCE_ISA)")
     ap.add_argument("--sections", default="decode,attention", help="a comma list of decode, attention, prefill, "
-                    "gguf (default decode,attention)")
+                    "lanes, gguf (default decode,attention)")
     ap.add_argument("--model", metavar="PATH", help="the GGUF file of the gguf section")
     ap.add_argument("--depth", type=int, action="append", help="gguf: context depths (repeatable; default 8192)")
     ap.add_argument("--kv", action="append", help="gguf: KV-cache kinds (repeatable; default float16)")
@@ -225,8 +247,8 @@ def main(argv=None):
     if a.threads < 1:
         ap.error("--threads must be >= 1, got %d" % a.threads)
     sections = [s for s in a.sections.split(",") if s]
-    if not sections or any(s not in ("decode", "attention", "prefill", "gguf") for s in sections):
-        ap.error("--sections takes a comma list of decode, attention, prefill, gguf, got %r" % a.sections)
+    if not sections or any(s not in ("decode", "attention", "prefill", "lanes", "gguf") for s in sections):
+        ap.error("--sections takes a comma list of decode, attention, prefill, lanes, gguf, got %r" % a.sections)
     if ("gguf" in sections) != (a.model is not None):
         ap.error("--model goes with --sections gguf, and the gguf section needs --model PATH")
     if a.model is not None and not os.path.isfile(a.model):

@@ -496,6 +496,23 @@ def test_ab_compare_runs_two_trees_interleaved(tmp_path):
     assert run[case] > 0 and run[case + " | control"] > 0
 
 
+def test_ab_compare_times_the_lanes_path_cases(tmp_path):
+    """bench/ab_compare.py --sections lanes: each case (a prefill tile and an MQA decode step, the
+    query-on-lanes path's calls) timed on both sides, with a ratio inside its interval."""
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), ROOT, ROOT, "--quick",
+                        "--rounds", "2", "--sections", "lanes", "--json", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {r["case"] for r in doc["rows"]} == {"lanes T=64 9/3/64 N=256", "lanes T=1 32/1/64 N=1024",
+                                                "lanes: every case pooled"}
+    for r in doc["rows"]:
+        lo, hi = r["ratio_ci95"]
+        assert 0 < lo <= r["ratio"] <= hi, r
+    assert all(t > 0 for run in doc["new"]["runs"] + doc["old"]["runs"] for t in run["times"].values())
+
+
 def test_ab_compare_times_decode_steps_of_a_gguf_file(tmp_path, tiny_gguf):
     """The gguf section: one case per KV-cache kind and depth, each side's median step time, the
     rounds alternating; the steps are real ones (a broken step fails the side)."""
@@ -525,7 +542,7 @@ def test_ab_compare_times_decode_steps_of_a_gguf_file(tmp_path, tiny_gguf):
     (["/nonexistent/tree", ROOT], "new /nonexistent/tree is neither a kvsimd checkout nor a Python interpreter"),
     ([ROOT, os.path.join(ROOT, "tests")], "is a folder without kvsimd/__init__.py"),
     ([ROOT, ROOT, "--rounds", "1"], "--rounds must be >= 2"),
-    ([ROOT, ROOT, "--sections", "rope"], "--sections takes a comma list of decode, attention, prefill, gguf"),
+    ([ROOT, ROOT, "--sections", "rope"], "--sections takes a comma list of decode, attention, prefill, lanes, gguf"),
 ])
 def test_ab_compare_refuses_bad_arguments(args, message):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_compare.py"), *args],
