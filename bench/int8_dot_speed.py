@@ -9,31 +9,17 @@ and with an int8 query (C: VPDPBUSD), and each one's largest score error against
 Needs gcc and a CPU with AVX-512 F/BW/VL/DQ/VNNI (the avx512 row)."""
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "src_c"))
-from isa_rows import read_rows  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import avx512_c  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, action="append", help="query heads per KV head (default 3, 4, 8, 32)")
     args = ap.parse_args()
-    import kvsimd
-    if "avx512" not in kvsimd.isa_info()["supported"]:
-        sys.exit("this CPU does not run the avx512 row (AVX-512 F/BW/VL/DQ/VNNI)")
-    flags = dict(read_rows())["avx512"]
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "int8_dot_speed")
-        subprocess.run(["gcc", "-O2", "-std=c11"] + flags + ["-I" + os.path.join(ROOT, "src_c"),
-                        "-I" + os.path.join(ROOT, "src_c", "kernels"), os.path.join(HERE, "int8_dot_speed.c"),
-                        "-o", exe, "-lm"], check=True)
-        for g in args.heads or [3, 4, 8, 32]:
-            subprocess.run([exe, str(g)], check=True)
+    avx512_c.run("int8_dot_speed", [[str(g)] for g in args.heads or [3, 4, 8, 32]], werror=False)
 
 
 if __name__ == "__main__":

@@ -635,31 +635,52 @@ def test_kernel_ab_refuses_bad_arguments(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
-# ---------------------------------------------------------------------------------- fp16 widening's cost
-def test_fp16_widen_cost_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
-    """bench/fp16_widen_cost.c compiles with the avx512 row's flags on every machine (-Werror); where
-    the row runs, bench/fp16_widen_cost.py prints a header and one row per group of 2, 4 and 8
-    heads, every rate positive and each ratio the quotient of its two rates (to the printed
-    digits); a length outside (0, 100] is refused."""
+# ---------------------------------------------------------------------------------- C microbenchmarks of the avx512 row
+def _run_avx512_c(tmp_path, name, bad_length, timeout=300):
+    """bench/<name>.c compiles with the avx512 row's flags on every machine (-Werror, through the
+    script's build()); the script refuses a length outside (0, 100] (bad_length) with status 2;
+    where the avx512 row does not run it says so with status 1 and None is returned, else the
+    lines of a short run."""
     import kvsimd
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
-        import fp16_widen_cost
+        module = __import__(name)
     finally:
         sys.path.pop(0)
-    fp16_widen_cost.build(str(tmp_path / "fwc"))
-    script = os.path.join(ROOT, "bench", "fp16_widen_cost.py")
-    p = subprocess.run([sys.executable, script, "--length", "101"], capture_output=True, text=True, timeout=120)
+    module.build(str(tmp_path / name))
+    script = os.path.join(ROOT, "bench", name + ".py")
+    p = subprocess.run([sys.executable, script, "--length", bad_length], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--length must be in (0, 100]" in p.stderr, p.stderr[-3000:]
     if "avx512" not in kvsimd.isa_info()["supported"]:
         p = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert p.returncode == 1 and "does not run the avx512 row" in p.stderr, p.stderr[-3000:]
-        return
-    p = subprocess.run([sys.executable, script, "--length", "0.01"], capture_output=True, text=True, timeout=300)
+        return None
+    p = subprocess.run([sys.executable, script, "--length", "0.02"], capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
-    lines = p.stdout.strip().splitlines()
+    return p.stdout.strip().splitlines()
+
+
+def test_int8_dot_speed_builds_everywhere(tmp_path):
+    """bench/int8_dot_speed.c (built from attn.inc.h's headers) compiles with the avx512 row's flags on
+    every machine (a run takes minutes: not here)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import avx512_c
+    finally:
+        sys.path.pop(0)
+    exe = tmp_path / "ids"
+    avx512_c.build("int8_dot_speed", str(exe), werror=False)
+    assert exe.stat().st_size > 0
+
+
+def test_fp16_widen_cost_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
+    """bench/fp16_widen_cost.py prints a header and one row per group of 2, 4 and 8 heads, every
+    rate positive and each ratio the quotient of its two rates (to the printed digits)."""
+    lines = _run_avx512_c(tmp_path, "fp16_widen_cost", "101")
+    if lines is None:
+        return
     assert lines[0].split() == ["heads", "fp32", "GFLOP/s", "fp16", "GFLOP/s", "int", "GFLOP/s", "fp16/fp32",
-                                "int/fp32"] and len(lines) == 4, p.stdout
+                                "int/fp32"] and len(lines) == 4, lines
     for line, heads in zip(lines[1:], (2, 4, 8)):
         n, a, b, c, ba, ca = line.split()
         a, b, c = float(a), float(b), float(c)
@@ -668,30 +689,14 @@ def test_fp16_widen_cost_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
 
 
 def test_lane_tile_loads_builds_everywhere_and_runs_on_the_avx512_row(tmp_path):
-    """bench/lane_tile_loads.c compiles with the avx512 row's flags on every machine (-Werror);
-    where the row runs, bench/lane_tile_loads.py prints a header and one row per measurement
-    (loads, FMAs, the two lanes tiles), each with positive, ordered quartiles; a length outside
-    (0, 100] is refused."""
-    import kvsimd
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import lane_tile_loads
-    finally:
-        sys.path.pop(0)
-    lane_tile_loads.build(str(tmp_path / "ltl"))
-    script = os.path.join(ROOT, "bench", "lane_tile_loads.py")
-    p = subprocess.run([sys.executable, script, "--length", "0"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--length must be in (0, 100]" in p.stderr, p.stderr[-3000:]
-    if "avx512" not in kvsimd.isa_info()["supported"]:
-        p = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 1 and "does not run the avx512 row" in p.stderr, p.stderr[-3000:]
+    """bench/lane_tile_loads.py prints a header and one row per measurement (loads, FMAs, the two
+    lanes tiles), each with positive, ordered quartiles."""
+    lines = _run_avx512_c(tmp_path, "lane_tile_loads", "0")
+    if lines is None:
         return
-    p = subprocess.run([sys.executable, script, "--length", "0.02"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = p.stdout.strip().splitlines()
-    assert lines[0].split()[:4] == ["what", "q1", "median", "q3"], p.stdout
+    assert lines[0].split()[:4] == ["what", "q1", "median", "q3"], lines
     names = [" ".join(line.split()[:-3]) for line in lines[1:]]
-    assert names == ["load zmm", "bcast zmm", "bcast ymm", "fma", "tile 2x8", "tile 4x6 pair"], p.stdout
+    assert names == ["load zmm", "bcast zmm", "bcast ymm", "fma", "tile 2x8", "tile 4x6 pair"], lines
     for line in lines[1:]:
         q1, med, q3 = (float(x) for x in line.split()[-3:])
         assert 0 < q1 <= med <= q3, line

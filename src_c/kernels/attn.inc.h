@@ -677,7 +677,7 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
    half: the rows of 16 lanes and 32 registers (KV_LJ 8; not avx2's 8 lanes and tiles of 4) */
 #define KV_LANE_INT_V (KV_INT_V && KV_W == 16 && KV_VREGS >= 32)
 /* the query-on-lanes path's fp32 tiles hold two head-dim elements per lane on the AVX-512 rows
-   (kv_lane_scores2: fewer 512-bit loads per FMA) */
+   (kv_lane_scores with P = 2: fewer 512-bit loads per FMA) */
 #ifndef KV_LANE_PAIRS
 #define KV_LANE_PAIRS (KV_W == 16 && KV_VREGS >= 32)
 #endif
@@ -1334,82 +1334,108 @@ KV_AINLINE void KV_FN(attn_finalize)(KV_FN(attn_state) *st)
 #define KV_LANE_SB 16     /* head-dim elements per partial sum of a lanes score (see kv_lane_scores) */
 #endif
 
-/* sT[j][u] = sum_d kb[j][d] qT[d][u], keys j < NJ (kb rows of stride Dp), NQ vectors of lanes.
-   Each score is the sum of partial FMA chains over KV_LANE_SB elements of d, added in order: a
-   chain of KV_LANE_SB + D / KV_LANE_SB roundings, as short as the one-vector path's lane chains
-   and add tree (one chain over all of D rounded up to 8x more for D = 256 on avx2). */
-KV_AINLINE void kv_lane_scores(const float *qT, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
-                               kv_pf *pf, const int NQ, const int NJ)
+/* The lanes path's register tiles, for one head-dim element per lane (P = 1: qT [D, MP], acc
+   [D, MP]) and for the AVX-512 rows' pair layout (P = 2, KV_LANE_PAIRS: lane 2u + p holds element
+   2e + p of query vector u; q2 and acc [Dh, 2 MP]).  A tile broadcasts P elements of a K or V row
+   against NQ vectors of lanes (at most KV_LT_Q of them, by at most KV_LT_J keys or elements). */
+#define KV_LT_Q 4
+#define KV_LT_J 8
+#if KV_LANE_PAIRS
+#define kv_lane_bcast(p, P) ((P) == 2 ? vf_bcast2(p) : vf_set1(*(p)))
+#else
+#define kv_lane_bcast(p, P) vf_set1(*(p))
+#endif
+
+/* sT[j][u] = sum_d kb[j][d] q[d][u], keys j < NJ (kb rows of stride Dp), NQ vectors of lanes, q of
+   stride S over n steps (elements; P = 2: element pairs).  Each score is the sum of partial FMA
+   chains over SB steps, added in order into part (stride S; P = 1: sT itself): a chain of SB +
+   n / SB roundings, as short as the one-vector path's lane chains and add tree (one chain over
+   all of D rounded up to 8x more for D = 256 on avx2); with P = 2 the last partial's two lanes
+   of each query vector are then added (vf_pair_sums) into sT (stride MP). */
+KV_AINLINE void kv_lane_scores(const float *q, int64_t S, const float *kb, int64_t Dp, int64_t n, float *part,
+                               float *sT, int64_t MP, kv_pf *pf, const int NQ, const int NJ, const int P, const int SB)
 {
-    vf a[KV_LJ][KV_LQ];
-    for (int64_t d0 = 0; d0 < D; d0 += KV_LANE_SB) {
+    vf a[KV_LT_J][KV_LT_Q];
+    for (int64_t e0 = 0; e0 < n; e0 += SB) {
         kv_pf_step(pf);
-        const int64_t d1 = D - d0 > KV_LANE_SB ? d0 + KV_LANE_SB : D;
+        const int64_t e1 = n - e0 > SB ? e0 + SB : n;
 #pragma GCC unroll 8
         for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
             for (int u = 0; u < NQ; u++)
                 a[j][u] = vf_zero();
-        for (int64_t d = d0; d < d1; d++) {
-            vf q[KV_LQ];
+        for (int64_t e = e0; e < e1; e++) {
+            vf qv[KV_LT_Q];
 #pragma GCC unroll 8
             for (int u = 0; u < NQ; u++)
-                q[u] = vf_load(qT + d * MP + u * KV_W);
+                qv[u] = vf_load(q + e * S + u * KV_W);
 #pragma GCC unroll 8
             for (int j = 0; j < NJ; j++) {
-                const vf b = vf_set1(kb[j * Dp + d]);
+                const vf b = kv_lane_bcast(kb + j * Dp + P * e, P);
 #pragma GCC unroll 8
                 for (int u = 0; u < NQ; u++)
-                    a[j][u] = vf_fmadd(b, q[u], a[j][u]);
+                    a[j][u] = vf_fmadd(b, qv[u], a[j][u]);
             }
         }
-        if (d0 == 0) {
+        if (e0 > 0)
 #pragma GCC unroll 8
             for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
                 for (int u = 0; u < NQ; u++)
-                    vf_store(sT + j * MP + u * KV_W, a[j][u]);
-        } else {
+                    a[j][u] = vf_add(vf_load(part + j * S + u * KV_W), a[j][u]);
+        if (P == 1 || e1 < n) {
 #pragma GCC unroll 8
             for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
                 for (int u = 0; u < NQ; u++)
-                    vf_store(sT + j * MP + u * KV_W, vf_add(vf_load(sT + j * MP + u * KV_W), a[j][u]));
+                    vf_store(part + j * S + u * KV_W, a[j][u]);
         }
+#if KV_LANE_PAIRS
+        else {
+#pragma GCC unroll 8
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 4
+                for (int u = 0; u < NQ; u += 2)
+                    vf_store(sT + j * MP + u / 2 * KV_W, vf_pair_sums(a[j][u], a[j][u + 1]));
+        }
+#else
+        (void)sT, (void)MP;
+#endif
     }
 }
 
-/* accT[d][u] += sum_j pT[j][u] vb[j][d] for ND elements d (accT, vb from the first) and NQ
-   vectors of lanes, over the nb keys of a block. */
-KV_AINLINE void kv_lane_accum(float *accT, int64_t MP, const float *pT, const float *vb, int64_t Dp, int64_t nb,
-                              kv_pf *pf, const int NQ, const int ND)
+/* acc[e][u] += sum_j w[j][u] vb[j][P e ..] for NE elements (P = 2: element pairs; acc, vb from
+   the first) and NQ vectors of lanes (acc and w of stride S), over the nb keys of a block. */
+KV_AINLINE void kv_lane_accum(float *acc, int64_t S, const float *w, const float *vb, int64_t Dp, int64_t nb,
+                              kv_pf *pf, const int NQ, const int NE, const int P)
 {
-    vf a[KV_LJ][KV_LQ];
+    vf a[KV_LT_J][KV_LT_Q];
     kv_pf_step(pf);
 #pragma GCC unroll 8
-    for (int e = 0; e < ND; e++)
+    for (int e = 0; e < NE; e++)
 #pragma GCC unroll 8
         for (int u = 0; u < NQ; u++)
-            a[e][u] = vf_load(accT + e * MP + u * KV_W);
+            a[e][u] = vf_load(acc + e * S + u * KV_W);
     for (int64_t j = 0; j < nb; j++) {
-        vf w[KV_LQ];
+        vf wv[KV_LT_Q];
 #pragma GCC unroll 8
         for (int u = 0; u < NQ; u++)
-            w[u] = vf_load(pT + j * MP + u * KV_W);
+            wv[u] = vf_load(w + j * S + u * KV_W);
 #pragma GCC unroll 8
-        for (int e = 0; e < ND; e++) {
-            const vf b = vf_set1(vb[j * Dp + e]);
+        for (int e = 0; e < NE; e++) {
+            const vf b = kv_lane_bcast(vb + j * Dp + P * e, P);
 #pragma GCC unroll 8
             for (int u = 0; u < NQ; u++)
-                a[e][u] = vf_fmadd(b, w[u], a[e][u]);
+                a[e][u] = vf_fmadd(b, wv[u], a[e][u]);
         }
     }
 #pragma GCC unroll 8
-    for (int e = 0; e < ND; e++)
+    for (int e = 0; e < NE; e++)
 #pragma GCC unroll 8
         for (int u = 0; u < NQ; u++)
-            vf_store(accT + e * MP + u * KV_W, a[e][u]);
+            vf_store(acc + e * S + u * KV_W, a[e][u]);
 }
+_Static_assert(KV_LQ <= KV_LT_Q && KV_LJ <= KV_LT_J, "the one-element tiles fit kv_lane_scores' arrays");
 
 /* One block: scores of its KV_B keys (kb, zero-padded rows past the block's end) for nqv
    vectors of lanes, KV_LQ x KV_LJ at a time; a prefetch step per KV_LANE_SB elements of a tile. */
@@ -1417,9 +1443,9 @@ KV_AINLINE void kv_lane_accum(float *accT, int64_t MP, const float *pT, const fl
     (((nqv) + KV_LQ - 1) / KV_LQ * ((KV_B + KV_LJ - 1) / KV_LJ) * (((D) + KV_LANE_SB - 1) / KV_LANE_SB))
 #define KV_LS_Q(nq) { int j0 = 0;                                                                \
         for (; j0 + KV_LJ <= KV_B; j0 += KV_LJ)                                                  \
-            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, pf, nq, KV_LJ); \
+            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, NULL, MP, pf, nq, KV_LJ, 1, KV_LANE_SB); \
         if (KV_B % KV_LJ)                                                                        \
-            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, pf, nq, KV_B % KV_LJ); }
+            kv_lane_scores(qT + u0 * KV_W, MP, kb + j0 * Dp, Dp, D, sT + j0 * MP + u0 * KV_W, NULL, MP, pf, nq, KV_B % KV_LJ, 1, KV_LANE_SB); }
 static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
                                      int64_t nqv, kv_pf *pf)
 {
@@ -1442,7 +1468,7 @@ static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *k
 /* One block: accT += weights (pT, nb keys) @ V rows (vb), D elements and nqv vectors of lanes; a
    prefetch step per tile. */
 #define KV_LANE_ACCUM_STEPS(nqv, D) (((nqv) + KV_LQ - 1) / KV_LQ * (((D) + KV_LJ - 1) / KV_LJ))
-#define KV_LA_D(nq, nd) kv_lane_accum(accT + e0 * MP + u0 * KV_W, MP, pT + u0 * KV_W, vb + e0, Dp, nb, pf, nq, nd)
+#define KV_LA_D(nq, nd) kv_lane_accum(accT + e0 * MP + u0 * KV_W, MP, pT + u0 * KV_W, vb + e0, Dp, nb, pf, nq, nd, 1)
 #define KV_LA_Q(nq) { int64_t e0 = 0;                                                            \
         for (; e0 + KV_LJ <= D; e0 += KV_LJ)                                                     \
             KV_LA_D(nq, KV_LJ);                                                                  \
@@ -1486,9 +1512,9 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
  * lane took 16 per 10.  Why: an Ice Lake Xeon issues 1.37 512-bit loads (VMOVAPS zmm, or even
  * VBROADCASTSS zmm of 4 bytes) per TSC cycle against 2.47 256-bit broadcasts, and the 2 x 8 tile
  * needs 1.25 per FMA cycle (python bench/lane_tile_loads.py, per TSC cycle, L1-resident: FMAs
- * alone 1.93, the 2 x 8 tile 1.60, the 4 x 6 pair tile 1.78).  A score is the sum of its two lanes' chains (vf_pair_sums, once
- * per key after the last partial): KV_LP_SB pairs per partial sum, so KV_LP_SB + Dh / KV_LP_SB + 1
- * roundings, 35 for D = 128 (the one-element layout: 24; kvsimd.bounds.score_chain allows the
+ * alone 1.93, the 2 x 8 tile 1.60, the 4 x 6 pair tile 1.78).  A score is the sum of its two
+ * lanes' chains (vf_pair_sums, once per key after the last partial): KV_LP_SB pairs per partial
+ * sum, so KV_LP_SB + Dh / KV_LP_SB + 1 roundings, 35 for D = 128 (the one-element layout: 24; kvsimd.bounds.score_chain allows the
  * scalar row's 69).  32 pairs per partial rather than 16: MQA 32/1/128 0.94-0.97x the time. */
 #define KV_LP_Q 4    /* pair vectors per register tile */
 #define KV_LP_J 6    /* keys (scores) or element pairs (outputs) per tile of KV_LP_Q pair vectors */
@@ -1496,88 +1522,7 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
 #define KV_LP_SB 32  /* element pairs per partial sum of a score */
 _Static_assert(KV_B == 16 && KV_W == 16, "lane_scores2_block tiles 16 keys as 6 + 6 + 4 or 8 + 8; a pair vector is 8 lanes");
 
-/* Scores of NJ keys (kb rows of stride Dp) for NQ pair vectors (q2 and the pair partials s2 of
-   stride MP2, from the tile's first pair vector): sT [NJ][MP] from the tile's first lane. */
-KV_AINLINE void kv_lane_scores2(const float *q2, int64_t MP2, const float *kb, int64_t Dp, int64_t Dh, float *s2,
-                                float *sT, int64_t MP, kv_pf *pf, const int NQ, const int NJ)
-{
-    vf a[KV_LP_J2][KV_LP_Q];
-    for (int64_t e0 = 0; e0 < Dh; e0 += KV_LP_SB) {
-        kv_pf_step(pf);
-        const int64_t e1 = Dh - e0 > KV_LP_SB ? e0 + KV_LP_SB : Dh;
-#pragma GCC unroll 8
-        for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 4
-            for (int u = 0; u < NQ; u++)
-                a[j][u] = vf_zero();
-        for (int64_t e = e0; e < e1; e++) {
-            vf q[KV_LP_Q];
-#pragma GCC unroll 4
-            for (int u = 0; u < NQ; u++)
-                q[u] = vf_load(q2 + e * MP2 + u * KV_W);
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; j++) {
-                const vf b = vf_bcast2(kb + j * Dp + 2 * e);
-#pragma GCC unroll 4
-                for (int u = 0; u < NQ; u++)
-                    a[j][u] = vf_fmadd(b, q[u], a[j][u]);
-            }
-        }
-        if (e0 > 0)
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 4
-                for (int u = 0; u < NQ; u++)
-                    a[j][u] = vf_add(vf_load(s2 + j * MP2 + u * KV_W), a[j][u]);
-        if (e1 < Dh) {
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 4
-                for (int u = 0; u < NQ; u++)
-                    vf_store(s2 + j * MP2 + u * KV_W, a[j][u]);
-        } else {
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 2
-                for (int u = 0; u < NQ; u += 2)
-                    vf_store(sT + j * MP + u / 2 * KV_W, vf_pair_sums(a[j][u], a[j][u + 1]));
-        }
-    }
-}
-
-/* acc2 [NE][.] += sum_j w2[j][.] (vb[j][2e], vb[j][2e + 1]) for NE element pairs (acc2 and vb
-   from the first) and NQ pair vectors, over the nb keys of a block. */
-KV_AINLINE void kv_lane_accum2(float *acc2, int64_t MP2, const float *w2, const float *vb, int64_t Dp, int64_t nb,
-                               kv_pf *pf, const int NQ, const int NE)
-{
-    vf a[KV_LP_J2][KV_LP_Q];
-    kv_pf_step(pf);
-#pragma GCC unroll 8
-    for (int e = 0; e < NE; e++)
-#pragma GCC unroll 4
-        for (int u = 0; u < NQ; u++)
-            a[e][u] = vf_load(acc2 + e * MP2 + u * KV_W);
-    for (int64_t j = 0; j < nb; j++) {
-        vf w[KV_LP_Q];
-#pragma GCC unroll 4
-        for (int u = 0; u < NQ; u++)
-            w[u] = vf_load(w2 + j * MP2 + u * KV_W);
-#pragma GCC unroll 8
-        for (int e = 0; e < NE; e++) {
-            const vf b = vf_bcast2(vb + j * Dp + 2 * e);
-#pragma GCC unroll 4
-            for (int u = 0; u < NQ; u++)
-                a[e][u] = vf_fmadd(b, w[u], a[e][u]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int e = 0; e < NE; e++)
-#pragma GCC unroll 4
-        for (int u = 0; u < NQ; u++)
-            vf_store(acc2 + e * MP2 + u * KV_W, a[e][u]);
-}
-
-/* Prefetch steps per block (kv_pf_step calls) of the two functions below, for nq2 pair vectors */
+/* Prefetch steps per block (kv_pf_step calls) of the two block functions below, for nq2 pair vectors */
 #define KV_LP_DH(D) (((D) + 1) / 2)
 #define KV_LANE_SCORE2_STEPS(nq2, D) \
     (((nq2) / KV_LP_Q * 3 + (nq2) % KV_LP_Q / 2 * 2) * ((KV_LP_DH(D) + KV_LP_SB - 1) / KV_LP_SB))
@@ -1586,8 +1531,8 @@ KV_AINLINE void kv_lane_accum2(float *acc2, int64_t MP2, const float *w2, const 
 
 /* One block: the scores of its KV_B keys (kb: zero-padded fp32 rows, Dp >= 2 Dh) for nq2 pair
    vectors (an even number), into sT [KV_B][MP]; s2 [KV_B][2 MP] holds the partial sums. */
-#define KV_LS2(nq, j0, nj) kv_lane_scores2(q2 + u0 * KV_W, 2 * MP, kb + (j0) * Dp, Dp, Dh, s2 + (j0) * 2 * MP + u0 * KV_W, \
-                                           sT + (j0) * MP + u0 / 2 * KV_W, MP, pf, nq, nj)
+#define KV_LS2(nq, j0, nj) kv_lane_scores(q2 + u0 * KV_W, 2 * MP, kb + (j0) * Dp, Dp, Dh, s2 + (j0) * 2 * MP + u0 * KV_W, \
+                                          sT + (j0) * MP + u0 / 2 * KV_W, MP, pf, nq, nj, 2, KV_LP_SB)
 static void KV_FN(lane_scores2_block)(const float *q2, int64_t MP, const float *kb, int64_t Dp, int64_t D, float *sT,
                                       float *s2, int64_t nq2, kv_pf *pf)
 {
@@ -1607,7 +1552,7 @@ static void KV_FN(lane_scores2_block)(const float *q2, int64_t MP, const float *
 
 /* One block: acc2 += weights (pT [nb][MP], nqv vectors of lanes; duplicated into w2) @ V rows
    (vb), Dh element pairs and 2 nqv pair vectors. */
-#define KV_LA2(nq, ne) kv_lane_accum2(acc2 + e0 * MP2 + u0 * KV_W, MP2, w2 + u0 * KV_W, vb + 2 * e0, Dp, nb, pf, nq, ne)
+#define KV_LA2(nq, ne) kv_lane_accum(acc2 + e0 * MP2 + u0 * KV_W, MP2, w2 + u0 * KV_W, vb + 2 * e0, Dp, nb, pf, nq, ne, 2)
 #define KV_LA2_TAIL(nq, NE) switch (Dh - e0) {                                                    \
         case 1: KV_LA2(nq, 1); break;                                                             \
         case 2: KV_LA2(nq, 2 < NE ? 2 : 1); break;                                                \
