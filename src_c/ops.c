@@ -29,13 +29,13 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
     /* M = G x (rows per tile) query vectors, padded to Mp (a multiple of 16): qbuf, qalt
        [Mp, KP Dp], acc [Mp, Dp]; two [B, Dp] blocks; a [GS, B] array of vectors; scores [Mp, chunk];
        softmax state m, l and the lane tables lo, hi, row, slope [Mp]; the int8 queries of qbuf
-       and qalt [Mp, kv_qint_floats(Dp)]; the lanes path's pair buffer [B, 2 Mp] (attn.inc.h, attn_setup) */
+       and qalt [Mp, kv_qint_floats(Dp)]; the lanes path's pair buffer [2 B, 2 Mp] (attn.inc.h, attn_setup) */
     const size_t fixed = 2 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH;
     size_t M, Mp, floats, bytes;
     if (!mul_add(G, (size_t)kv_attn_row_tile((int64_t)G), 15, &M))
         return 0;
     Mp = M / 16 * 16;
-    if (!mul_add(Mp, (2 * KV_MAX_KP + 1) * Dp + KV_MAX_CHUNK + 6 + 2 * (size_t)kv_qint_floats((int64_t)Dp) + 2 * KV_MAX_BLOCK, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
+    if (!mul_add(Mp, (2 * KV_MAX_KP + 1) * Dp + KV_MAX_CHUNK + 6 + 2 * (size_t)kv_qint_floats((int64_t)Dp) + 4 * KV_MAX_BLOCK, fixed, &floats) || !mul_add(floats, sizeof(float), 64, &bytes))
         return 0;
     return bytes;
 }

@@ -913,7 +913,7 @@ typedef struct KV_FN(attn_state) {
     int vint;               /* int8 or int4 values, D a multiple of 32: full spans take kv_accumulate_i16 */
     int lvint;              /* ... and on the lanes path, with MP <= KV_QVECS: full blocks take lane_accum_i16 */
     int lpk, lpv;           /* lanes path: fp32 scores (not lqint) / outputs (not lvint) in the pair layout (KV_LANE_PAIRS) */
-    float *pbuf;            /* [KV_B, 2 MQp] the pair layout's partial scores, then its duplicated weights */
+    float *pbuf;            /* [2 KV_B, 2 MQp] the pair layout's partial scores, then its duplicated weights */
     float corr[KV_MAX_WIDTH > KV_GS ? KV_MAX_WIDTH : KV_GS];  /* this chunk's rescale, first group */
     int64_t g, h0;          /* the KV head, its first query head */
     int64_t r0;             /* the tile's first row */
@@ -1869,12 +1869,13 @@ KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t
    Zen 4).  Spread rather than issued as one burst at the block's start: MQA 32/1/128 at 65,536
    keys took 0.92x / 0.97x / 0.95x the time on the Xeon (avx512 / avx512fp16 / avx2 rows, K/V on
    huge pages; 0.91x / 0.87x 16 bytes into a page; bench/kernel_ab.py). */
-KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, int64_t steps)
+KV_AINLINE kv_pf kv_lane_prefetch(const char *base, int64_t t, int64_t c1, size_t row_bytes, int64_t pf, int64_t steps,
+                                   int64_t rows)
 {
     const size_t a = (size_t)t * row_bytes + (size_t)pf, end = (size_t)c1 * row_bytes;
     if (a >= end)
         return kv_pf_over(base, base, 1);   /* nothing */
-    return kv_pf_over(base + a, base + (end - a < KV_B * row_bytes ? end : a + KV_B * row_bytes), steps);
+    return kv_pf_over(base + a, base + (end - a < rows * row_bytes ? end : a + rows * row_bytes), steps);
 }
 
 /* Prefetch steps per block of the lanes path's fp32 tiles, nqv vectors of lanes */
@@ -1904,7 +1905,7 @@ KV_AINLINE void KV_FN(lane_score_chunk)(KV_FN(attn_state) *st, const float *qT, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, st->kpf, KV_FN(lane_score_steps)(st, nqv));
+        kv_pf pf = kv_lane_prefetch(st->kbase, t, c1, st->krb, st->kpf, KV_FN(lane_score_steps)(st, nqv), KV_B);
 #if KV_INT_DOT
         if (st->lqint) {   /* int8 keys read in place, int4 ones as int8 rows; every lane the softmax reads scored */
             kv_pf_finish(&pf);
@@ -2000,7 +2001,7 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
     const int64_t D = st->D, Dp = st->Dp, MP = st->MP, nqv = (st->M + KV_W - 1) / KV_W;
     for (int64_t t = c0, tn; t < c1; t = tn) {
         tn = kv_grid_end(t, KV_B, c1);
-        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv));
+        kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv), KV_B);
 #if KV_LANE_INT_V
         if (st->lvint && tn - t == KV_B) {   /* int8 rows read in place, int4 ones unpacked past the value pairs */
             const int8_t *vb = st->p->v_dtype == KV_I4
@@ -2013,8 +2014,22 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
 #endif
 #if KV_LANE_PAIRS
         if (st->lpv) {
-            KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, tn - t, D, Dp);
-            KV_FN(lane_accum2_block)(st->acc, MP, st->sc + (t - c0) * MP, st->pbuf, st->vblk, Dp, D, tn - t, nqv, &pf);
+            /* two full blocks at once where the chunk has them (widened into the K and V block
+               buffers, which lie one after the other): the accumulators loaded and stored once per
+               2 KV_B keys */
+            const float *vb = st->vblk;
+            int64_t nb = tn - t;
+            if (nb == KV_B && tn + KV_B <= c1) {
+                pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv), 2 * KV_B);
+                KV_FN(load_block)(st->kblk, st->vbase, st->vscale, st->p->v_dtype, t, KV_B, D, Dp);
+                KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, tn, KV_B, D, Dp);
+                vb = st->kblk;
+                nb = 2 * KV_B;
+                tn += KV_B;
+            } else {
+                KV_FN(load_block)(st->vblk, st->vbase, st->vscale, st->p->v_dtype, t, nb, D, Dp);
+            }
+            KV_FN(lane_accum2_block)(st->acc, MP, st->sc + (t - c0) * MP, st->pbuf, vb, Dp, D, nb, nqv, &pf);
             kv_pf_finish(&pf);
             continue;
         }
