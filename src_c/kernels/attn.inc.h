@@ -891,7 +891,7 @@ typedef struct KV_FN(attn_state) {
     int64_t MQ;             /* query vectors the workspace holds: G x kv_attn_row_tile(G) */
     int64_t MQp;            /* MQ rounded up to 16: the size of every per-vector array */
     int64_t M;              /* query vectors of the current tile */
-    int64_t MP;             /* lanes path: MQ rounded up to KV_W, the stride of its [., MP] arrays */
+    int64_t MP;             /* lanes path: stride of its [., MP] arrays, the tile's M rounded up to KV_W */
     int64_t lo_max, hi_min; /* lanes path: the keys every vector of the tile sees */
     size_t krb, vrb;        /* kv_row_bytes of the K and V dtypes */
     int64_t kpf, vpf;       /* prefetch distances in bytes of K and V rows (kv_ahead) */
@@ -1469,18 +1469,21 @@ static void KV_FN(lane_scores_block)(const float *qT, int64_t MP, const float *k
    prefetch step per tile. */
 #define KV_LANE_ACCUM_STEPS(nqv, D) (((nqv) + KV_LQ - 1) / KV_LQ * (((D) + KV_LJ - 1) / KV_LJ))
 #define KV_LA_D(nq, nd) kv_lane_accum(accT + e0 * MP + u0 * KV_W, MP, pT + u0 * KV_W, vb + e0, Dp, nb, pf, nq, nd, 1)
+/* The last tile of an outputs' pass: CALL(nq, n) for the n = left < NE (at most 7) elements left,
+   with n a compile-time constant in every case */
+#define KV_LANE_TAIL(left, CALL, nq, NE) switch (left) {                                         \
+        case 1: CALL(nq, 1); break;                                                              \
+        case 2: CALL(nq, 2 < (NE) ? 2 : 1); break;                                               \
+        case 3: CALL(nq, 3 < (NE) ? 3 : 1); break;                                               \
+        case 4: CALL(nq, 4 < (NE) ? 4 : 1); break;                                               \
+        case 5: CALL(nq, 5 < (NE) ? 5 : 1); break;                                               \
+        case 6: CALL(nq, 6 < (NE) ? 6 : 1); break;                                               \
+        case 7: CALL(nq, 7 < (NE) ? 7 : 1); break;                                               \
+        default: break; }
 #define KV_LA_Q(nq) { int64_t e0 = 0;                                                            \
         for (; e0 + KV_LJ <= D; e0 += KV_LJ)                                                     \
             KV_LA_D(nq, KV_LJ);                                                                  \
-        switch (D - e0) {                                                                        \
-        case 1: KV_LA_D(nq, 1); break;                                                           \
-        case 2: KV_LA_D(nq, 2 < KV_LJ ? 2 : 1); break;                                           \
-        case 3: KV_LA_D(nq, 3 < KV_LJ ? 3 : 1); break;                                           \
-        case 4: KV_LA_D(nq, 4 < KV_LJ ? 4 : 1); break;                                           \
-        case 5: KV_LA_D(nq, 5 < KV_LJ ? 5 : 1); break;                                           \
-        case 6: KV_LA_D(nq, 6 < KV_LJ ? 6 : 1); break;                                           \
-        case 7: KV_LA_D(nq, 7 < KV_LJ ? 7 : 1); break;                                           \
-        default: break; } }
+        KV_LANE_TAIL(D - e0, KV_LA_D, nq, KV_LJ) }
 _Static_assert(KV_LJ <= 8, "lane_accum_block's tail takes up to 7 elements");
 static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, const float *vb, int64_t Dp, int64_t D,
                                     int64_t nb, int64_t nqv, kv_pf *pf)
@@ -1514,8 +1517,9 @@ static void KV_FN(lane_accum_block)(float *accT, int64_t MP, const float *pT, co
  * needs 1.25 per FMA cycle (python bench/lane_tile_loads.py, per TSC cycle, L1-resident: FMAs
  * alone 1.93, the 2 x 8 tile 1.60, the 4 x 6 pair tile 1.78).  A score is the sum of its two
  * lanes' chains (vf_pair_sums, once per key after the last partial): KV_LP_SB pairs per partial
- * sum, so KV_LP_SB + Dh / KV_LP_SB + 1 roundings, 35 for D = 128 (the one-element layout: 24; kvsimd.bounds.score_chain allows the
- * scalar row's 69).  32 pairs per partial rather than 16: MQA 32/1/128 0.94-0.97x the time. */
+ * sum, so KV_LP_SB + Dh / KV_LP_SB + 1 roundings, 35 for D = 128 (the one-element layout: 24;
+ * kvsimd.bounds.score_chain allows the scalar row's 69).  32 pairs per partial rather than 16:
+ * MQA 32/1/128 0.94-0.97x the time. */
 #define KV_LP_Q 4    /* pair vectors per register tile */
 #define KV_LP_J 6    /* keys (scores) or element pairs (outputs) per tile of KV_LP_Q pair vectors */
 #define KV_LP_J2 8   /* ... per tile of 2 pair vectors */
@@ -1553,15 +1557,6 @@ static void KV_FN(lane_scores2_block)(const float *q2, int64_t MP, const float *
 /* One block: acc2 += weights (pT [nb][MP], nqv vectors of lanes; duplicated into w2) @ V rows
    (vb), Dh element pairs and 2 nqv pair vectors. */
 #define KV_LA2(nq, ne) kv_lane_accum(acc2 + e0 * MP2 + u0 * KV_W, MP2, w2 + u0 * KV_W, vb + 2 * e0, Dp, nb, pf, nq, ne, 2)
-#define KV_LA2_TAIL(nq, NE) switch (Dh - e0) {                                                    \
-        case 1: KV_LA2(nq, 1); break;                                                             \
-        case 2: KV_LA2(nq, 2 < NE ? 2 : 1); break;                                                \
-        case 3: KV_LA2(nq, 3 < NE ? 3 : 1); break;                                                \
-        case 4: KV_LA2(nq, 4 < NE ? 4 : 1); break;                                                \
-        case 5: KV_LA2(nq, 5 < NE ? 5 : 1); break;                                                \
-        case 6: KV_LA2(nq, 6 < NE ? 6 : 1); break;                                                \
-        case 7: KV_LA2(nq, 7 < NE ? 7 : 1); break;                                                \
-        default: break; }
 _Static_assert(KV_LP_J < KV_LP_J2 && KV_LP_J2 <= 8, "lane_accum2_block's tails take up to 7 pairs");
 static void KV_FN(lane_accum2_block)(float *acc2, int64_t MP, const float *pT, float *w2, const float *vb, int64_t Dp,
                                      int64_t D, int64_t nb, int64_t nqv, kv_pf *pf)
@@ -1578,16 +1573,15 @@ static void KV_FN(lane_accum2_block)(float *acc2, int64_t MP, const float *pT, f
         int64_t e0 = 0;
         for (; e0 + KV_LP_J <= Dh; e0 += KV_LP_J)
             KV_LA2(KV_LP_Q, KV_LP_J);
-        KV_LA2_TAIL(KV_LP_Q, KV_LP_J)
+        KV_LANE_TAIL(Dh - e0, KV_LA2, KV_LP_Q, KV_LP_J)
     }
     if (nq2 - u0 == 2) {
         int64_t e0 = 0;
         for (; e0 + KV_LP_J2 <= Dh; e0 += KV_LP_J2)
             KV_LA2(2, KV_LP_J2);
-        KV_LA2_TAIL(2, KV_LP_J2)
+        KV_LANE_TAIL(Dh - e0, KV_LA2, 2, KV_LP_J2)
     }
 }
-#undef KV_LA2_TAIL
 #undef KV_LA2
 #endif
 
@@ -1785,8 +1779,6 @@ static void KV_FN(lane_scores_i8_block)(const float *reg, int64_t MP, const int8
 #undef KV_LSI
 #endif
 
-/* Start KV head g for rows r0..r1-1 on the lanes path: transposed scaled queries (zero lanes
-   past M), the lane tables, a fresh softmax state. */
 /* Query vector i's D elements x times s into column i of the lanes path's qT [Dp, MP], or of the
    pair layout's q2 [Dh, 2 MP] (pairs: elements 2e and 2e + 1 side by side, stored together) */
 KV_AINLINE void KV_FN(lane_put_q)(float *dT, int64_t MP, int pairs, int64_t i, const float *x, int64_t D, float s)
@@ -1806,6 +1798,8 @@ KV_AINLINE void KV_FN(lane_put_q)(float *dT, int64_t MP, int pairs, int64_t i, c
         dT[d * MP + i] = s * x[d];
 }
 
+/* Start KV head g for rows r0..r1-1 on the lanes path: transposed scaled queries (zero lanes
+   past M), the lane tables, a fresh softmax state. */
 KV_AINLINE void KV_FN(lane_head_start)(KV_FN(attn_state) *st, int64_t g, int64_t r0, int64_t r1)
 {
     const kv_attn_params *p = st->p;
