@@ -293,6 +293,21 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     sink = q.reshape(Hkv, H // Hkv, D).sum(axis=1, keepdims=True) * np.float32(3)
     kq_[:, :1], ks_[:, :1] = ops.quantize_kv(np.ascontiguousarray(sink), sides(dtype)[0])
     check(row, q, kq_, ks_, vq, vs, "sink")
+    # A sink far above the rest: score 76..90 (head by head) against about 0, so the largest weight
+    # of a later span is e^-90..e^-76, 1e-39..1e-33, some below 32766 / FLT_MAX (kernels/attn.inc.h
+    # KV_W16_RCP_MIN: those spans take the quotient); the sink's value is 0, so those tiny weights
+    # make the whole output.  (Such a span weighs at most 1e-34 of the output, so the bound cannot
+    # tell its weights from 0: this checks that nothing breaks there, e.g. a saturated weight.)
+    kf = np.float32(0.01) * rng.standard_normal((Hkv, N, D)).astype(np.float32)
+    kf[:, 0] = rng.standard_normal((Hkv, D))
+    kq_, ks_ = ops.quantize_kv(kf, sides(dtype)[0])
+    k0 = reference.dequantize_kv(kq_[:, :1], ks_[:, :1], D)[:, 0].astype(np.float64)   # [Hkv, D]
+    alpha = np.linspace(76.0, 90.0, H)
+    qf = (alpha[:, None] * np.sqrt(D) * np.repeat(k0, H // Hkv, axis=0)
+          / np.repeat((k0 * k0).sum(axis=1, keepdims=True), H // Hkv, axis=0)).astype(np.float32)
+    vq0 = vq.copy()
+    vq0[:, 0] = 0
+    check(row, qf, kq_, ks_, vq0, vs, "far sink")
     check(row, q, kq, ks, vq, vs, "ranges", ranges=[(N - 77, N), (3, 70), (90, 91)])
     rows = rng.standard_normal((5, H, D)).astype(np.float32)
     check(row, rows, kq, ks, vq, vs, "rows, window", window=100)

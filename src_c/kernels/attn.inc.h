@@ -666,8 +666,9 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
  * A_b = max_j |s_jb|; the int32 sums of w_ijb q_jd (exact: |sum| <= 64 x 32767 x 128 < 2^31) times
  * (P_i / 32766) A_b are added to the fp32 accumulators.  Each weight is off by at most half a step,
  * (P_i / 32766) A_b / 2, plus the fp32 roundings of forming it: kvsimd/bounds.py attend_bound's
- * int16 term.  Quotients, not reciprocals: P_i and A_b may be subnormal.  A NaN or infinite weight
- * or scale in the span makes its sums NaN, as fp32 products would. */
+ * int16 term.  A_b by quotients (it may be subnormal), P_i by the factor 32766 / P_i where that
+ * is finite (KV_W16_RCP_MIN), else by quotients too.  A NaN or infinite weight or scale in the span
+ * makes its sums NaN, as fp32 products would. */
 #if KV_INT_DOT && defined(KV_HAVE_DPWSSD)
 #define KV_INT_V 1
 #else
@@ -689,6 +690,11 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
 #define KV_I16_LOC 1
 #endif
 #define KV_W16_TOP 32766.0f   /* the largest |w_ijb| (32767 less a step: the quotients' roundings never saturate) */
+/* p_ij 32766 / P_i as p_ij times (32766 / P_i): one division per query vector and span rather than
+   one per 16 weights, the same two roundings (bench/kernel_ab.py, Ice Lake, avx512, 1 thread, int8:
+   MQA 32/1/128 0.96-0.98x the time, 64/1/64 0.93-0.95x, G8 64/8/128 0.97-0.98x).  Below
+   KV_W16_RCP_MIN the factor could overflow, and such P_i take the quotient. */
+#define KV_W16_RCP_MIN 0x1p-100f
 _Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK % (2 * KV_W) == 0,
                "a span is whole blocks and vectors of keys; a value block is whole pairs of vectors");
 /* the weights (int16) and the scales by block (floats) in the free K block, int4 rows unpacked in the V block */
@@ -743,10 +749,11 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
             z = vf_add(z, vf_mul(x, vf_zero()));
         }
         const float m = vf_hmax(mx);
-        const vf mv = vf_set1(m > 0.0f ? m : 1.0f), top = vf_set1(KV_W16_TOP);
+        const vf mv = vf_set1(m > 0.0f ? m : 1.0f), top = vf_set1(KV_W16_TOP), rcp = vf_div(top, mv);
+        const int quot = !(m >= KV_W16_RCP_MIN);
         pstep[i] = m / KV_W16_TOP + vf_hsum(z);
         for (int64_t j = 0; j < S; j += KV_W) {
-            const vf pn = vf_mul(vf_div(vf_load(p + j), mv), top);
+            const vf pn = quot ? vf_mul(vf_div(vf_load(p + j), mv), top) : vf_mul(vf_load(p + j), rcp);
             for (int64_t b = 0; b < nb; b++)
                 vf_store_i16(w16 + (i * nb + b) * S + j, vf_mul(pn, vf_load(vn + b * S + j)));
         }
@@ -899,7 +906,8 @@ typedef struct KV_FN(attn_state) {
     float *qbuf;            /* [MQ, KV_KP Dp] scaled queries (store_query) */
     float *qalt;            /* [MQ, KV_KP Dp] scaled q_alt */
     float *acc;             /* [MQ, Dp] running outputs */
-    float *kblk, *vblk;     /* [KV_B, Dp] zero-padded blocks (tails only) */
+    float *kblk, *vblk;     /* [KV_B, Dp] zero-padded blocks (tails only), one after the other */
+    float *xblk;            /* [2 KV_B, Dp] after them: lane_accum_i16's value pairs */
     vf *red;                /* [KV_GS, KV_B] partial dot products */
     float *sc;              /* [MQ, KV_CHUNK] scores, then weights */
     float *m, *l;           /* [MQp] running max and sum of exp of the softmax */
@@ -948,7 +956,8 @@ KV_AINLINE void KV_FN(attn_setup)(KV_FN(attn_state) *st, const kv_attn_params *p
     st->acc = st->qalt + MQp * KV_KP * Dp;
     st->kblk = st->acc + MQp * Dp;
     st->vblk = st->kblk + KV_B * Dp;
-    st->red = (vf *)(st->vblk + KV_B * Dp);
+    st->xblk = st->vblk + KV_B * Dp;
+    st->red = (vf *)(st->xblk + 2 * KV_B * Dp);
     st->sc = (float *)(st->red + KV_GS * KV_B);
     st->m = st->sc + MQp * KV_CHUNK;
     st->l = st->m + MQp;
@@ -1587,16 +1596,17 @@ static void KV_FN(lane_accum2_block)(float *acc2, int64_t MP, const float *pT, f
 
 #if KV_LANE_INT_V
 /* The lanes path's int8 / int4 values with integer products: kv_accumulate_i16's rounding with the
- * query vectors on the lanes.  Per full block of KV_B keys (a span inside one cell of the
- * KV_V_SPAN grid), lane u's weight of key j times its block scale, (p_ju / P_u) (s_jb / A_b), is
- * rounded to int16, keys j and j + 1 side by side in each 32-bit lane (weight pairs [nb][KV_B / 2]
- * [MP] in the free K block); the values as int16 pairs of the same keys (vw_pairs: [KV_B / 2][D],
- * in the V block; int4 rows unpacked past them).  One VPDPWSSD per value pair broadcast and
- * vector of lanes does what two fp32 FMAs did, with no widened copy of V; the int32 sums times
- * (P_u / 32766) A_b are added to acc.  MP <= KV_QVECS: the weight pairs (D MP bytes) fit the K
- * block (64 Dp bytes). */
+ * query vectors on the lanes.  Per span of S = KV_B or 2 KV_B keys (whole blocks, S-aligned: inside
+ * one cell of the KV_V_SPAN grid), lane u's weight of key j times its block scale,
+ * (p_ju / P_u) (s_jb / A_b), is rounded to int16, keys j and j + 1 side by side in each 32-bit
+ * lane (weight pairs [nb][S / 2][MP] in the free K and V blocks); the values as int16 pairs of the
+ * same keys (vw_pairs: [S / 2][D] in xblk; int4 rows unpacked past 2 KV_B / 2 such rows).  One
+ * VPDPWSSD per value pair broadcast and vector of lanes does what two fp32 FMAs did, with no
+ * widened copy of V; the int32 sums (|sum| <= S x 32767 x 128 < 2^31) times (P_u / 32766) A_b are
+ * added to acc once per span.  MP <= KV_QVECS: the weight pairs (2 D MP bytes at most) fit the K
+ * and V blocks (128 Dp bytes). */
 KV_AINLINE void kv_lane_accum_i16_tile(float *accT, int64_t MP, const int32_t *wq, const int32_t *vpr, int64_t D,
-                                       const float *pst, float ab, kv_pf *pf, const int NQ)
+                                       int64_t S, const float *pst, float ab, kv_pf *pf, const int NQ)
 {
     vw a[KV_LJ][KV_LQ];
     kv_pf_step(pf);
@@ -1605,7 +1615,7 @@ KV_AINLINE void kv_lane_accum_i16_tile(float *accT, int64_t MP, const int32_t *w
 #pragma GCC unroll 4
         for (int u = 0; u < NQ; u++)
             a[e][u] = vw_zero();
-    for (int jp = 0; jp < KV_B / 2; jp++) {
+    for (int64_t jp = 0; jp < S / 2; jp++) {
         vw w[KV_LQ];
 #pragma GCC unroll 4
         for (int u = 0; u < NQ; u++)
@@ -1630,34 +1640,37 @@ KV_AINLINE void kv_lane_accum_i16_tile(float *accT, int64_t MP, const int32_t *w
 _Static_assert(KV_LJ == 8 && KV_I8_BLOCK == 4 * KV_LJ && KV_W == 2 * KV_LJ,
                "a tile's 8 values are 4 of vw_pairs' lo half and 4 of its hi half");
 
-/* One full block at t of the chunk's weights pT ([KV_B, MP]) times int8 rows vb (block scales vsc). */
+/* One span of S = KV_B or 2 KV_B keys at t of the chunk's weights pT ([S, MP]) times int8 rows vb
+   (block scales vsc). */
 static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const int8_t *vb, const float *vsc,
-                                  int64_t nqv, kv_pf *pf)
+                                  int64_t nqv, int64_t S, kv_pf *pf)
 {
     const int64_t D = st->D, MP = st->MP, nb = D / KV_I8_BLOCK;
-    int32_t *wq = (int32_t *)st->kblk, *vpr = (int32_t *)st->vblk;
-    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], vn[KV_MAX_HEAD_DIM / KV_I8_BLOCK * KV_B], pst[KV_QVECS];
-    kv_i16_scales(vsc, nb, KV_B, vn, amax);
+    int32_t *wq = (int32_t *)st->kblk, *vpr = (int32_t *)st->xblk;
+    float amax[KV_MAX_HEAD_DIM / KV_I8_BLOCK], vn[KV_MAX_HEAD_DIM / KV_I8_BLOCK * 2 * KV_B], pst[KV_QVECS];
+    kv_i16_scales(vsc, nb, S, vn, amax);
     const vf top = vf_set1(KV_W16_TOP), one = vf_set1(1.0f);
     for (int64_t u = 0; u < nqv; u++) {   /* P_u lane by lane, and the weight pairs */
         const float *p = pT + u * KV_W;
         vf mx = vf_zero(), z = vf_zero();
-        for (int j = 0; j < KV_B; j++) {
+        for (int64_t j = 0; j < S; j++) {
             const vf x = vf_load(p + j * MP);
             mx = vf_max(mx, x);
             z = vf_add(z, vf_mul(x, vf_zero()));
         }
-        const vf mv = vf_select_lt(vf_zero(), mx, mx, one);
+        const vf mv = vf_select_lt(vf_zero(), mx, mx, one), rcp = vf_div(top, mv);
+        const int quot = !(-vf_hmax(vf_sub(vf_zero(), mv)) >= KV_W16_RCP_MIN);   /* some lane's P_u */
         vf_store(pst + u * KV_W, vf_add(vf_div(mx, top), z));
-        for (int jp = 0; jp < KV_B / 2; jp++) {
-            const vf p0 = vf_mul(vf_div(vf_load(p + 2 * jp * MP), mv), top);
-            const vf p1 = vf_mul(vf_div(vf_load(p + (2 * jp + 1) * MP), mv), top);
+        for (int64_t jp = 0; jp < S / 2; jp++) {
+            const vf x0 = vf_load(p + 2 * jp * MP), x1 = vf_load(p + (2 * jp + 1) * MP);
+            const vf p0 = quot ? vf_mul(vf_div(x0, mv), top) : vf_mul(x0, rcp);
+            const vf p1 = quot ? vf_mul(vf_div(x1, mv), top) : vf_mul(x1, rcp);
             for (int64_t b = 0; b < nb; b++)
-                vw_store(wq + (b * (KV_B / 2) + jp) * MP + u * KV_W,
-                         vw_wpair(vf_mul(p0, vf_set1(vn[b * KV_B + 2 * jp])), vf_mul(p1, vf_set1(vn[b * KV_B + 2 * jp + 1]))));
+                vw_store(wq + (b * (S / 2) + jp) * MP + u * KV_W,
+                         vw_wpair(vf_mul(p0, vf_set1(vn[b * S + 2 * jp])), vf_mul(p1, vf_set1(vn[b * S + 2 * jp + 1]))));
         }
     }
-    for (int jp = 0; jp < KV_B / 2; jp++)   /* the value pairs */
+    for (int64_t jp = 0; jp < S / 2; jp++)   /* the value pairs */
         for (int64_t c = 0; c < D; c += KV_I8_BLOCK) {
             vw lo, hi;
             vw_pairs(vb + 2 * jp * D + c, vb + (2 * jp + 1) * D + c, &lo, &hi);
@@ -1670,12 +1683,12 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
         for (int64_t e0 = 0; e0 < D; e0 += KV_LJ) {
             const int64_t b = e0 / KV_I8_BLOCK;
             float *o = st->acc + e0 * MP + u0 * KV_W;
-            const int32_t *w = wq + b * (KV_B / 2) * MP + u0 * KV_W;
+            const int32_t *w = wq + b * (S / 2) * MP + u0 * KV_W;
             const int32_t *v = vpr + b * KV_I8_BLOCK + (e0 % KV_I8_BLOCK) / KV_LJ * 4;
             if (two)
-                kv_lane_accum_i16_tile(o, MP, w, v, D, pst + u0 * KV_W, amax[b], pf, KV_LQ);
+                kv_lane_accum_i16_tile(o, MP, w, v, D, S, pst + u0 * KV_W, amax[b], pf, KV_LQ);
             else
-                kv_lane_accum_i16_tile(o, MP, w, v, D, pst + u0 * KV_W, amax[b], pf, 1);
+                kv_lane_accum_i16_tile(o, MP, w, v, D, S, pst + u0 * KV_W, amax[b], pf, 1);
         }
     }
 }
@@ -1998,10 +2011,19 @@ KV_AINLINE void KV_FN(lane_accumulate_chunk)(KV_FN(attn_state) *st, int64_t c0, 
         kv_pf pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv), KV_B);
 #if KV_LANE_INT_V
         if (st->lvint && tn - t == KV_B) {   /* int8 rows read in place, int4 ones unpacked past the value pairs */
+            /* two full blocks at once where the chunk has them and they share a cell of 2 KV_B:
+               the accumulators loaded, converted and stored once per 2 KV_B keys (kernel_ab vs
+               7c693ae, Ice Lake, avx512, 1 thread, 4,096 / 32,768 keys: MQA 32/1/128 int8 and int4
+               0.91x the time, 64/1/64 int8 0.91-0.94x, int4 0.94-0.97x; four blocks were no faster:
+               0.97-1.06x of two) */
+            const int64_t S = (t % (2 * KV_B) == 0 && tn + KV_B <= c1) ? 2 * KV_B : KV_B;
+            if (S > KV_B)
+                pf = kv_lane_prefetch(st->vbase, t, c1, st->vrb, st->vpf, KV_FN(lane_accum_steps)(st, nqv), S);
             const int8_t *vb = st->p->v_dtype == KV_I4
-                ? kv_i4_rows_i8((int8_t *)st->vblk + (KV_B / 2) * D * 4, st->vbase + (size_t)t * st->vrb, KV_B, D)
+                ? kv_i4_rows_i8((int8_t *)st->xblk + KV_B * D * 4, st->vbase + (size_t)t * st->vrb, S, D)
                 : (const int8_t *)st->vbase + t * D;
-            KV_FN(lane_accum_i16)(st, st->sc + (t - c0) * MP, vb, st->vscale + t * (D / KV_I8_BLOCK), nqv, &pf);
+            KV_FN(lane_accum_i16)(st, st->sc + (t - c0) * MP, vb, st->vscale + t * (D / KV_I8_BLOCK), nqv, S, &pf);
+            tn = t + S;
             kv_pf_finish(&pf);
             continue;
         }
