@@ -27,7 +27,8 @@ size_t kv_attn_workspace_bytes(int64_t H, int64_t Hkv, int64_t D)
         return 0;
     const size_t G = (size_t)(H / Hkv), Dp = (size_t)((D + KV_MAX_WIDTH - 1) / KV_MAX_WIDTH * KV_MAX_WIDTH);
     /* M = G x (rows per tile) query vectors, padded to Mp (a multiple of 16): qbuf, qalt
-       [Mp, KP Dp], acc [Mp, Dp]; four [B, Dp] blocks (K, V, and two for the lanes path's int16 value pairs); a [GS, B] array of vectors; scores [Mp, chunk];
+       [Mp, KP Dp], acc [Mp, Dp]; four [B, Dp] blocks (K, V, and two for the lanes path's int16
+       value pairs); a [GS, B] array of vectors; scores [Mp, chunk];
        softmax state m, l and the lane tables lo, hi, row, slope [Mp]; the int8 queries of qbuf
        and qalt [Mp, kv_qint_floats(Dp)]; the lanes path's pair buffer [2 B, 2 Mp] (attn.inc.h, attn_setup) */
     const size_t fixed = 4 * KV_MAX_BLOCK * Dp + KV_MAX_GROUP * KV_MAX_BLOCK * KV_MAX_WIDTH;

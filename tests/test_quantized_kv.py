@@ -278,7 +278,7 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     """Values with several query vectors per KV head (on the SIMD rows: int16 weights per span of
     up to V_SPAN keys, kernels/attn.inc.h kv_accumulate_i16, VPDPWSSD or on avx2 VPMADDWD over
     half-blocks of 16 values; with 32 to 64 query vectors on the lanes of the AVX-512 rows, per
-    block of keys, lane_accum_i16; 96 keep fp32) within attend_bound: spans cut by the
+    span of one or two blocks of keys, lane_accum_i16; 96 keep fp32) within attend_bound: spans cut by the
     grid, by ranges that start and end off it, by a window and by the chunk (1,024 keys, where the
     softmax rescales); a peaked softmax (large scores), where the weights of a span differ most; the
     outliers of some values' blocks at 100x the others (a span's largest scale far above a key's)."""
@@ -293,16 +293,18 @@ def test_attend_quantized_values_int16_weights(row, rng, H, Hkv, N, D, dtype):
     sink = q.reshape(Hkv, H // Hkv, D).sum(axis=1, keepdims=True) * np.float32(3)
     kq_[:, :1], ks_[:, :1] = ops.quantize_kv(np.ascontiguousarray(sink), sides(dtype)[0])
     check(row, q, kq_, ks_, vq, vs, "sink")
-    # A sink far above the rest: score 76..90 (head by head) against about 0, so the largest weight
-    # of a later span is e^-90..e^-76, 1e-39..1e-33, some below 32766 / FLT_MAX (kernels/attn.inc.h
-    # KV_W16_RCP_MIN: those spans take the quotient); the sink's value is 0, so those tiny weights
-    # make the whole output.  (Such a span weighs at most 1e-34 of the output, so the bound cannot
-    # tell its weights from 0: this checks that nothing breaks there, e.g. a saturated weight.)
+    # A sink far above the rest: score 55..90 (head by head) against about 0, so the largest weight
+    # of a later span is e^-55 down to exp's floor (1.2e-38): from 1e-24 to below 2^-100 (7.9e-31;
+    # kernels/attn.inc.h KV_W16_RCP_MIN: such spans take the quotient, the rest the factor
+    # 32766 / P, up to 2^115) and below 32766 / FLT_MAX (9.6e-35, where the factor would overflow).
+    # The sink's value is 0, so those tiny weights make the whole output.  (A span whose largest
+    # weight is below 2^-100 weighs at most that much of the output, under what the bound resolves:
+    # this checks that nothing breaks there, e.g. a saturated or NaN weight, not its last bits.)
     kf = np.float32(0.01) * rng.standard_normal((Hkv, N, D)).astype(np.float32)
     kf[:, 0] = rng.standard_normal((Hkv, D))
     kq_, ks_ = ops.quantize_kv(kf, sides(dtype)[0])
     k0 = reference.dequantize_kv(kq_[:, :1], ks_[:, :1], D)[:, 0].astype(np.float64)   # [Hkv, D]
-    alpha = np.linspace(76.0, 90.0, H)
+    alpha = np.linspace(55.0, 90.0, H)
     qf = (alpha[:, None] * np.sqrt(D) * np.repeat(k0, H // Hkv, axis=0)
           / np.repeat((k0 * k0).sum(axis=1, keepdims=True), H // Hkv, axis=0)).astype(np.float32)
     vq0 = vq.copy()

@@ -1659,7 +1659,8 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
             z = vf_add(z, vf_mul(x, vf_zero()));
         }
         const vf mv = vf_select_lt(vf_zero(), mx, mx, one), rcp = vf_div(top, mv);
-        const int quot = !(-vf_hmax(vf_sub(vf_zero(), mv)) >= KV_W16_RCP_MIN);   /* some lane's P_u */
+        /* some lane's P_u: the whole vector takes the quotient (its other lanes' last bits move) */
+        const int quot = !(-vf_hmax(vf_sub(vf_zero(), mv)) >= KV_W16_RCP_MIN);
         vf_store(pst + u * KV_W, vf_add(vf_div(mx, top), z));
         for (int64_t jp = 0; jp < S / 2; jp++) {
             const vf x0 = vf_load(p + 2 * jp * MP), x1 = vf_load(p + (2 * jp + 1) * MP);
@@ -1693,6 +1694,7 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
     }
 }
 _Static_assert(KV_LQ == 2, "lane_accum_i16 takes the query vectors two at a time, then one");
+_Static_assert(KV_QVECS <= 2 * KV_I8_BLOCK, "a span's weight pairs, D / 32 x KV_B x MP int32, fit the K and V blocks");
 #endif
 
 /* The lanes path over int8 keys (lqint): the rounded queries with the query vectors on the lanes,
