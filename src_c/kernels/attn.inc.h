@@ -695,6 +695,11 @@ static void KV_FN(scores_i8_n)(const float *qi, int64_t QF, const int8_t *kb, co
    MQA 32/1/128 0.96-0.98x the time, 64/1/64 0.93-0.95x, G8 64/8/128 0.97-0.98x).  Below
    KV_W16_RCP_MIN the factor could overflow, and such P_i take the quotient. */
 #define KV_W16_RCP_MIN 0x1p-100f
+/* weights x (at most P, per lane mv) as 32766 x / P: times rcp = 32766 / P, or with quot the quotient */
+KV_AINLINE vf kv_w16_weight(vf x, vf mv, vf rcp, int quot)
+{
+    return quot ? vf_mul(vf_div(x, mv), vf_set1(KV_W16_TOP)) : vf_mul(x, rcp);
+}
 _Static_assert(KV_V_SPAN % KV_B == 0 && KV_V_SPAN % KV_W == 0 && KV_KL == KV_W && KV_I8_BLOCK % (2 * KV_W) == 0,
                "a span is whole blocks and vectors of keys; a value block is whole pairs of vectors");
 /* the weights (int16) and the scales by block (floats) in the free K block, int4 rows unpacked in the V block */
@@ -753,7 +758,7 @@ KV_AINLINE void kv_accumulate_i16(float *acc, const float *corr, const float *pw
         const int quot = !(m >= KV_W16_RCP_MIN);
         pstep[i] = m / KV_W16_TOP + vf_hsum(z);
         for (int64_t j = 0; j < S; j += KV_W) {
-            const vf pn = quot ? vf_mul(vf_div(vf_load(p + j), mv), top) : vf_mul(vf_load(p + j), rcp);
+            const vf pn = kv_w16_weight(vf_load(p + j), mv, rcp, quot);
             for (int64_t b = 0; b < nb; b++)
                 vf_store_i16(w16 + (i * nb + b) * S + j, vf_mul(pn, vf_load(vn + b * S + j)));
         }
@@ -1663,9 +1668,8 @@ static void KV_FN(lane_accum_i16)(KV_FN(attn_state) *st, const float *pT, const 
         const int quot = !(-vf_hmax(vf_sub(vf_zero(), mv)) >= KV_W16_RCP_MIN);
         vf_store(pst + u * KV_W, vf_add(vf_div(mx, top), z));
         for (int64_t jp = 0; jp < S / 2; jp++) {
-            const vf x0 = vf_load(p + 2 * jp * MP), x1 = vf_load(p + (2 * jp + 1) * MP);
-            const vf p0 = quot ? vf_mul(vf_div(x0, mv), top) : vf_mul(x0, rcp);
-            const vf p1 = quot ? vf_mul(vf_div(x1, mv), top) : vf_mul(x1, rcp);
+            const vf p0 = kv_w16_weight(vf_load(p + 2 * jp * MP), mv, rcp, quot);
+            const vf p1 = kv_w16_weight(vf_load(p + (2 * jp + 1) * MP), mv, rcp, quot);
             for (int64_t b = 0; b < nb; b++)
                 vw_store(wq + (b * (S / 2) + jp) * MP + u * KV_W,
                          vw_wpair(vf_mul(p0, vf_set1(vn[b * S + 2 * jp])), vf_mul(p1, vf_set1(vn[b * S + 2 * jp + 1]))));
